@@ -1,0 +1,115 @@
+"""Engine configuration: one frozen dataclass per component, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MODES = ("llm42", "nondeterministic", "batch_invariant", "lane_only")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int = 1024  # block 0 is reserved as the padding rows' scratch block
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks < 2:
+            raise ValueError("num_blocks must be >= 2")
+
+    @property
+    def num_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Bookkeeping limits plus the lane geometry.
+
+    The lane (fixed-shape verification/prefill pass) always has exactly
+    ``verify_window * verify_group`` rows. ``lane_only`` keeps that geometry but lets every
+    deterministic token through the lane directly (window of one row), so its numerics
+    equal those of ``llm42``'s lane: that is what makes it the test oracle.
+    """
+
+    mode: str = "llm42"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    verify_window: int = 64
+    verify_group: int = 8
+    lane_max_wait_steps: int = 8
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "verify_window", "verify_group"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.lane_max_wait_steps < 0:
+            raise ValueError("lane_max_wait_steps must be >= 0")
+
+    @property
+    def lane_rows(self) -> int:
+        return self.verify_window * self.verify_group
+
+    @property
+    def uses_lane(self) -> bool:
+        return self.mode in ("llm42", "lane_only")
+
+    @property
+    def max_candidates(self) -> int:
+        """Fast-path candidates per window: W-1 (the window also holds the last committed token)."""
+        return 0 if self.mode == "lane_only" else self.verify_window - 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    mode: str = "llm42"
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    fastpath_perturbation: float = 0.0
+    batch_invariant_rows: int = 32  # fixed row-chunk of batch_invariant mode
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
+        if self.scheduler.mode != self.mode:
+            raise ValueError("scheduler.mode must equal mode")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if not 0.0 <= self.fastpath_perturbation <= 1.0:
+            raise ValueError("fastpath_perturbation must be in [0, 1]")
+        if self.batch_invariant_rows <= 0:
+            raise ValueError("batch_invariant_rows must be positive")
+        if self.scheduler.max_model_len > self.cache.num_tokens:
+            raise ValueError(
+                f"max_model_len {self.scheduler.max_model_len} exceeds the KV cache "
+                f"({self.cache.num_tokens} tokens); raise num_blocks"
+            )
+
+    @classmethod
+    def create(cls, model: str, mode: str = "llm42", *, verify_window: int = 64,
+               verify_group: int = 8, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+               max_model_len: int = 2048, lane_max_wait_steps: int = 8, block_size: int = 16,
+               num_blocks: int | None = None, **kw: object) -> EngineConfig:
+        """Flat keyword constructor used by the offline API and the CLI."""
+        sched = SchedulerConfig(mode=mode, max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens,
+                                max_model_len=max_model_len, verify_window=verify_window,
+                                verify_group=verify_group, lane_max_wait_steps=lane_max_wait_steps)
+        if num_blocks is None:
+            # enough for a full lane of long sequences plus headroom
+            num_blocks = max(1024, 2 * max_model_len // block_size + 1)
+        cache = CacheConfig(block_size=block_size, num_blocks=num_blocks)
+        return cls(model=model, mode=mode, scheduler=sched, cache=cache, **kw)  # type: ignore[arg-type]

@@ -1,0 +1,306 @@
+"""The engine: requests in, committed tokens out, deterministic where asked.
+
+Per step: the scheduler plans a fast batch and maybe a lane pass; the lane pass goes to the
+verifier, the fast batch to the runner; lane decisions are applied as they come back.
+Only committed tokens ever leave the engine: fast-path candidates of deterministic
+requests stay internal until a lane pass confirms or replaces them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import platform
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from detserve.block_manager import BlockManager
+from detserve.config import EngineConfig
+from detserve.executor.attention import RowSegment
+from detserve.executor.kv_pool import KVPool
+from detserve.executor.runner import ModelRunner
+from detserve.lane import LanePass, LaneResult, LaneSegment
+from detserve.model.llama import LlamaModel
+from detserve.model.loader import ModelInfo, load_model
+from detserve.model.tokenizer import Tokenizer
+from detserve.outputs import RequestOutput
+from detserve.params import SamplingParams
+from detserve.sampler import SamplingSpec
+from detserve.scheduler import FastItem, LaneItem, Scheduler
+from detserve.sequence import Sequence
+from detserve.verifier import InProcessVerifier, Verifier
+
+KERNEL_SET_VERSION = "torch-ref-1"
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *,
+                 verifier_factory: Callable[[ModelRunner], Verifier] | None = None,
+                 loaded: tuple[LlamaModel, Tokenizer, ModelInfo] | None = None) -> None:
+        self.config = config
+        dtype = getattr(torch, config.dtype)
+        self.model, self.tokenizer, self.model_info = loaded or load_model(
+            config.model, dtype=dtype, device=config.device)
+        mc = self.model.config
+        sc = config.scheduler
+        if sc.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {sc.max_model_len} exceeds the model's "
+                             f"{mc.max_position_embeddings} positions")
+        cc = config.cache
+        self.pool = KVPool(mc.num_layers, cc.num_blocks, cc.block_size, mc.num_kv_heads,
+                           mc.head_dim, dtype, config.device)
+        self.blocks = BlockManager(cc.num_blocks, cc.block_size)
+        eos = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
+        self.scheduler = Scheduler(sc, self.blocks, eos)
+        self.runner = ModelRunner(self.model, self.pool, sc.lane_rows, sc.verify_window,
+                                  config.batch_invariant_rows)
+        self.verifier: Verifier = (verifier_factory or InProcessVerifier)(self.runner)
+        self._seqs: dict[str, Sequence] = {}
+        self._inflight: dict[int, dict[str, LaneItem]] = {}
+        self._pass_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._perturb_rng = random.Random(config.seed)
+        self._seed_rng = random.Random(config.seed ^ 0x5EED)
+        self.counters: Counter[str] = Counter()
+
+    @classmethod
+    def from_args(cls, model: str, mode: str = "llm42", **kw: object) -> LLMEngine:
+        return cls(EngineConfig.create(model, mode, **kw))  # type: ignore[arg-type]
+
+    # ---- requests -------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
+                    prompt_token_ids: list[int] | None = None) -> None:
+        """Validate and queue a request. Raises ValueError on bad input (engine unchanged)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if request_id in self._seqs:
+            raise ValueError(f"duplicate request_id {request_id!r}")
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError("prompt must be a non-empty string")
+            prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        limit = self.config.scheduler.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {limit} "
+                             "(prompt plus at least one generated token)")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError("stop_token_ids out of vocabulary range")
+        mode = self.config.mode
+        uses_lane = mode == "lane_only" or (mode == "llm42" and params.is_deterministic)
+        deterministic = uses_lane or mode == "batch_invariant"
+        seq = Sequence(request_id, ids, params, uses_lane=uses_lane,
+                       deterministic=deterministic, arrival=next(self._arrivals))
+        seq.stats.arrival_time = time.monotonic()
+        self._seqs[request_id] = seq
+        seq_seed = params.seed
+        if seq_seed is None:
+            seq_seed = self.config.seed if deterministic else self._seed_rng.getrandbits(63)
+        seq.spec = SamplingSpec(
+            temperature=float(params.temperature), top_p=float(params.top_p), top_k=params.top_k,
+            seed=seq_seed, logprobs=params.logprobs, min_tokens=params.min_tokens,
+            prompt_len=len(ids), stop_ids=tuple(sorted(self.scheduler.stop_ids(seq))))
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.finished:
+            return False
+        seq.finish_reason = "abort"
+        if not seq.in_lane:  # else released when its lane pass returns
+            self._finish(seq, "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work() or bool(self._inflight)
+
+    def get_output(self, request_id: str) -> RequestOutput:
+        return self._output(self._seqs[request_id], 0)
+
+    # ---- the step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        before = {rid: s.num_committed for rid, s in self._seqs.items()}
+        out = self.scheduler.schedule()
+        self.counters["steps"] += 1
+        for seq in out.preempted:
+            self.counters["preemptions"] += 1
+            self.counters["preempted_tokens"] += seq.num_committed
+        if out.lane:
+            self._submit_lane(out.lane)
+        if out.fast:
+            self._run_fast(out.fast)
+        for result in self.verifier.poll(wait=not out.fast and self.verifier.in_flight() > 0):
+            self._apply_lane(result)
+        outputs = []
+        for rid, seq in list(self._seqs.items()):
+            start = before.get(rid, seq.num_committed)
+            if seq.num_committed > start and not seq.finished:
+                self._check_stop(seq, start)
+            new = max(0, seq.num_committed - start)
+            if new or seq.finished:
+                outputs.append(self._output(seq, new))
+                if seq.finished:
+                    del self._seqs[rid]
+        return outputs
+
+    def _run_fast(self, items: list[FastItem]) -> None:
+        segs = [RowSegment(tuple(i.seq.token_ids[i.start:i.end]), i.start, tuple(i.seq.block_table))
+                for i in items]
+        specs = [i.seq.spec if i.sample else None for i in items]
+        results = self.runner.run_batch(segs, specs,
+                                        batch_invariant=self.config.mode == "batch_invariant")
+        self.counters["fast_passes"] += 1
+        self.counters["fast_rows"] += sum(i.end - i.start for i in items)
+        vocab = self.model.config.vocab_size
+        for item, res in zip(items, results, strict=True):
+            token = None if res is None else res[0]
+            if token is not None:
+                self.counters["fast_tokens"] += 1
+                p = self.config.fastpath_perturbation
+                if item.seq.uses_lane and p > 0 and self._perturb_rng.random() < p:
+                    token = (token + 1 + self._perturb_rng.randrange(vocab - 1)) % vocab
+                    self.counters["perturbed_tokens"] += 1
+            self.scheduler.on_fast_result(item, token)
+            if token is not None and not item.seq.uses_lane and res is not None and res[1]:
+                item.seq.logprobs.append(res[1])
+
+    def _submit_lane(self, items: list[LaneItem]) -> None:
+        segs = []
+        for it in items:
+            seq = it.seq
+            segs.append(LaneSegment(seq.request_id, it.kind, it.start,
+                                    tuple(seq.token_ids[it.start:it.end]), tuple(seq.block_table),
+                                    it.candidates, tuple(it.sample_rows), seq.spec))
+        lane_pass = LanePass(next(self._pass_ids), self.config.scheduler.lane_rows, tuple(segs))
+        self._inflight[lane_pass.pass_id] = {it.seq.request_id: it for it in items}
+        c = self.counters
+        c["verify_passes"] += 1
+        c["lane_rows"] += lane_pass.rows
+        c["lane_padding_rows"] += lane_pass.padding_rows
+        c["lane_prefill_rows"] += sum(it.rows for it in items if it.kind == "prefill")
+        c["windows"] += sum(it.kind == "window" for it in items)
+        self.verifier.submit(lane_pass)
+
+    def _apply_lane(self, result: LaneResult) -> None:
+        items = self._inflight.pop(result.pass_id)
+        self.counters["lane_seconds_us"] += int(result.elapsed_s * 1e6)
+        for d in result.decisions:
+            it = items[d.request_id]
+            seq = it.seq
+            if seq.finish_reason == "abort":
+                seq.in_lane = False
+                self._finish(seq, "abort")
+                continue
+            rejected = self.scheduler.on_lane_result(it, list(d.tokens))
+            seq.logprobs.extend(lp for lp in d.logprobs if lp is not None)
+            if rejected:
+                self.counters["rollbacks"] += 1
+                self.counters["tokens_rolled_back"] += rejected
+
+    def _check_stop(self, seq: Sequence, first_new: int) -> None:
+        p = seq.params
+        stop_ids = self.scheduler.stop_ids(seq)
+        limit = self.config.scheduler.max_model_len
+        for idx in range(first_new, seq.num_committed):
+            out_index = idx - seq.num_prompt
+            reason = None
+            if seq.token_ids[idx] in stop_ids and out_index >= p.min_tokens:
+                reason = "stop"
+            elif out_index + 1 >= p.max_tokens or idx + 1 >= limit:
+                reason = "length"
+            if reason:
+                del seq.token_ids[idx + 1:]
+                seq.num_committed = idx + 1
+                del seq.logprobs[out_index + 1:]
+                self._finish(seq, reason)
+                return
+        if p.stop and self._stop_string_cut(seq) is not None:
+            self._finish(seq, "stop")
+
+    def _stop_string_cut(self, seq: Sequence) -> int | None:
+        text = self._raw_text(seq)
+        hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _raw_text(self, seq: Sequence) -> str:
+        return self.tokenizer.decode(seq.committed_output,
+                                     skip_special_tokens=seq.params.skip_special_tokens)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        seq.stats.finish_time = time.monotonic()
+        self.scheduler.remove(seq)
+        self.counters["finished_requests"] += 1
+        self.counters["committed_tokens"] += seq.num_output_committed
+
+    def _output(self, seq: Sequence, num_new: int) -> RequestOutput:
+        text = self._raw_text(seq)
+        if seq.params.stop:
+            cut = self._stop_string_cut(seq)
+            if cut is not None:
+                text = text[:cut]
+        if num_new and seq.stats.first_token_time is None:
+            seq.stats.first_token_time = time.monotonic()
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=list(seq.prompt_token_ids),
+            token_ids=list(seq.committed_output), text=text, finished=seq.finished,
+            finish_reason=seq.finish_reason if seq.finished else None,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            is_deterministic=seq.deterministic, num_new_tokens=num_new, stats=seq.stats)
+
+    # ---- introspection --------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        c = self.counters
+        out: dict[str, float] = {k: c[k] for k in (
+            "steps", "fast_passes", "fast_rows", "fast_tokens", "verify_passes", "windows",
+            "rollbacks", "tokens_rolled_back", "lane_rows", "lane_padding_rows",
+            "lane_prefill_rows", "committed_tokens", "preemptions", "perturbed_tokens",
+            "finished_requests")}
+        out["recomputed_tokens"] = c["tokens_rolled_back"] + c["preempted_tokens"]
+        out["lane_padding_fraction"] = c["lane_padding_rows"] / c["lane_rows"] if c["lane_rows"] else 0.0
+        out["lane_seconds"] = c["lane_seconds_us"] / 1e6
+        out["running_requests"] = len(self.scheduler.running)
+        out["waiting_requests"] = len(self.scheduler.waiting)
+        out["kv_blocks_free"] = self.blocks.num_free
+        return out
+
+    def determinism_profile(self) -> dict[str, object]:
+        """What two deterministic responses must share to be comparable bit for bit."""
+        dev = self.config.device
+        if dev.startswith("cuda"):
+            kind = torch.cuda.get_device_name(torch.device(dev))
+        else:
+            kind = f"cpu-{platform.machine()}-{torch.get_num_threads()}threads"
+        sc = self.config.scheduler
+        prof: dict[str, object] = {
+            "model": self.model_info.name,
+            "weights_sha256": self.model_info.weights_hash,
+            "dtype": self.config.dtype,
+            "verify_window": sc.verify_window,
+            "verify_group": sc.verify_group,
+            "block_size": self.config.cache.block_size,
+            "mode": self.config.mode,
+            "kernels": f"{KERNEL_SET_VERSION}/torch-{torch.__version__}",
+            "device": kind,
+            "tp_size": 1,
+        }
+        if self.config.mode == "batch_invariant":
+            prof["batch_invariant_rows"] = self.config.batch_invariant_rows
+        blob = json.dumps(prof, sort_keys=True).encode()
+        prof["fingerprint"] = hashlib.sha256(blob).hexdigest()[:16]
+        return prof
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

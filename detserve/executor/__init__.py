@@ -1,0 +1,1 @@
+"""Tensors and arithmetic: the KV pool, reduction policies (ops), attention, the runner."""

@@ -1,0 +1,167 @@
+"""Attention over the paged KV cache: the fast path and the tile-ordered (lane) path.
+
+Both write the pass's K/V into the cache first, then attend. ``fast_attention`` lets the
+backend reduce however it likes (batched SDPA; any shape). ``tiled_attention`` is what the
+lane and batch-invariant mode use: a query at absolute position p reduces over KV tiles
+[t*bs, (t+1)*bs) in increasing t with an online softmax, every tensor op on exactly
+``chunk_rows`` rows. Tiles past p are fully masked and leave the running state bit-for-bit
+unchanged, so the result for a row depends only on the row itself, not on how many rows
+or tiles the pass holds, nor on how its sequence was chunked into passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from detserve.block_manager import SCRATCH_BLOCK
+from detserve.executor.kv_pool import KVPool
+
+
+@dataclass(frozen=True)
+class RowSegment:
+    """Consecutive positions [start, start + len(input_ids)) of one sequence."""
+
+    input_ids: tuple[int, ...]
+    start: int
+    block_table: tuple[int, ...]
+
+
+@dataclass
+class RowBatch:
+    input_ids: Tensor   # [N] long
+    positions: Tensor   # [N] long
+    slots: Tensor       # [N] long; -1 for padding rows
+    row_tables: Tensor  # [N, T] long; padding rows point at the scratch block
+    segments: list[RowSegment]
+    seg_offsets: list[int]  # first row of each segment
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def build_rows(segments: list[RowSegment], block_size: int, device: torch.device | str,
+               pad_to: int | None = None) -> RowBatch:
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    tables: list[tuple[int, ...]] = []
+    offsets: list[int] = []
+    for seg in segments:
+        offsets.append(len(ids))
+        n = len(seg.input_ids)
+        if seg.start + n > len(seg.block_table) * block_size:
+            raise ValueError("block table too short for the segment")
+        ids.extend(seg.input_ids)
+        for p in range(seg.start, seg.start + n):
+            pos.append(p)
+            slots.append(seg.block_table[p // block_size] * block_size + p % block_size)
+        tables.extend([seg.block_table] * n)
+    n_real = len(ids)
+    if pad_to is not None:
+        if n_real > pad_to:
+            raise ValueError(f"{n_real} rows do not fit a pass of {pad_to}")
+        pad = pad_to - n_real
+        ids += [0] * pad
+        pos += [0] * pad
+        slots += [-1] * pad
+        tables += [(SCRATCH_BLOCK,)] * pad
+    width = max((len(t) for t in tables), default=1)
+    table_t = torch.full((len(tables), width), SCRATCH_BLOCK, dtype=torch.long)
+    for i, t in enumerate(tables):
+        table_t[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+    as_long = {"dtype": torch.long, "device": device}
+    return RowBatch(torch.tensor(ids, **as_long), torch.tensor(pos, **as_long),
+                    torch.tensor(slots, **as_long), table_t.to(device), list(segments), offsets)
+
+
+def _expand_kv(x: Tensor, groups: int) -> Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def fast_attention(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,
+                   batch: RowBatch) -> Tensor:
+    pool.write(layer, k, v, batch.slots)
+    n, heads, dim = q.shape
+    groups = heads // k.shape[1]
+    out = torch.empty_like(q)
+    decode = [i for i, s in enumerate(batch.segments) if len(s.input_ids) == 1]
+    if decode:
+        rows = torch.tensor([batch.seg_offsets[i] for i in decode], device=q.device)
+        pos = batch.positions[rows]
+        length = int(pos.max()) + 1
+        nb = -(-length // pool.block_size)
+        tab = batch.row_tables[rows, :nb]
+        kk = pool.k(layer)[tab].flatten(1, 2)[:, :length].transpose(1, 2)  # [B, Hkv, L, D]
+        vv = pool.v(layer)[tab].flatten(1, 2)[:, :length].transpose(1, 2)
+        mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]
+        o = F.scaled_dot_product_attention(
+            q[rows].unsqueeze(2), _expand_kv(kk, groups).to(q.dtype),
+            _expand_kv(vv, groups).to(q.dtype), attn_mask=mask[:, None, None, :])
+        out[rows] = o.squeeze(2)
+    for i, seg in enumerate(batch.segments):
+        m = len(seg.input_ids)
+        if m == 1:
+            continue
+        r0 = batch.seg_offsets[i]
+        length = seg.start + m
+        kk, vv = pool.gather(layer, list(seg.block_table), length)
+        qpos = torch.arange(seg.start, length, device=q.device)
+        mask = torch.arange(length, device=q.device)[None, :] <= qpos[:, None]
+        o = F.scaled_dot_product_attention(
+            q[r0:r0 + m].transpose(0, 1).unsqueeze(0),
+            _expand_kv(kk.transpose(0, 1).unsqueeze(0), groups).to(q.dtype),
+            _expand_kv(vv.transpose(0, 1).unsqueeze(0), groups).to(q.dtype),
+            attn_mask=mask)
+        out[r0:r0 + m] = o[0].transpose(0, 1)
+    return out
+
+
+def tiled_attention(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,
+                    batch: RowBatch, chunk_rows: int) -> Tensor:
+    pool.write(layer, k, v, batch.slots)
+    n, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
+    pad = (-n) % chunk_rows
+    qg = q.float().reshape(n, kv_heads, groups, dim)
+    pos, tables = batch.positions, batch.row_tables
+    if pad:
+        qg = torch.cat([qg, qg.new_zeros((pad, kv_heads, groups, dim))])
+        pos = torch.cat([pos, pos.new_zeros(pad)])
+        tables = torch.cat([tables, tables.new_full((pad, tables.shape[1]), SCRATCH_BLOCK)])
+    outs = [
+        _tiled_chunk(pool, layer, qg[r:r + chunk_rows], pos[r:r + chunk_rows],
+                     tables[r:r + chunk_rows])
+        for r in range(0, n + pad, chunk_rows)
+    ]
+    return torch.cat(outs)[:n].reshape(n, heads, dim).to(q.dtype)
+
+
+def _tiled_chunk(pool: KVPool, layer: int, q: Tensor, pos: Tensor, tables: Tensor) -> Tensor:
+    rows, kv_heads, groups, dim = q.shape
+    bs = pool.block_size
+    scale = dim ** -0.5
+    kc, vc = pool.k(layer), pool.v(layer)
+    m = q.new_full((rows, kv_heads, groups, 1), float("-inf"))
+    denom = q.new_zeros((rows, kv_heads, groups, 1))
+    acc = q.new_zeros((rows, kv_heads, groups, dim))
+    offs = torch.arange(bs, device=q.device)
+    for t in range(int(pos.max()) // bs + 1):
+        blk = tables[:, t]
+        kt = kc[blk].float().permute(0, 2, 3, 1)  # [rows, Hkv, D, bs]
+        vt = vc[blk].float().permute(0, 2, 1, 3)  # [rows, Hkv, bs, D]
+        s = torch.matmul(q, kt) * scale            # [rows, Hkv, g, bs]
+        valid = (t * bs + offs)[None, :] <= pos[:, None]
+        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(s - m_new)
+        denom = denom * alpha + p.sum(-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(p, vt)
+        m = m_new
+    return acc / denom

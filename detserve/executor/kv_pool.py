@@ -1,0 +1,50 @@
+"""The paged KV cache tensors (owned by the executor; ids are the block manager's)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVPool:
+    """One tensor ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``.
+
+    A single allocation so it can be exported as one handle (shared memory / CUDA IPC) to a
+    co-located verifier. Slot ``s`` is position ``s % block_size`` of block ``s // block_size``.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 storage: Tensor | None = None) -> None:
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        if storage is not None:
+            if tuple(storage.shape) != shape or storage.dtype != dtype:
+                raise ValueError(f"KV storage {tuple(storage.shape)}/{storage.dtype} != {shape}/{dtype}")
+            self.data = storage
+        else:
+            self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+
+    def k(self, layer: int) -> Tensor:
+        return self.data[layer, 0]
+
+    def v(self, layer: int) -> Tensor:
+        return self.data[layer, 1]
+
+    def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
+        """Store rows' K/V at their slots; rows with slot < 0 (padding) are not written."""
+        keep = slots >= 0
+        if not bool(keep.all()):
+            k, v, slots = k[keep], v[keep], slots[keep]
+        kc = self.k(layer).view(-1, *k.shape[1:])
+        vc = self.v(layer).view(-1, *v.shape[1:])
+        kc[slots] = k.to(kc.dtype)
+        vc[slots] = v.to(vc.dtype)
+
+    def gather(self, layer: int, block_table: list[int], length: int) -> tuple[Tensor, Tensor]:
+        """Contiguous K/V [length, kv_heads, head_dim] of one sequence."""
+        nb = -(-length // self.block_size)
+        idx = torch.tensor(block_table[:nb], dtype=torch.long, device=self.data.device)
+        k = self.k(layer)[idx].flatten(0, 1)[:length]
+        v = self.v(layer)[idx].flatten(0, 1)[:length]
+        return k, v

@@ -1,0 +1,110 @@
+"""Runs the model for fast batches, batch-invariant batches and lane passes."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from detserve.executor.attention import (
+    RowBatch,
+    RowSegment,
+    build_rows,
+    fast_attention,
+    tiled_attention,
+)
+from detserve.executor.kv_pool import KVPool
+from detserve.executor.ops import FixedShapeOps, TorchOps
+from detserve.lane import LaneDecision, LanePass, LaneResult, decide
+from detserve.model.llama import LlamaModel
+from detserve.sampler import SamplingSpec, sample_row, sample_rows
+from detserve.outputs import TokenLogprob
+
+
+class ModelRunner:
+    """Owns the model and the KV pool tensors.
+
+    ``lane_rows`` (G*W) is the lane's fixed pass size and ``window`` (W) its fixed chunk for
+    the lm_head, so a row's logits never depend on the pass's other rows.
+    """
+
+    def __init__(self, model: LlamaModel, pool: KVPool, lane_rows: int, window: int,
+                 batch_invariant_rows: int) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = model.embed_tokens.device
+        self.lane_rows = lane_rows
+        self.fast_ops = TorchOps()
+        self.lane_ops = FixedShapeOps(lane_rows)
+        self.lane_logit_ops = FixedShapeOps(window)
+        self.bi_ops = FixedShapeOps(batch_invariant_rows)
+
+    def _forward(self, batch: RowBatch, ops: FixedShapeOps | TorchOps, tiled_rows: int | None
+                 ) -> Tensor:
+        if tiled_rows is None:
+            attn = partial(fast_attention, self.pool, batch=batch)
+        else:
+            attn = partial(tiled_attention, self.pool, batch=batch, chunk_rows=tiled_rows)
+        return self.model(batch.input_ids, batch.positions,
+                          lambda i, q, k, v: attn(i, q, k, v), ops)
+
+    @torch.inference_mode()
+    def run_batch(self, segments: list[RowSegment], sample_specs: list[SamplingSpec | None],
+                  batch_invariant: bool = False) -> list[tuple[int, TokenLogprob | None] | None]:
+        """One fast-path (or batch-invariant) forward; samples the last row of each segment
+        whose spec is not None. Returns one (token, logprob) or None per segment."""
+        batch = build_rows(segments, self.pool.block_size, self.device)
+        ops = self.bi_ops if batch_invariant else self.fast_ops
+        hidden = self._forward(batch, ops, self.bi_ops.rows if batch_invariant else None)
+        want = [i for i, s in enumerate(sample_specs) if s is not None]
+        results: list[tuple[int, TokenLogprob | None] | None] = [None] * len(segments)
+        if not want:
+            return results
+        last = torch.tensor([batch.seg_offsets[i] + len(segments[i].input_ids) - 1 for i in want],
+                            device=self.device)
+        logits = self.model.logits(hidden[last], ops)
+        specs = [sample_specs[i] for i in want]
+        positions = [segments[i].start + len(segments[i].input_ids) for i in want]
+        if batch_invariant:  # sample row by row: nothing may depend on the batch
+            picked = [sample_row(logits[j], s, p) for j, (s, p) in
+                      enumerate(zip(specs, positions, strict=True))]  # type: ignore[arg-type]
+        else:
+            picked = sample_rows(logits, specs, positions)  # type: ignore[arg-type]
+        for i, res in zip(want, picked, strict=True):
+            results[i] = res
+        return results
+
+    @torch.inference_mode()
+    def run_lane(self, lane_pass: LanePass) -> LaneResult:
+        """One fixed-shape pass of exactly ``lane_rows`` rows; decides every segment."""
+        t0 = time.perf_counter()
+        if lane_pass.rows != self.lane_rows:
+            raise ValueError(f"lane pass has {lane_pass.rows} rows, lane is {self.lane_rows}")
+        segs = [RowSegment(s.input_ids, s.start, s.block_table) for s in lane_pass.segments]
+        batch = build_rows(segs, self.pool.block_size, self.device, pad_to=self.lane_rows)
+        hidden = self._forward(batch, self.lane_ops, self.lane_rows)
+        rows = [batch.seg_offsets[i] + r for i, s in enumerate(lane_pass.segments)
+                for r in s.sample_rows]
+        logits = (self.model.logits(hidden[torch.tensor(rows, device=self.device)],
+                                    self.lane_logit_ops) if rows else None)
+        decisions = []
+        j = 0
+        for seg in lane_pass.segments:
+            picked = []
+            for r in seg.sample_rows:
+                assert logits is not None
+                picked.append(sample_row(logits[j], seg.spec, seg.start + r + 1))
+                j += 1
+            tokens = [t for t, _ in picked]
+            lps = [lp for _, lp in picked]
+            if seg.kind == "window":
+                acc = decide(seg.candidates, tokens)
+                tokens, lps = tokens[:acc + 1], lps[:acc + 1]
+            else:
+                acc = 0
+            decisions.append(LaneDecision(seg.request_id, seg.kind, seg.start, acc,
+                                          tuple(tokens), tuple(lps)))
+        return LaneResult(lane_pass.pass_id, tuple(decisions), lane_pass.padding_rows,
+                          time.perf_counter() - t0)

@@ -1,0 +1,1 @@
+"""Llama-architecture model, weight loaders and tokenizer."""

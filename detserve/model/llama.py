@@ -1,0 +1,171 @@
+"""Llama-architecture decoder (Llama 3.x, SmolLM2, Mistral; optional Qwen2-style qkv bias).
+
+The model does arithmetic only. How matrix products and norms reduce is delegated to an
+``Ops`` object and how attention reads/writes the paged KV cache to an ``AttentionFn``, so
+the same weights run on the fast path, in the fixed-shape lane and in batch-invariant mode.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from detserve.model.config import ModelConfig
+
+
+class Ops(Protocol):
+    """Reduction-bearing primitives; implementations choose the reduction order."""
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor: ...
+
+    def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor: ...
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        """silu(first half) * second half, along the last dim."""
+        ...
+
+
+# (layer index, q [N, H, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, H, D].
+# The callable writes k/v into the cache for the rows' positions before attending.
+AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    dim = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    rs = config.rope_scaling
+    if rs is None:
+        return inv
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    mid = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, mid, scaled)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE (Hugging Face layout). x: [N, heads, D]; cos/sin: [N, D/2] fp32."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        c = config
+        kw = {"dtype": dtype, "device": device}
+        self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **kw), requires_grad=False)
+        self.layers = nn.ModuleList(_Layer(c, kw) for _ in range(c.num_layers))
+        self.norm = nn.Parameter(torch.ones(c.hidden_size, **kw), requires_grad=False)
+        self.lm_head = (
+            None if c.tie_word_embeddings
+            else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **kw), requires_grad=False)
+        )
+        # cos/sin tables in fp32, indexed by absolute position: RoPE never depends on the batch.
+        pos = torch.arange(c.max_position_embeddings, dtype=torch.float64)
+        freqs = torch.outer(pos, rope_inv_freq(c))
+        self.register_buffer("rope_cos", freqs.cos().float().to(device), persistent=False)
+        self.register_buffer("rope_sin", freqs.sin().float().to(device), persistent=False)
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    @torch.inference_mode()
+    def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionFn, ops: Ops) -> Tensor:
+        """Rows are independent tokens (flattened batch). Returns final-normed hidden [N, hidden]."""
+        c = self.config
+        h = self.embed_tokens[input_ids]
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        n = h.shape[0]
+        for i, layer in enumerate(self.layers):
+            x = ops.rmsnorm(h, layer.input_norm, c.rms_norm_eps)
+            qkv = ops.linear(x, layer.qkv_proj, layer.qkv_bias)
+            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            q = apply_rope(q.reshape(n, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rope(k.reshape(n, c.num_kv_heads, c.head_dim), cos, sin)
+            v = v.reshape(n, c.num_kv_heads, c.head_dim)
+            o = attention(i, q, k, v).reshape(n, c.q_size)
+            h = h + ops.linear(o, layer.o_proj)
+            x = ops.rmsnorm(h, layer.post_norm, c.rms_norm_eps)
+            h = h + ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up_proj)), layer.down_proj)
+        return ops.rmsnorm(h, self.norm, c.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: Tensor, ops: Ops) -> Tensor:
+        return ops.linear(hidden, self.lm_head_weight).float()
+
+    @torch.inference_mode()
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Load Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...).
+
+        q/k/v are fused into ``qkv_proj`` and gate/up into ``gate_up_proj``. Raises on
+        unknown names and on weights left unset.
+        """
+        c = self.config
+        pending: dict[str, Tensor] = {}
+        seen: set[str] = set()
+        for name, t in weights:
+            name = name.removeprefix("model.")
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            pending[name] = t
+        def take(key: str) -> Tensor:
+            if key not in pending:
+                raise KeyError(f"missing weight {key}")
+            seen.add(key)
+            return pending[key]
+        def put(dst: Tensor, src: Tensor, key: str) -> None:
+            if tuple(dst.shape) != tuple(src.shape):
+                raise ValueError(f"{key}: shape {tuple(src.shape)} != expected {tuple(dst.shape)}")
+            dst.copy_(src.to(dst.dtype))
+        put(self.embed_tokens, take("embed_tokens.weight"), "embed_tokens.weight")
+        put(self.norm, take("norm.weight"), "norm.weight")
+        if self.lm_head is not None:
+            key = "lm_head.weight" if "lm_head.weight" in pending else "embed_tokens.weight"
+            put(self.lm_head, take(key), key)
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            a = p + "self_attn."
+            qkv = torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"], 0)
+            put(layer.qkv_proj, qkv, a + "qkv")
+            if layer.qkv_bias is not None:
+                put(layer.qkv_bias, torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"]), a + "qkv.bias")
+            put(layer.o_proj, take(a + "o_proj.weight"), a + "o_proj")
+            m = p + "mlp."
+            put(layer.gate_up_proj, torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")], 0), m)
+            put(layer.down_proj, take(m + "down_proj.weight"), m + "down_proj")
+            put(layer.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm")
+            put(layer.post_norm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
+        unused = set(pending) - seen - ({"lm_head.weight"} if c.tie_word_embeddings else set())
+        if unused:
+            raise ValueError(f"unexpected weights: {sorted(unused)[:5]}")
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: ModelConfig, kw: dict) -> None:
+        super().__init__()
+        def p(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, **kw), requires_grad=False)
+        self.qkv_proj = p(c.q_size + 2 * c.kv_size, c.hidden_size)
+        self.qkv_bias = p(c.q_size + 2 * c.kv_size) if c.attention_bias else None
+        self.o_proj = p(c.hidden_size, c.q_size)
+        self.gate_up_proj = p(2 * c.intermediate_size, c.hidden_size)
+        self.down_proj = p(c.hidden_size, c.intermediate_size)
+        self.input_norm = p(c.hidden_size)
+        self.post_norm = p(c.hidden_size)

@@ -1,0 +1,287 @@
+"""Continuous-batching scheduler with a deterministic lane (pure bookkeeping, no torch).
+
+Every step yields at most one *fast batch* (ordinary dynamic batching: decode rows first,
+then chunked prefill under a token budget) and at most one *lane pass* (exactly
+``verify_window * verify_group`` rows, padded: verify windows of lane sequences plus their
+prompt chunks). There is no decode or prefill phase: a sequence just has positions whose
+K/V is computed and positions still to compute; a verify window is "these positions of
+this sequence, recomputed in the lane".
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from detserve.block_manager import BlockManager
+from detserve.config import SchedulerConfig
+from detserve.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class FastItem:
+    """Compute positions [start, end) of ``seq`` on the fast path; sample at end if asked."""
+
+    seq: Sequence
+    start: int
+    end: int
+    sample: bool
+
+
+@dataclass(frozen=True)
+class LaneItem:
+    """Positions [start, end) of ``seq`` recomputed in the lane.
+
+    kind "prefill": committed tokens without lane K/V (a prompt chunk, or recompute after
+    preemption); the last row samples only when ``end == num_committed``.
+    kind "window": last committed token + the fast-path candidates; every row samples.
+    """
+
+    seq: Sequence
+    kind: str
+    start: int
+    end: int
+    candidates: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
+
+    @property
+    def sample_rows(self) -> range:
+        if self.kind == "window":
+            return range(self.rows)
+        return range(self.rows - 1, self.rows) if self.end == self.seq.num_committed else range(0)
+
+
+@dataclass
+class SchedulerOutput:
+    step: int
+    fast: list[FastItem] = field(default_factory=list)
+    lane: list[LaneItem] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def lane_rows_used(self) -> int:
+        return sum(i.rows for i in self.lane)
+
+    @property
+    def empty(self) -> bool:
+        return not self.fast and not self.lane
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager,
+                 eos_token_ids: Iterable[int] = ()) -> None:
+        self.cfg = cfg
+        self.blocks = blocks
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.step_count = 0
+
+    # ---- queue management -------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_table:
+            self.blocks.free(seq.block_table)
+            seq.block_table = []
+        seq.status = Status.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stop_ids(self, seq: Sequence) -> frozenset[int]:
+        ids = frozenset(seq.params.stop_token_ids)
+        return ids if seq.params.ignore_eos else ids | self.eos_token_ids
+
+    # ---- the step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.step_count += 1
+        out = SchedulerOutput(step=self.step_count)
+        self._admit()
+        if self.cfg.uses_lane:
+            out.lane = self._plan_lane(out)
+        out.fast = self._plan_fast(out)
+        assert out.lane_rows_used <= self.cfg.lane_rows
+        assert sum(i.end - i.start for i in out.fast) <= self.cfg.max_num_batched_tokens
+        return out
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            # the whole committed prefix (+1 for the next token) must fit now, so prefill
+            # chunks never need to allocate later
+            if not self.blocks.grow(seq.block_table, seq.num_tokens + 1):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+
+    def candidate_cap(self, seq: Sequence) -> int:
+        """How many fast-path candidates this lane sequence's next window may hold."""
+        remaining = seq.params.max_tokens - seq.num_output_committed
+        room = self.cfg.max_model_len - seq.num_committed
+        return max(0, min(self.cfg.max_candidates, remaining - 1, room - 1))
+
+    def window_ready(self, seq: Sequence) -> bool:
+        k = seq.num_candidates
+        if k >= self.candidate_cap(seq):
+            return True
+        return k > 0 and seq.token_ids[-1] in self.stop_ids(seq)
+
+    def _plan_lane(self, out: SchedulerOutput) -> list[LaneItem]:
+        idle = [s for s in self.running if s.uses_lane and not s.in_lane]
+        prefills = [s for s in idle if s.needs_lane_prefill()]
+        windows = [s for s in idle if not s.needs_lane_prefill() and self.window_ready(s)]
+        ready = prefills + windows
+        if not ready:
+            return []
+        for s in ready:
+            if s.ready_step is None:
+                s.ready_step = self.step_count
+        wanted = sum(s.num_committed - s.num_lane_kv for s in prefills)
+        wanted += sum(s.num_candidates + 1 for s in windows)
+        still_decoding = len(idle) > len(ready)
+        oldest = min(s.ready_step for s in ready if s.ready_step is not None)
+        if (wanted < self.cfg.lane_rows and still_decoding
+                and self.step_count - oldest < self.cfg.lane_max_wait_steps):
+            return []  # wait for more windows to fill the fixed-size pass
+        items: list[LaneItem] = []
+        rows_left = self.cfg.lane_rows
+        windows.sort(key=lambda s: (s.ready_step, s.arrival))
+        for s in windows:
+            n = s.num_candidates + 1
+            if n > rows_left:
+                continue
+            if not self._grow(s, s.num_tokens, out):
+                continue
+            items.append(LaneItem(s, "window", s.num_committed - 1, s.num_tokens,
+                                  tuple(s.token_ids[s.num_committed:])))
+            rows_left -= n
+        for s in sorted(prefills, key=lambda s: s.arrival):
+            if rows_left == 0:
+                break
+            end = min(s.num_committed, s.num_lane_kv + rows_left)
+            items.append(LaneItem(s, "prefill", s.num_lane_kv, end, ()))
+            rows_left -= end - s.num_lane_kv
+        for it in items:
+            it.seq.in_lane = True
+            it.seq.ready_step = None
+        return items
+
+    def _fast_rows(self, seq: Sequence) -> int:
+        """Rows this sequence wants on the fast path now (0: not eligible)."""
+        if seq.in_lane:
+            return 0
+        if seq.uses_lane:
+            if seq.needs_lane_prefill() or self.window_ready(seq):
+                return 0
+            assert seq.num_computed == seq.num_tokens - 1, "lane seq out of sync"
+            return 1
+        return seq.num_tokens - seq.num_computed
+
+    def _plan_fast(self, out: SchedulerOutput) -> list[FastItem]:
+        budget = self.cfg.max_num_batched_tokens
+        wants = [(s, self._fast_rows(s)) for s in self.running]
+        # decode rows (one token) before prefill chunks, each group in arrival order
+        order = [w for w in wants if w[1] == 1] + [w for w in wants if w[1] > 1]
+        items: list[FastItem] = []
+        for seq, rows in order:
+            if budget == 0:
+                break
+            if rows == 0 or seq.status is not Status.RUNNING:
+                continue
+            n = min(rows, budget)
+            end = seq.num_computed + n
+            if not self._grow(seq, end, out, scheduled=items):
+                continue
+            items.append(FastItem(seq, seq.num_computed, end, sample=end == seq.num_tokens))
+            budget -= n
+        return items
+
+    def _grow(self, seq: Sequence, num_tokens: int, out: SchedulerOutput,
+              scheduled: list[FastItem] | None = None) -> bool:
+        """Make ``seq``'s block table cover ``num_tokens`` positions, preempting the newest
+        other sequences (never one already scheduled in this step) when blocks run out.
+        Returns False if ``seq`` itself had to be preempted."""
+        busy = {id(i.seq) for i in (scheduled or [])} | {id(i.seq) for i in out.lane}
+        while not self.blocks.grow(seq.block_table, num_tokens):
+            victims = [s for s in self.running
+                       if s is not seq and not s.in_lane and id(s) not in busy]
+            victim = max(victims, key=lambda s: s.arrival) if victims else seq
+            self.preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Preemption by recompute: free the blocks, requeue at the front."""
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.reset_for_recompute()
+        seq.status = Status.WAITING
+        seq.stats.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ---- results --------------------------------------------------------------------
+    def on_fast_result(self, item: FastItem, token: int | None) -> None:
+        seq = item.seq
+        seq.num_computed = item.end
+        if token is None:
+            return
+        seq.stats.fast_tokens += 1
+        if seq.uses_lane:
+            seq.token_ids.append(token)  # a candidate, not released until verified
+        else:
+            seq.token_ids.append(token)
+            seq.num_committed += 1
+
+    def on_lane_result(self, item: LaneItem, tokens: list[int]) -> int:
+        """Apply a lane decision. ``tokens`` are the newly committed tokens (for a window:
+        the accepted candidates plus the lane's next token). Returns rejected candidates."""
+        seq = item.seq
+        seq.in_lane = False
+        seq.stats.verify_passes += 1
+        seq.stats.lane_rows += item.rows
+        if item.kind == "prefill":
+            seq.num_lane_kv = seq.num_computed = item.end
+            if tokens:
+                assert len(tokens) == 1 and item.end == seq.num_committed
+                seq.token_ids.append(tokens[0])
+                seq.num_committed += 1
+            return 0
+        c = seq.num_committed
+        assert item.start == c - 1 and tokens, "window out of sync with its sequence"
+        accepted = len(tokens) - 1
+        assert list(item.candidates[:accepted]) == tokens[:accepted]
+        rejected = len(item.candidates) - accepted
+        del seq.token_ids[c:]
+        seq.token_ids.extend(tokens)
+        seq.num_committed = c + accepted + 1
+        seq.num_lane_kv = seq.num_computed = c + accepted
+        seq.stats.windows += 1
+        if rejected:
+            seq.stats.rollbacks += 1
+            seq.stats.tokens_rolled_back += rejected
+        self.blocks.shrink(seq.block_table, seq.num_tokens + 1)
+        return rejected
+
+    def check_integrity(self) -> None:
+        tables = [s.block_table for s in self.running] + [s.block_table for s in self.waiting]
+        self.blocks.check_integrity(tables)
+        for s in self.running:
+            assert s.num_computed <= s.num_tokens
+            assert s.num_committed <= s.num_tokens
+            assert len(s.block_table) >= self.blocks.blocks_needed(s.num_computed)
+            if s.uses_lane and not s.in_lane:
+                assert s.num_lane_kv <= s.num_committed

@@ -1,0 +1,95 @@
+"""Per-request bookkeeping (no torch).
+
+Token positions: ``token_ids`` holds prompt + committed outputs + fast-path candidates.
+``num_committed`` counts prompt and committed tokens; candidates are the rest.
+``num_computed`` positions have K/V in the cache. For lane (deterministic) sequences
+``num_lane_kv`` positions hold K/V written by the lane; between lane passes
+``num_lane_kv == num_committed - 1``: the last committed token is the next input.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from detserve.outputs import RequestStats, TokenLogprob
+from detserve.params import SamplingParams, SamplingSpec
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    uses_lane: bool           # deterministic through the lane (llm42 det requests, lane_only)
+    deterministic: bool       # what the client gets: bit-exact reproducible output
+    arrival: int              # admission order, for FCFS and preemption priority
+    token_ids: list[int] = field(default_factory=list)
+    num_committed: int = 0
+    num_computed: int = 0
+    num_lane_kv: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    in_lane: bool = False
+    ready_step: int | None = None      # step at which its lane work became ready
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    candidate_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+    spec: SamplingSpec = field(default_factory=SamplingSpec)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+            self.num_committed = len(self.prompt_token_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_committed(self) -> int:
+        return self.num_committed - self.num_prompt
+
+    @property
+    def num_candidates(self) -> int:
+        return self.num_tokens - self.num_committed
+
+    @property
+    def committed_output(self) -> list[int]:
+        return self.token_ids[self.num_prompt:self.num_committed]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def needs_lane_prefill(self) -> bool:
+        return self.uses_lane and self.num_lane_kv < self.num_committed - 1
+
+    def commit(self, token: int, logprob: TokenLogprob | None) -> None:
+        """Append a token that is final (fast path of a non-lane sequence)."""
+        assert self.num_candidates == 0
+        self.token_ids.append(token)
+        self.num_committed += 1
+        if logprob is not None:
+            self.logprobs.append(logprob)
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: drop KV and candidates; committed tokens stay committed."""
+        del self.token_ids[self.num_committed:]
+        del self.candidate_logprobs[:]
+        self.num_computed = 0
+        self.num_lane_kv = 0
+        self.block_table = []
+        self.in_lane = False
+        self.ready_step = None
