@@ -41,7 +41,12 @@ KERNEL_SET_VERSION = "torch-ref-1"
 class LLMEngine:
     def __init__(self, config: EngineConfig, *,
                  verifier_factory: Callable[[ModelRunner], Verifier] | None = None,
-                 loaded: tuple[LlamaModel, Tokenizer, ModelInfo] | None = None) -> None:
+                 loaded: tuple[LlamaModel, Tokenizer, ModelInfo] | None = None,
+                 kv_storage: Callable[[tuple[int, ...], torch.dtype, str], torch.Tensor]
+                 | None = None) -> None:
+        """``verifier_factory`` builds the verifier from the runner (default: in-process);
+        ``kv_storage(shape, dtype, device)`` allocates the KV pool tensor, e.g. in shared
+        memory so a co-located verifier process can map it."""
         self.config = config
         dtype = getattr(torch, config.dtype)
         self.model, self.tokenizer, self.model_info = loaded or load_model(
@@ -52,8 +57,11 @@ class LLMEngine:
             raise ValueError(f"max_model_len {sc.max_model_len} exceeds the model's "
                              f"{mc.max_position_embeddings} positions")
         cc = config.cache
+        shape = KVPool.shape_for(mc.num_layers, cc.num_blocks, cc.block_size, mc.num_kv_heads,
+                                 mc.head_dim)
+        storage = kv_storage(shape, dtype, config.device) if kv_storage else None
         self.pool = KVPool(mc.num_layers, cc.num_blocks, cc.block_size, mc.num_kv_heads,
-                           mc.head_dim, dtype, config.device)
+                           mc.head_dim, dtype, config.device, storage=storage)
         self.blocks = BlockManager(cc.num_blocks, cc.block_size)
         eos = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
         self.scheduler = Scheduler(sc, self.blocks, eos)
@@ -67,6 +75,9 @@ class LLMEngine:
         self._perturb_rng = random.Random(config.seed)
         self._seed_rng = random.Random(config.seed ^ 0x5EED)
         self.counters: Counter[str] = Counter()
+        # fault injection models fast-path drift: it hits every fast-path token (lane-verified
+        # candidates and final non-deterministic tokens alike), never lane or batch-invariant math
+        self._perturbs_fast_path = config.mode in ("llm42", "nondeterministic")
 
     @classmethod
     def from_args(cls, model: str, mode: str = "llm42", **kw: object) -> LLMEngine:
@@ -169,7 +180,7 @@ class LLMEngine:
             if token is not None:
                 self.counters["fast_tokens"] += 1
                 p = self.config.fastpath_perturbation
-                if item.seq.uses_lane and p > 0 and self._perturb_rng.random() < p:
+                if p > 0 and self._perturbs_fast_path and self._perturb_rng.random() < p:
                     token = (token + 1 + self._perturb_rng.randrange(vocab - 1)) % vocab
                     self.counters["perturbed_tokens"] += 1
             self.scheduler.on_fast_result(item, token)

@@ -16,7 +16,7 @@ class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
                  storage: Tensor | None = None) -> None:
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = self.shape_for(num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         if storage is not None:
             if tuple(storage.shape) != shape or storage.dtype != dtype:
                 raise ValueError(f"KV storage {tuple(storage.shape)}/{storage.dtype} != {shape}/{dtype}")
@@ -24,6 +24,11 @@ class KVPool:
         else:
             self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
+
+    @staticmethod
+    def shape_for(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                  head_dim: int) -> tuple[int, ...]:
+        return (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
 
     def k(self, layer: int) -> Tensor:
         return self.data[layer, 0]

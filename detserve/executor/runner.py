@@ -19,8 +19,8 @@ from detserve.executor.kv_pool import KVPool
 from detserve.executor.ops import FixedShapeOps, TorchOps
 from detserve.lane import LaneDecision, LanePass, LaneResult, decide
 from detserve.model.llama import LlamaModel
-from detserve.sampler import SamplingSpec, sample_row, sample_rows
 from detserve.outputs import TokenLogprob
+from detserve.sampler import SamplingSpec, sample_row, sample_rows
 
 
 class ModelRunner:

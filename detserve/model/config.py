@@ -57,7 +57,8 @@ class ModelConfig:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         scaling = None
-        rs = cfg.get("rope_scaling")
+        # transformers >= 5 writes the scaling (and theta) under rope_parameters
+        rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
         if rs and rs.get("rope_type", rs.get("type")) == "llama3":
             scaling = RopeScaling(
                 factor=float(rs["factor"]),

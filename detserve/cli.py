@@ -1,0 +1,138 @@
+"""Command line: ``detserve generate | fetch-model | serve | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from detserve.config import MODES
+
+Handler = Callable[[argparse.Namespace], int]
+_SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Handler]] = {}
+
+
+def subcommand(name: str, help: str, configure: Callable[[argparse.ArgumentParser], None]
+               ) -> Callable[[Handler], Handler]:
+    def deco(fn: Handler) -> Handler:
+        _SUBCOMMANDS[name] = (help, configure, fn)
+        return fn
+    return deco
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags shared by every command that builds an engine."""
+    p.add_argument("--model", default="smollm2",
+                   help="HF folder, .gguf file, or 'smollm2' (fetched once; default)")
+    p.add_argument("--mode", default="llm42", choices=MODES)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--verify-window", "-W", type=int, default=64, help="W: rows per window")
+    p.add_argument("--verify-group", "-G", type=int, default=8, help="G: windows per lane pass")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--fastpath-perturbation", type=float, default=0.0,
+                   help="fault injection: probability of corrupting a fast-path candidate")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
+    return dict(mode=a.mode, device=a.device, dtype=a.dtype, verify_window=a.verify_window,
+                verify_group=a.verify_group, max_model_len=a.max_model_len,
+                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                fastpath_perturbation=a.fastpath_perturbation, seed=a.seed)
+
+
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--prompt", action="append", required=True,
+                   help="prompt text (repeat for a batch)")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--request-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--deterministic", action="store_true", help="ask for bit-exact output")
+    p.add_argument("--logprobs", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print JSON lines")
+
+
+@subcommand("generate", "generate text offline with the engine", _generate_args)
+def _generate(a: argparse.Namespace) -> int:
+    from detserve.llm import LLM
+    from detserve.params import SamplingParams
+
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                            top_k=a.top_k, seed=a.request_seed,
+                            is_deterministic=a.deterministic, logprobs=a.logprobs)
+    llm = LLM(a.model, **engine_kwargs(a))  # type: ignore[arg-type]
+    if a.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in a.prompt], params)
+    else:
+        outs = llm.generate(a.prompt, params)
+    for prompt, o in zip(a.prompt, outs, strict=True):
+        if a.json:
+            rec = {"prompt": prompt, "text": o.text, "token_ids": o.token_ids,
+                   "finish_reason": o.finish_reason, "is_deterministic": o.is_deterministic}
+            if o.logprobs is not None:
+                rec["logprobs"] = [lp.logprob for lp in o.logprobs]
+            print(json.dumps(rec))
+        else:
+            print(f"--- {prompt!r} ({o.finish_reason}, {len(o.token_ids)} tokens)")
+            print(o.text)
+    if a.deterministic:
+        print(json.dumps({"determinism": llm.determinism_profile()}), file=sys.stderr)
+    print(json.dumps({"stats": llm.stats()}), file=sys.stderr)
+    return 0
+
+
+def _fetch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", nargs="?", default="smollm2", choices=["smollm2"])
+
+
+@subcommand("fetch-model", "download the demo model into the local cache once", _fetch_args)
+def _fetch(a: argparse.Namespace) -> int:
+    from detserve.model.fetch import fetch_smollm2
+
+    print(fetch_smollm2())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    _load_optional_commands()
+    parser = argparse.ArgumentParser(prog="detserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, configure, _) in _SUBCOMMANDS.items():
+        configure(sub.add_parser(name, help=help_text))
+    return parser
+
+
+def _load_optional_commands() -> None:
+    """Subcommands living in optional parts (serving, load generation) register themselves."""
+    import importlib
+
+    for mod in ("services.cli", "loadgen.cli"):
+        try:
+            module = importlib.import_module(mod)
+        except ImportError:
+            continue
+        register = getattr(module, "register_detserve_commands", None)
+        if register is not None:
+            register(subcommand)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _, _, handler = _SUBCOMMANDS[args.command]
+    try:
+        return handler(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"detserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

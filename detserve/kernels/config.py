@@ -1,0 +1,117 @@
+"""Tuning constants of the Triton kernels, in one table.
+
+Constants marked *bits* decide a reduction order: changing one changes the bits that the
+fixed-shape lane or the ``batch_invariant`` mode produce, so it must come with a bump of
+``KERNEL_VERSION`` (part of the determinism-profile fingerprint). The others only move
+speed. Every value is a power of two where a kernel uses it as a block size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Bump whenever a *bits* constant or the arithmetic of lane_attention / batch_invariant changes.
+KERNEL_VERSION = "kernels-1"
+
+
+def _check_pow2(owner: object, **values: int) -> None:
+    for name, v in values.items():
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{type(owner).__name__}.{name}={v} must be a power of two")
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """Persistent matmul tile; one fixed config for every M (no split-K): *bits*."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8  # L2 swizzle of tiles; speed only
+    num_warps: int = 8
+    num_stages: int = 3  # speed only
+
+    def __post_init__(self) -> None:
+        _check_pow2(self, block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
+                    num_warps=self.num_warps)
+        if min(self.block_m, self.block_n, self.block_k) < 16:
+            raise ValueError("tl.dot needs every matmul block dim >= 16")
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    """One row per program, reduced in chunks of ``block`` columns: *bits*."""
+
+    block: int = 1024
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        _check_pow2(self, block=self.block, num_warps=self.num_warps)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Split-KV decode (flash-decoding) on the fast path; speed only."""
+
+    block_n: int = 64  # KV tokens per inner step
+    num_warps: int = 4
+    num_stages: int = 2
+    min_tokens_per_split: int = 256  # never split finer than this
+    max_splits: int = 32
+    programs_per_sm: int = 2  # stop splitting once batch * kv_heads * splits reaches this * SMs
+    reduce_num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        _check_pow2(self, block_n=self.block_n, num_warps=self.num_warps)
+        if self.block_n < 16:
+            raise ValueError("block_n must be >= 16 (tl.dot)")
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Causal paged prefill/extend attention on the fast path; speed only."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        _check_pow2(self, block_m=self.block_m, block_n=self.block_n, num_warps=self.num_warps)
+        if min(self.block_m, self.block_n) < 16:
+            raise ValueError("prefill blocks must be >= 16 (tl.dot)")
+
+
+@dataclass(frozen=True)
+class LaneConfig:
+    """Lane attention: KV tiles of ``tile`` absolute positions, in order: *bits*."""
+
+    tile: int = 32
+    num_warps: int = 4  # *bits*: decides the layout of the in-tile reductions
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        _check_pow2(self, tile=self.tile, num_warps=self.num_warps)
+        if self.tile < 16:
+            raise ValueError("lane tile must be >= 16 (tl.dot)")
+
+
+@dataclass(frozen=True)
+class KvWriteConfig:
+    num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    matmul_bf16: MatmulConfig = field(default_factory=MatmulConfig)
+    # fp32 operands take IEEE fp32 dots (no TF32): smaller K step to fit shared memory.
+    matmul_fp32: MatmulConfig = field(default_factory=lambda: MatmulConfig(block_k=32))
+    rmsnorm: RowConfig = field(default_factory=lambda: RowConfig(block=1024))
+    log_softmax: RowConfig = field(default_factory=lambda: RowConfig(block=4096, num_warps=8))
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)
+    lane: LaneConfig = field(default_factory=LaneConfig)
+    kv_write: KvWriteConfig = field(default_factory=KvWriteConfig)
+
+
+TABLE = KernelTable()

@@ -1,0 +1,126 @@
+"""``load_model(spec)``: one entry point for HF folders, GGUF files and named demo models."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from detserve.model.config import ModelConfig
+from detserve.model.fetch import fetch_smollm2, sha256_file
+from detserve.model.gguf_loader import iter_gguf_weights, open_gguf, read_gguf_config
+from detserve.model.hf_loader import hf_weight_files, iter_hf_weights, read_hf_config
+from detserve.model.llama import LlamaModel
+from detserve.model.tokenizer import Tokenizer
+
+ALIASES = ("smollm2",)
+# Files at least this big get their digest cached beside them as <file>.sha256.
+_HASH_CACHE_MIN_BYTES = 16 << 20
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What identifies a loaded model in a determinism fingerprint."""
+
+    name: str
+    source: Path
+    # sha256 hex. One file: that file's digest (``sha256sum`` gives the same); several
+    # files: digest of the sorted ``"<digest>  <name>\n"`` lines. An HF folder's
+    # config.json is included, since it changes the numerics as much as the weights do.
+    weights_hash: str
+    dtype: str
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} (known: {sorted(_DTYPES)})")
+    return _DTYPES[dtype]
+
+
+def load_model(spec: str | Path, dtype: torch.dtype | str = torch.float32,
+               device: str | torch.device = "cpu") -> tuple[LlamaModel, Tokenizer, ModelInfo]:
+    """Load weights, tokenizer and identity for ``spec``.
+
+    ``spec``: an HF folder (config.json + weights + tokenizer.json), a ``.gguf`` file, or an
+    alias (``smollm2``, fetched on first use). FileNotFoundError for a missing path,
+    ValueError for something that is neither.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    dtype_name = str(torch_dtype).removeprefix("torch.")
+    name, path = _resolve_spec(spec)
+    if path.is_dir():
+        config = read_hf_config(path)
+        tokenizer = Tokenizer.from_tokenizer_json(path / "tokenizer.json", path)
+        model = _build(config, torch_dtype, device, iter_hf_weights(path))
+        files = [path / "config.json", *hf_weight_files(path)]
+    else:
+        reader = open_gguf(path)
+        config = read_gguf_config(reader)
+        tokenizer = Tokenizer.from_gguf(reader)
+        model = _build(config, torch_dtype, device, iter_gguf_weights(reader, config))
+        files = [path]
+    info = ModelInfo(name=name, source=path, weights_hash=weights_hash(files), dtype=dtype_name)
+    return model, tokenizer, info
+
+
+def _resolve_spec(spec: str | Path) -> tuple[str, Path]:
+    if str(spec) == "smollm2":
+        return "smollm2", fetch_smollm2()
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} is a folder without config.json: not a Hugging Face model")
+        return path.resolve().name, path.resolve()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path}: expected a .gguf file or a Hugging Face folder")
+        return path.stem, path.resolve()
+    if path.suffix == ".gguf" or len(path.parts) > 1:
+        raise FileNotFoundError(f"model path {path} does not exist")
+    raise ValueError(f"unknown model {spec!r}: not a path, and not one of the aliases {ALIASES}")
+
+
+def _build(config: ModelConfig, dtype: torch.dtype, device: str | torch.device,
+           weights: Iterable[tuple[str, torch.Tensor]]) -> LlamaModel:
+    model = LlamaModel(config, dtype=dtype, device=device)
+    model.load_weights(weights)
+    return model.eval()
+
+
+def weights_hash(files: list[Path]) -> str:
+    """See ``ModelInfo.weights_hash``."""
+    if len(files) == 1:
+        return file_sha256(files[0])
+    lines = sorted(f"{file_sha256(f)}  {f.name}\n" for f in files)
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file; big files cache it in ``<file>.sha256``, keyed by size and mtime."""
+    stat = path.stat()
+    if stat.st_size < _HASH_CACHE_MIN_BYTES:
+        return sha256_file(path)
+    cache = path.with_name(path.name + ".sha256")
+    key = f"{stat.st_size} {stat.st_mtime_ns}"
+    try:
+        digest, cached_key = cache.read_text().strip().split(" ", 1)
+        if cached_key == key and len(digest) == 64:
+            return digest
+    except (OSError, ValueError):
+        pass
+    digest = sha256_file(path)
+    try:
+        tmp = cache.with_name(cache.name + f".{os.getpid()}.tmp")
+        tmp.write_text(f"{digest} {key}\n")
+        tmp.replace(cache)
+    except OSError:  # read-only model folder: just recompute next time
+        pass
+    return digest

@@ -1,0 +1,259 @@
+"""The Ray Serve application config (serveConfigV2) shared by `detserve serve` and KubeRay.
+
+One function, `default_serve_config`, builds the config dict that `serve.run`/`serve deploy`
+take locally and that `deploy/k8s` embeds, as YAML, in the RayService's `serveConfigV2`.
+Pure dict building and validation: no Ray import, so it runs (and is tested) anywhere.
+
+Contract with the application (`services.app:build_app`):
+- `build_app(args)` receives `applications[0]["args"]`, whose keys are exactly `ARG_NAMES`.
+- Its deployments are named `ROUTER`, `DECODER` and `VERIFIER`. Ray Serve rejects a config
+  that overrides a deployment the application does not have, so these names are part of
+  the contract as soon as a caller passes `deployments` (the Kubernetes overlays do, to
+  place replicas on worker groups and to autoscale decoders).
+- The router's gRPC API is served by Ray Serve's gRPC proxy on `grpc_port`, through the
+  servicer functions in `GRPC_SERVICER_FUNCTIONS`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from detserve.config import DTYPES, MODES
+
+APP_NAME = "detserve"
+IMPORT_PATH = "services.app:build_app"
+ROUTE_PREFIX = "/"
+ROUTER, DECODER, VERIFIER = "Router", "Decoder", "Verifier"
+DEPLOYMENT_NAMES = (ROUTER, DECODER, VERIFIER)
+GRPC_SERVICER_FUNCTIONS: tuple[str, ...] = (
+    "services.router.grpc_api:add_CompletionsServicer_to_server",
+)
+DEVICES = ("cpu", "cuda")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+DEFAULT_ARGS: Mapping[str, Any] = {
+    "model": "smollm2",
+    "mode": "llm42",
+    "device": "cpu",
+    "dtype": "float32",
+    "verify_window": 64,
+    "verify_group": 8,
+    "num_decoders": 1,
+    "num_verifiers": 1,
+    "verifier_gpu_fraction": 0.0,
+    "redis_url": "redis://127.0.0.1:6379/0",
+    "http_port": 8000,
+    "grpc_port": 9000,
+    "max_model_len": 2048,
+    "max_num_seqs": 64,
+}
+ARG_NAMES = tuple(DEFAULT_ARGS)
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    """Ray Serve `autoscaling_config` of one deployment (a subset of its fields)."""
+
+    min_replicas: int
+    max_replicas: int
+    initial_replicas: int
+    target_ongoing_requests: float = 8.0
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("min_replicas", "max_replicas", "initial_replicas"):
+            _check_int(name, getattr(self, name), lo=0)
+        if not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError(
+                "autoscaling needs min_replicas <= initial_replicas <= max_replicas, got "
+                f"{self.min_replicas} <= {self.initial_replicas} <= {self.max_replicas}"
+            )
+        if self.max_replicas < 1:
+            raise ValueError("autoscaling max_replicas must be >= 1")
+        for name in ("target_ongoing_requests", "upscale_delay_s", "downscale_delay_s"):
+            _check_number(name, getattr(self, name), lo=0.0)
+        if self.target_ongoing_requests <= 0:
+            raise ValueError("target_ongoing_requests must be > 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "min_replicas": self.min_replicas,
+            "initial_replicas": self.initial_replicas,
+            "max_replicas": self.max_replicas,
+            "target_ongoing_requests": self.target_ongoing_requests,
+            "upscale_delay_s": self.upscale_delay_s,
+            "downscale_delay_s": self.downscale_delay_s,
+        }
+
+
+@dataclass(frozen=True)
+class DeploymentOverride:
+    """Per-deployment options that the config sets over what `build_app` chose.
+
+    `ray_actor_options` replaces the code's options as a whole (Ray Serve semantics), so an
+    override states the complete placement: CPUs, GPUs (fractional for co-location) and
+    custom resources that pin the replica to a worker group.
+    """
+
+    name: str
+    num_cpus: float
+    num_gpus: float = 0.0
+    resources: Mapping[str, float] = field(default_factory=dict)
+    max_ongoing_requests: int | None = None
+    autoscaling: Autoscaling | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in DEPLOYMENT_NAMES:
+            raise ValueError(
+                f"unknown deployment {self.name!r}; expected one of {', '.join(DEPLOYMENT_NAMES)}"
+            )
+        _check_number("num_cpus", self.num_cpus, lo=0.0)
+        _check_number("num_gpus", self.num_gpus, lo=0.0)
+        for key, amount in self.resources.items():
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"custom resource names must be non-empty strings, got {key!r}")
+            _check_number(f"resources[{key!r}]", amount, lo=0.0)
+        if self.max_ongoing_requests is not None:
+            _check_int("max_ongoing_requests", self.max_ongoing_requests, lo=1)
+        if self.autoscaling is not None and (
+            self.max_ongoing_requests is None
+            or self.max_ongoing_requests < self.autoscaling.target_ongoing_requests
+        ):
+            # Serve never scales up a deployment whose replicas refuse requests before
+            # reaching the target load; it only logs a warning, so refuse it here.
+            raise ValueError(
+                f"{self.name}: autoscaling needs max_ongoing_requests >= "
+                f"target_ongoing_requests ({self.autoscaling.target_ongoing_requests})"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        actor_options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.resources:
+            actor_options["resources"] = dict(sorted(self.resources.items()))
+        out: dict[str, Any] = {"name": self.name, "ray_actor_options": actor_options}
+        if self.max_ongoing_requests is not None:
+            out["max_ongoing_requests"] = self.max_ongoing_requests
+        if self.autoscaling is not None:
+            # "auto" tells Serve to ignore the replica count set in code: the autoscaling
+            # config (initial_replicas included) decides.
+            out["num_replicas"] = "auto"
+            out["autoscaling_config"] = self.autoscaling.to_dict()
+        return out
+
+
+def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
+    """Check the application args; returns a plain dict in `ARG_NAMES` order.
+
+    Raises ValueError naming the offending key. Unknown and missing keys are errors, so a
+    typo in an overlay cannot silently fall back to a default.
+    """
+    unknown = sorted(set(args) - set(ARG_NAMES))
+    if unknown:
+        raise ValueError(f"unknown serve args {unknown}; expected a subset of {list(ARG_NAMES)}")
+    missing = [name for name in ARG_NAMES if name not in args]
+    if missing:
+        raise ValueError(f"missing serve args {missing}")
+    model = args["model"]
+    if not isinstance(model, str) or not model.strip():
+        raise ValueError(f"model must be a non-empty string, got {model!r}")
+    _check_choice("mode", args["mode"], MODES)
+    _check_choice("device", args["device"], DEVICES)
+    _check_choice("dtype", args["dtype"], DTYPES)
+    for name in ("verify_window", "verify_group", "num_decoders", "max_model_len",
+                 "max_num_seqs"):
+        _check_int(name, args[name], lo=1)
+    _check_int("num_verifiers", args["num_verifiers"], lo=0)
+    if args["mode"] == "llm42" and args["num_verifiers"] < 1:
+        raise ValueError("mode 'llm42' needs num_verifiers >= 1")
+    fraction = args["verifier_gpu_fraction"]
+    _check_number("verifier_gpu_fraction", fraction, lo=0.0)
+    if fraction > 1.0:
+        raise ValueError(f"verifier_gpu_fraction must be in [0, 1], got {fraction}")
+    if args["device"] == "cpu" and fraction != 0.0:
+        raise ValueError("verifier_gpu_fraction must be 0 when device is 'cpu'")
+    if args["device"] == "cuda" and args["num_verifiers"] > 0 and fraction == 0.0:
+        raise ValueError("verifier_gpu_fraction must be > 0 when verifiers run on 'cuda'")
+    redis_url = args["redis_url"]
+    if not isinstance(redis_url, str) or not redis_url.startswith(REDIS_SCHEMES):
+        raise ValueError(f"redis_url must start with one of {REDIS_SCHEMES}, got {redis_url!r}")
+    for name in ("http_port", "grpc_port"):
+        _check_int(name, args[name], lo=1, hi=65535)
+    if args["http_port"] == args["grpc_port"]:
+        raise ValueError("http_port and grpc_port must differ")
+    return {name: args[name] for name in ARG_NAMES}
+
+
+def default_serve_config(
+    *,
+    deployments: Sequence[DeploymentOverride] = (),
+    http_host: str = "0.0.0.0",
+    **overrides: Any,
+) -> dict[str, Any]:
+    """The serveConfigV2 dict: `DEFAULT_ARGS` updated with `overrides` (app args only).
+
+    `deployments` adds per-deployment overrides (placement, autoscaling); local runs
+    usually pass none and let `build_app` decide. The result is plain data
+    (str/int/float/bool/list/dict), so `yaml.safe_dump` of it round-trips exactly.
+    """
+    args = validate_args({**DEFAULT_ARGS, **overrides})
+    if not isinstance(http_host, str) or not http_host:
+        raise ValueError(f"http_host must be a non-empty string, got {http_host!r}")
+    names = [d.name for d in deployments]
+    if len(set(names)) != len(names):
+        raise ValueError(f"deployment overrides repeat a name: {names}")
+    for d in deployments:
+        if args["device"] == "cpu" and d.num_gpus != 0:
+            raise ValueError(f"{d.name} asks for {d.num_gpus} GPUs but device is 'cpu'")
+        if d.name == DECODER and d.autoscaling is not None:
+            if d.autoscaling.initial_replicas != args["num_decoders"]:
+                raise ValueError(
+                    "decoder autoscaling initial_replicas must equal num_decoders "
+                    f"({d.autoscaling.initial_replicas} != {args['num_decoders']})"
+                )
+        if d.name == VERIFIER and args["device"] == "cuda":
+            if not math.isclose(d.num_gpus, args["verifier_gpu_fraction"]):
+                raise ValueError(
+                    f"Verifier num_gpus {d.num_gpus} must equal verifier_gpu_fraction "
+                    f"{args['verifier_gpu_fraction']}"
+                )
+    app: dict[str, Any] = {
+        "name": APP_NAME,
+        "route_prefix": ROUTE_PREFIX,
+        "import_path": IMPORT_PATH,
+        "args": args,
+    }
+    if deployments:
+        app["deployments"] = [d.to_dict() for d in deployments]
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": http_host, "port": args["http_port"]},
+        "grpc_options": {
+            "port": args["grpc_port"],
+            "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS),
+        },
+        "applications": [app],
+    }
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_int(name: str, value: Any, *, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def _check_number(name: str, value: Any, *, lo: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")

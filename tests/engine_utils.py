@@ -1,0 +1,65 @@
+"""Helpers shared by engine tests: a tiny random model and a way to run request mixes."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from detserve.engine import LLMEngine
+from detserve.model.testing import make_random_llama
+from detserve.outputs import RequestOutput
+from detserve.params import SamplingParams
+
+
+def tiny_model(**kw: object) -> str:
+    kw.setdefault("max_position_embeddings", 1024)
+    kw.setdefault("num_layers", 3)
+    return str(make_random_llama(**kw))  # type: ignore[arg-type]
+
+
+@dataclass
+class Req:
+    prompt: list[int]
+    params: SamplingParams
+    arrival: int = 0
+
+
+def run_engine(model: str, reqs: list[Req], mode: str = "llm42", *, window: int = 8,
+               group: int = 4, perturbation: float = 0.0, seed: int = 0,
+               **kw: object) -> tuple[list[RequestOutput], dict[str, float], LLMEngine]:
+    """Run the requests with their arrival steps; check integrity every step."""
+    kw.setdefault("max_model_len", 512)
+    engine = LLMEngine.from_args(model, mode, verify_window=window, verify_group=group,
+                                 fastpath_perturbation=perturbation, seed=seed, **kw)
+    order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival)
+    done: dict[str, RequestOutput] = {}
+    step = 0
+    while order or engine.has_unfinished_requests():
+        while order and reqs[order[0]].arrival <= step:
+            i = order.pop(0)
+            engine.add_request(f"r{i}", None, reqs[i].params, prompt_token_ids=reqs[i].prompt)
+        for out in engine.step():
+            assert out.num_new_tokens >= 0
+            if out.finished:
+                done[out.request_id] = out
+        engine.check_integrity()
+        step += 1
+        assert step < 10_000, "engine made no progress"
+    assert engine.blocks.num_free == engine.blocks.num_blocks - 1, "blocks leaked"
+    return [done[f"r{i}"] for i in range(len(reqs))], engine.stats(), engine
+
+
+def random_prompts(n: int, lengths: list[int], vocab: int = 512, seed: int = 0,
+                   prefix: list[int] | None = None) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        body = [rng.randrange(3, vocab) for _ in range(lengths[i % len(lengths)])]
+        out.append((prefix or []) + body)
+    return out
+
+
+def signature(out: RequestOutput) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Token ids and the bit patterns of their logprobs (floats compared exactly)."""
+    lps = tuple(lp.logprob for lp in out.logprobs or [])
+    return tuple(out.token_ids), lps

@@ -1,0 +1,191 @@
+"""The serve config is one: `detserve.serve_config` builds what `detserve serve` runs and
+what the RayService's serveConfigV2 carries; and the image matches the manifests."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # deploy/ is not an installed package
+
+from deploy.k8s import manifests as m  # noqa: E402
+from deploy.k8s.render import render  # noqa: E402
+from detserve import serve_config as sc  # noqa: E402
+
+K8S = ROOT / "deploy" / "k8s"
+
+
+def rendered_serve_config(name: str) -> str:
+    objects = render(K8S / "overlays" / name)
+    (service,) = [o for o in objects if o["kind"] == "RayService"]
+    text = service["spec"]["serveConfigV2"]
+    assert isinstance(text, str)
+    return text
+
+
+# --- detserve.serve_config ---------------------------------------------------------------
+
+def test_default_config_shape() -> None:
+    config = sc.default_serve_config()
+    (app,) = config["applications"]
+    assert app == {
+        "name": "detserve",
+        "route_prefix": "/",
+        "import_path": "services.app:build_app",
+        "args": dict(sc.DEFAULT_ARGS),
+    }
+    assert list(app["args"]) == list(sc.ARG_NAMES)
+    assert config["http_options"]["port"] == 8000
+    assert config["grpc_options"]["port"] == 9000
+    assert yaml.safe_load(yaml.safe_dump(config)) == config
+
+
+def test_overrides_are_applied_and_validated() -> None:
+    config = sc.default_serve_config(model="/models/x.gguf", verify_window=32, http_port=8080)
+    args = config["applications"][0]["args"]
+    assert (args["model"], args["verify_window"], args["verify_group"]) == (
+        "/models/x.gguf", 32, 8)
+    assert config["http_options"] == {"host": "0.0.0.0", "port": 8080}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"verify_windw": 32}, "unknown serve args"),
+    ({"mode": "fast"}, "mode must be one of"),
+    ({"device": "tpu"}, "device must be one of"),
+    ({"dtype": "int8"}, "dtype must be one of"),
+    ({"verify_window": 0}, "verify_window must be >= 1"),
+    ({"verify_group": True}, "verify_group must be an integer"),
+    ({"num_verifiers": 0}, "mode 'llm42' needs num_verifiers >= 1"),
+    ({"verifier_gpu_fraction": 0.5}, "must be 0 when device is 'cpu'"),
+    ({"device": "cuda"}, "must be > 0 when verifiers run on 'cuda'"),
+    ({"device": "cuda", "verifier_gpu_fraction": 1.5}, r"must be in \[0, 1\]"),
+    ({"redis_url": "localhost:6379"}, "redis_url must start with"),
+    ({"grpc_port": 8000}, "must differ"),
+    ({"http_port": 70000}, r"http_port must be in \[1, 65535\]"),
+    ({"model": " "}, "model must be a non-empty string"),
+])
+def test_bad_args_raise_clear_errors(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        sc.default_serve_config(**overrides)
+
+
+def test_nondeterministic_mode_may_run_without_verifiers() -> None:
+    config = sc.default_serve_config(mode="nondeterministic", num_verifiers=0)
+    assert config["applications"][0]["args"]["num_verifiers"] == 0
+
+
+def test_deployment_overrides() -> None:
+    decoder = sc.DeploymentOverride(
+        sc.DECODER, num_cpus=2, resources={"slot": 1}, max_ongoing_requests=32,
+        autoscaling=sc.Autoscaling(min_replicas=1, initial_replicas=2, max_replicas=4,
+                                   target_ongoing_requests=16))
+    config = sc.default_serve_config(num_decoders=2, deployments=[decoder])
+    (entry,) = config["applications"][0]["deployments"]
+    assert entry["name"] == "Decoder" and entry["num_replicas"] == "auto"
+    assert entry["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 0.0,
+                                          "resources": {"slot": 1}}
+    assert entry["autoscaling_config"]["initial_replicas"] == 2
+    with pytest.raises(ValueError, match="initial_replicas must equal num_decoders"):
+        sc.default_serve_config(num_decoders=1, deployments=[decoder])
+    with pytest.raises(ValueError, match="repeat a name"):
+        sc.default_serve_config(num_decoders=2, deployments=[decoder, decoder])
+    with pytest.raises(ValueError, match="unknown deployment"):
+        sc.DeploymentOverride("Decodr", num_cpus=1)
+    with pytest.raises(ValueError, match="max_ongoing_requests >= target_ongoing_requests"):
+        sc.DeploymentOverride(sc.DECODER, num_cpus=1, max_ongoing_requests=4,
+                              autoscaling=sc.Autoscaling(1, 4, 1, target_ongoing_requests=8))
+    with pytest.raises(ValueError, match="min_replicas <= initial_replicas <= max_replicas"):
+        sc.Autoscaling(min_replicas=3, max_replicas=4, initial_replicas=2)
+    verifier = sc.DeploymentOverride(sc.VERIFIER, num_cpus=1, num_gpus=0.5)
+    with pytest.raises(ValueError, match="asks for 0.5 GPUs but device is 'cpu'"):
+        sc.default_serve_config(deployments=[verifier])
+    with pytest.raises(ValueError, match="must equal verifier_gpu_fraction"):
+        sc.default_serve_config(device="cuda", verifier_gpu_fraction=0.25,
+                                deployments=[verifier])
+
+
+def test_serve_config_module_does_not_import_ray() -> None:
+    source = (ROOT / "detserve" / "serve_config.py").read_text()
+    assert not re.search(r"^\s*(import|from)\s+ray\b", source, re.MULTILINE)
+
+
+# --- the RayService carries exactly that config ------------------------------------------
+
+@pytest.mark.parametrize("overlay", m.OVERLAYS, ids=lambda o: o.name)
+def test_serveconfigv2_is_the_shared_config(overlay: m.Overlay) -> None:
+    expected = yaml.safe_dump(sc.default_serve_config(
+        deployments=overlay.deployments, http_host="0.0.0.0", **overlay.serve_args))
+    assert rendered_serve_config(overlay.name) == expected
+
+
+@pytest.mark.parametrize("overlay", m.OVERLAYS, ids=lambda o: o.name)
+def test_engine_configmap_mirrors_the_serve_args(overlay: m.Overlay) -> None:
+    args = yaml.safe_load(rendered_serve_config(overlay.name))["applications"][0]["args"]
+    objects = render(K8S / "overlays" / overlay.name)
+    (configmap,) = [o for o in objects if o["kind"] == "ConfigMap"]
+    assert configmap["data"] == {f"DETSERVE_{k.upper()}": str(v) for k, v in args.items()}
+
+
+@pytest.mark.parametrize("name", [o.name for o in m.OVERLAYS])
+def test_serveconfigv2_parses_as_a_ray_serve_deploy_config(name: str) -> None:
+    schema = pytest.importorskip("ray.serve.schema")
+    config = schema.ServeDeploySchema.model_validate(
+        yaml.safe_load(rendered_serve_config(name)))
+    (app,) = config.applications
+    assert app.import_path == sc.IMPORT_PATH
+    assert {d.name for d in app.deployments} <= set(sc.DEPLOYMENT_NAMES)
+
+
+def _import_app_module() -> Any:
+    try:
+        return importlib.import_module(sc.IMPORT_PATH.split(":")[0])
+    except ModuleNotFoundError as error:
+        if error.name not in ("services", "services.app"):
+            raise
+        pytest.skip("services.app (the Ray Serve application) is not in the tree yet")
+
+
+@pytest.mark.parametrize("name", [o.name for o in m.OVERLAYS])
+def test_app_builds_from_the_rayservice_config_without_kubernetes(name: str) -> None:
+    serve = pytest.importorskip("ray.serve")
+    module = _import_app_module()
+    (app_config,) = yaml.safe_load(rendered_serve_config(name))["applications"]
+    build_app = getattr(module, sc.IMPORT_PATH.split(":")[1])
+    app = build_app(app_config["args"])
+    assert isinstance(app, serve.Application)
+    # Ray Serve refuses a config that overrides a deployment the app does not define.
+    from ray.serve._private.build_app import build_app as build_deployments
+
+    built = build_deployments(app, name=app_config["name"])
+    names = {d.name for d in built.deployments}
+    assert {d["name"] for d in app_config.get("deployments", [])} <= names
+    for path in yaml.safe_load(rendered_serve_config(name))["grpc_options"][
+            "grpc_servicer_functions"]:
+        module_name, _, attr = path.partition(":")
+        assert callable(getattr(importlib.import_module(module_name), attr)), path
+
+
+# --- the image recipe matches the manifests ----------------------------------------------
+
+def test_dockerfile_matches_ray_version_and_project_version() -> None:
+    dockerfile = (K8S / "Dockerfile").read_text()
+    ray_version = re.search(r"^ARG RAY_VERSION=(\S+)$", dockerfile, re.MULTILINE)
+    base = re.search(r"^ARG RAY_IMAGE=(\S+)$", dockerfile, re.MULTILINE)
+    assert ray_version and base, "Dockerfile must set ARG RAY_VERSION and ARG RAY_IMAGE"
+    assert ray_version.group(1) == m.RAY_VERSION
+    image = base.group(1).replace("${RAY_VERSION}", ray_version.group(1))
+    assert image.startswith(f"rayproject/ray:{m.RAY_VERSION}-")
+    assert image.endswith("-gpu") or "-cu" in image, "needs a CUDA base"
+    assert re.search(r"^FROM \$\{RAY_IMAGE\}$", dockerfile, re.MULTILINE)
+    assert "VOLUME" in dockerfile and m.MODEL_CACHE_PATH in dockerfile
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    version = re.search(r'^version = "([^"]+)"', pyproject, re.MULTILINE)
+    assert version and m.PROJECT_IMAGE == f"detserve:{version.group(1)}"
+    assert f'"ray[serve]=={m.RAY_VERSION}"' in pyproject
