@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import cast
 
 from detserve.config import EngineConfig
 from detserve.engine import LLMEngine
@@ -24,7 +25,7 @@ class LLM:
         config = EngineConfig.create(model, mode, device=device, dtype=dtype,
                                      verify_window=verify_window, verify_group=verify_group,
                                      fastpath_perturbation=fastpath_perturbation, seed=seed,
-                                     **engine_kw)
+                                     **engine_kw)  # type: ignore[arg-type]
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
@@ -88,9 +89,10 @@ class LLM:
              params: SamplingParams | Sequence[SamplingParams] | None = None,
              **kw: object) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        convs = cast(list[list[dict]], [messages] if messages and isinstance(messages[0], dict)
+                     else messages)
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True)
-                   for c in convs]  # type: ignore[arg-type]
+                   for c in convs]
         ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         return self.generate(None, params, prompt_token_ids=ids, **kw)  # type: ignore[arg-type]
 

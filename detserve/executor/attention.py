@@ -74,9 +74,11 @@ def build_rows(segments: list[RowSegment], block_size: int, device: torch.device
     table_t = torch.full((len(tables), width), SCRATCH_BLOCK, dtype=torch.long)
     for i, t in enumerate(tables):
         table_t[i, :len(t)] = torch.tensor(t, dtype=torch.long)
-    as_long = {"dtype": torch.long, "device": device}
-    return RowBatch(torch.tensor(ids, **as_long), torch.tensor(pos, **as_long),
-                    torch.tensor(slots, **as_long), table_t.to(device), list(segments), offsets)
+    def as_long(xs: list[int]) -> Tensor:
+        return torch.tensor(xs, dtype=torch.long, device=device)
+
+    return RowBatch(as_long(ids), as_long(pos), as_long(slots), table_t.to(device),
+                    list(segments), offsets)
 
 
 def _expand_kv(x: Tensor, groups: int) -> Tensor:

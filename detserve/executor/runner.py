@@ -65,13 +65,13 @@ class ModelRunner:
         last = torch.tensor([batch.seg_offsets[i] + len(segments[i].input_ids) - 1 for i in want],
                             device=self.device)
         logits = self.model.logits(hidden[last], ops)
-        specs = [sample_specs[i] for i in want]
+        specs = [s for s in sample_specs if s is not None]
         positions = [segments[i].start + len(segments[i].input_ids) for i in want]
         if batch_invariant:  # sample row by row: nothing may depend on the batch
             picked = [sample_row(logits[j], s, p) for j, (s, p) in
-                      enumerate(zip(specs, positions, strict=True))]  # type: ignore[arg-type]
+                      enumerate(zip(specs, positions, strict=True))]
         else:
-            picked = sample_rows(logits, specs, positions)  # type: ignore[arg-type]
+            picked = sample_rows(logits, specs, positions)
         for i, res in zip(want, picked, strict=True):
             results[i] = res
         return results

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -68,7 +68,7 @@ class LlamaModel(nn.Module):
         self.config = config
         self.dtype = dtype
         c = config
-        kw = {"dtype": dtype, "device": device}
+        kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **kw), requires_grad=False)
         self.layers = nn.ModuleList(_Layer(c, kw) for _ in range(c.num_layers))
         self.norm = nn.Parameter(torch.ones(c.hidden_size, **kw), requires_grad=False)
@@ -83,6 +83,10 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_sin", freqs.sin().float().to(device), persistent=False)
 
     @property
+    def layer_list(self) -> list[_Layer]:
+        return cast(list[_Layer], list(self.layers))
+
+    @property
     def lm_head_weight(self) -> Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
@@ -91,9 +95,10 @@ class LlamaModel(nn.Module):
         """Rows are independent tokens (flattened batch). Returns final-normed hidden [N, hidden]."""
         c = self.config
         h = self.embed_tokens[input_ids]
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos = cast(Tensor, self.rope_cos)[positions]
+        sin = cast(Tensor, self.rope_sin)[positions]
         n = h.shape[0]
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layer_list):
             x = ops.rmsnorm(h, layer.input_norm, c.rms_norm_eps)
             qkv = ops.linear(x, layer.qkv_proj, layer.qkv_bias)
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
@@ -139,7 +144,7 @@ class LlamaModel(nn.Module):
         if self.lm_head is not None:
             key = "lm_head.weight" if "lm_head.weight" in pending else "embed_tokens.weight"
             put(self.lm_head, take(key), key)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layer_list):
             p = f"layers.{i}."
             a = p + "self_attn."
             qkv = torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"], 0)
@@ -158,7 +163,7 @@ class LlamaModel(nn.Module):
 
 
 class _Layer(nn.Module):
-    def __init__(self, c: ModelConfig, kw: dict) -> None:
+    def __init__(self, c: ModelConfig, kw: dict[str, Any]) -> None:
         super().__init__()
         def p(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, **kw), requires_grad=False)

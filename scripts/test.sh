@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh) and run every check CI runs: ruff, mypy, pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+PY=${PYTHON:-python3}
+echo "== ruff"
+$PY -m ruff check .
+echo "== mypy"
+$PY -m mypy detserve
+echo "== pytest"
+$PY -m pytest -q -p no:cacheprovider --timeout=900 "$@"

@@ -1,0 +1,183 @@
+"""Offline API behaviour: validation, stop conditions, logprobs, abort, parity with HF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_utils import Req, random_prompts, run_engine, tiny_model
+
+from detserve import LLM, SamplingParams
+from detserve.engine import LLMEngine
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def llm(model: str) -> LLM:
+    return LLM(model, verify_window=8, verify_group=4, max_model_len=256)
+
+
+PROMPT = random_prompts(1, [12], seed=5)[0]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"seed": -1}, "seed"),
+    ({"logprobs": 99}, "logprobs"),
+    ({"max_tokens": "7"}, "max_tokens"),
+    ({"stop": [""]}, "stop"),
+])
+def test_bad_sampling_params(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_leave_engine_usable(llm: LLM) -> None:
+    p = SamplingParams(max_tokens=4)
+    with pytest.raises(ValueError, match="non-empty"):
+        llm.generate([""], p)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(prompt_token_ids=[[]], params=p)
+    with pytest.raises(ValueError, match="context"):
+        llm.generate(prompt_token_ids=[[5] * 300], params=p)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate(prompt_token_ids=[[5, 10_000]], params=p)
+    with pytest.raises(ValueError, match="arrival_steps"):
+        llm.generate(prompt_token_ids=[PROMPT], params=p, arrival_steps=[-1])
+    # a batch with one bad member queues nothing that lingers
+    with pytest.raises(ValueError):
+        llm.generate(prompt_token_ids=[PROMPT, [10_000]], params=p)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate(prompt_token_ids=[PROMPT], params=p)
+    assert len(out[0].token_ids) == 4
+    llm.engine.check_integrity()
+
+
+def test_unknown_mode_and_bad_engine_config(model: str) -> None:
+    with pytest.raises(ValueError, match="unknown mode"):
+        LLM(model, mode="turbo")
+    with pytest.raises(ValueError):
+        LLM(model, fastpath_perturbation=2.0)
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(model, max_model_len=4096)
+    with pytest.raises((ValueError, FileNotFoundError)):
+        LLM("/nonexistent/model")
+
+
+def test_max_tokens_and_finish_reason(llm: LLM) -> None:
+    outs = llm.generate(prompt_token_ids=[PROMPT] * 2, params=[
+        SamplingParams(max_tokens=5, ignore_eos=True),
+        SamplingParams(max_tokens=11, ignore_eos=True, is_deterministic=True)])
+    assert [len(o.token_ids) for o in outs] == [5, 11]
+    assert all(o.finish_reason == "length" and o.finished for o in outs)
+
+
+def test_stop_token_ids_and_stop_strings(llm: LLM) -> None:
+    free = llm.generate(prompt_token_ids=[PROMPT],
+                        params=SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    stop_tok = free.token_ids[6]
+    first = free.token_ids.index(stop_tok)
+    for det in (False, True):
+        out = llm.generate(prompt_token_ids=[PROMPT], params=SamplingParams(
+            max_tokens=30, ignore_eos=True, stop_token_ids=[stop_tok], is_deterministic=det))[0]
+        assert out.finish_reason == "stop"
+        assert out.token_ids == free.token_ids[:first + 1]
+    text = free.text
+    needle = text[len(text) // 2: len(text) // 2 + 3]
+    if needle.strip():
+        out = llm.generate(prompt_token_ids=[PROMPT], params=SamplingParams(
+            max_tokens=30, ignore_eos=True, stop=[needle], is_deterministic=True))[0]
+        assert out.finish_reason == "stop"
+        assert needle not in out.text and text.startswith(out.text)
+
+
+def test_logprobs_topk(llm: LLM) -> None:
+    for det in (False, True):
+        out = llm.generate(prompt_token_ids=[PROMPT], params=SamplingParams(
+            max_tokens=6, logprobs=3, is_deterministic=det, ignore_eos=True))[0]
+        assert out.logprobs is not None and len(out.logprobs) == 6
+        for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
+            assert lp.token_id == tok and lp.logprob <= 0
+            assert len(lp.top) == 3
+            assert max(lp.top.values()) == pytest.approx(lp.logprob)  # greedy: chosen is top-1
+
+
+def test_min_tokens_masks_eos(model: str) -> None:
+    eng = LLMEngine.from_args(model, "llm42", verify_window=8, verify_group=4, max_model_len=256)
+    eos = next(iter(eng.scheduler.eos_token_ids))
+    outs, _, _ = run_engine(model, [Req(PROMPT, SamplingParams(
+        max_tokens=12, min_tokens=12, stop_token_ids=[], is_deterministic=True))])
+    assert len(outs[0].token_ids) == 12 and eos not in outs[0].token_ids
+
+
+def test_abort(model: str) -> None:
+    eng = LLMEngine.from_args(model, "llm42", verify_window=8, verify_group=4, max_model_len=256)
+    eng.add_request("a", None, SamplingParams(max_tokens=50, is_deterministic=True,
+                                               ignore_eos=True), prompt_token_ids=PROMPT)
+    eng.add_request("b", None, SamplingParams(max_tokens=50, ignore_eos=True),
+                    prompt_token_ids=PROMPT)
+    for _ in range(3):
+        eng.step()
+    assert eng.abort_request("a") and eng.abort_request("b")
+    assert not eng.abort_request("missing")
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    eng.check_integrity()
+    assert eng.blocks.num_free == eng.blocks.num_blocks - 1
+    with pytest.raises(ValueError, match="duplicate"):
+        eng.add_request("c", None, SamplingParams(), prompt_token_ids=PROMPT)
+        eng.add_request("c", None, SamplingParams(), prompt_token_ids=PROMPT)
+
+
+def test_staggered_arrivals_api(llm: LLM) -> None:
+    p = SamplingParams(max_tokens=8, is_deterministic=True, ignore_eos=True, logprobs=0)
+    a = llm.generate(prompt_token_ids=[PROMPT], params=p)[0]
+    prompts = random_prompts(4, [5, 30, 9], seed=3) + [PROMPT]
+    outs = llm.generate(prompt_token_ids=prompts, params=p, arrival_steps=[0, 2, 4, 1, 3])
+    assert outs[-1].token_ids == a.token_ids
+    assert [x.logprob for x in outs[-1].logprobs or []] == [x.logprob for x in a.logprobs or []]
+
+
+@pytest.mark.parametrize("mode", ["nondeterministic", "lane_only", "batch_invariant"])
+def test_engine_matches_transformers(model: str, mode: str) -> None:
+    """Greedy tokens and logprobs of the paged engine vs HF LlamaForCausalLM (fp32)."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    prompts = random_prompts(3, [7, 33, 18], seed=21)
+    n = 12
+    outs, _, _ = run_engine(model, [Req(p, SamplingParams(max_tokens=n, logprobs=0,
+                                                          ignore_eos=True)) for p in prompts],
+                            mode=mode)
+    for p, out in zip(prompts, outs, strict=True):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            gen = hf.generate(ids, max_new_tokens=n, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
+                              min_new_tokens=n)
+        hf_tokens = gen.sequences[0, len(p):].tolist()
+        assert out.token_ids == hf_tokens
+        hf_lp = [torch.log_softmax(s[0].float(), -1)[t].item()
+                 for s, t in zip(gen.scores, hf_tokens, strict=True)]
+        ours = [lp.logprob for lp in out.logprobs or []]
+        assert ours == pytest.approx(hf_lp, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_smollm2_answers_paris() -> None:
+    llm = LLM("smollm2", verify_window=16, verify_group=2, max_model_len=512)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    det, fast = llm.chat([msgs, msgs], [SamplingParams(max_tokens=24, is_deterministic=True),
+                                        SamplingParams(max_tokens=24)])
+    assert "Paris" in det.text, det.text
+    assert "Paris" in fast.text, fast.text
+    assert det.finish_reason == "stop"

@@ -1,0 +1,186 @@
+"""Scheduler and block manager: pure bookkeeping, no model."""
+
+from __future__ import annotations
+
+import pytest
+
+from detserve.block_manager import SCRATCH_BLOCK, BlockManager
+from detserve.config import SchedulerConfig
+from detserve.params import SamplingParams
+from detserve.scheduler import Scheduler
+from detserve.sequence import Sequence, Status
+
+EOS = 2
+
+
+def _seq(i: int, n_prompt: int, det: bool, max_tokens: int = 20) -> Sequence:
+    return Sequence(f"s{i}", list(range(3, 3 + n_prompt)),
+                    SamplingParams(max_tokens=max_tokens, is_deterministic=det),
+                    uses_lane=det, deterministic=det, arrival=i)
+
+
+def _sched(mode: str = "llm42", blocks: int = 64, **kw: int) -> Scheduler:
+    cfg = SchedulerConfig(mode=mode, verify_window=kw.pop("W", 4), verify_group=kw.pop("G", 2),
+                          max_model_len=kw.pop("max_model_len", 128), **kw)
+    return Scheduler(cfg, BlockManager(blocks, 4), eos_token_ids=[EOS])
+
+
+def _fake_fast(s: Scheduler, out, token: int = 7) -> None:  # type: ignore[no-untyped-def]
+    for item in out.fast:
+        s.on_fast_result(item, token if item.sample else None)
+
+
+def test_block_manager_alloc_free_integrity() -> None:
+    bm = BlockManager(8, 4)
+    assert bm.num_free == 7
+    a = bm.allocate(3)
+    assert a is not None and SCRATCH_BLOCK not in a
+    assert bm.allocate(5) is None, "over-allocation must return None"
+    t: list[int] = []
+    assert bm.grow(t, 9) and len(t) == 3
+    bm.check_integrity([a, t])
+    bm.shrink(t, 4)
+    assert len(t) == 1
+    bm.check_integrity([a, t])
+    with pytest.raises(AssertionError):
+        bm.check_integrity([a])  # t's block is referenced but not listed
+    bm.free(a)
+    with pytest.raises(ValueError):
+        bm.free(a)
+    with pytest.raises(ValueError):
+        bm.free([SCRATCH_BLOCK])
+
+
+def test_token_budget_and_chunked_prefill() -> None:
+    s = _sched(mode="nondeterministic", max_num_batched_tokens=16)
+    for i in range(3):
+        s.add(_seq(i, 30, det=False))
+    out = s.schedule()
+    assert sum(i.end - i.start for i in out.fast) == 16
+    assert out.fast[0].start == 0 and out.fast[0].end == 16 and not out.fast[0].sample
+    _fake_fast(s, out)
+    out = s.schedule()
+    first = out.fast[0]
+    assert first.start == 16 and first.end == 30 and first.sample
+    s.check_integrity()
+
+
+def test_decode_rows_go_before_prefill() -> None:
+    s = _sched(mode="nondeterministic", max_num_batched_tokens=8)
+    s.add(_seq(0, 5, det=False))
+    _fake_fast(s, s.schedule())
+    s.add(_seq(1, 40, det=False))
+    out = s.schedule()
+    assert out.fast[0].seq.request_id == "s0" and out.fast[0].end - out.fast[0].start == 1
+    assert out.fast[1].end - out.fast[1].start == 7
+
+
+def test_lane_pass_has_fixed_rows_and_windows() -> None:
+    s = _sched(W=4, G=2)  # lane of 8 rows, 3 candidates per window
+    seq = _seq(0, 10, det=True)
+    s.add(seq)
+    out = s.schedule()
+    assert [(i.kind, i.start, i.end) for i in out.lane] == [("prefill", 0, 8)]
+    assert not out.fast, "a lane seq never takes the fast path before its prompt is in the lane"
+    s.on_lane_result(out.lane[0], [])
+    out = s.schedule()
+    assert [(i.kind, i.start, i.end) for i in out.lane] == [("prefill", 8, 10)]
+    assert list(out.lane[0].sample_rows) == [1]
+    s.on_lane_result(out.lane[0], [11])
+    assert seq.num_committed == 11 and seq.num_lane_kv == 10
+    for _ in range(3):  # three fast candidates fill the window
+        out = s.schedule()
+        assert not out.lane and len(out.fast) == 1
+        _fake_fast(s, out, token=20)
+    out = s.schedule()
+    assert not out.fast
+    (win,) = out.lane
+    assert (win.kind, win.start, win.end, win.candidates) == ("window", 10, 14, (20, 20, 20))
+    # lane agrees with one candidate, then differs: commit it + the lane's token
+    rejected = s.on_lane_result(win, [20, 21])
+    assert rejected == 2
+    assert seq.token_ids[10:] == [11, 20, 21]
+    assert seq.num_committed == 13 and seq.num_computed == seq.num_lane_kv == 12
+    assert seq.stats.rollbacks == 1 and seq.stats.tokens_rolled_back == 2
+    s.check_integrity()
+
+
+def test_lane_waits_to_fill_group_then_times_out() -> None:
+    s = _sched(W=4, G=2, lane_max_wait_steps=3)
+    a, b = _seq(0, 3, det=True), _seq(1, 3, det=True, max_tokens=40)
+    for q in (a, b):
+        s.add(q)
+    out = s.schedule()
+    assert {i.seq.request_id for i in out.lane} == {"s0", "s1"}
+    for it in out.lane:
+        s.on_lane_result(it, [9])
+    # make a's window ready while b still decodes: the lane waits (b could join)
+    for _ in range(3):
+        out = s.schedule()
+        _fake_fast(s, out)
+    a_ready = s.window_ready(a)
+    assert a_ready and not out.lane
+
+
+def test_lane_only_sends_every_token_through_the_lane() -> None:
+    s = _sched(mode="lane_only", W=4, G=2)
+    seq = _seq(0, 3, det=True)
+    s.add(seq)
+    out = s.schedule()
+    s.on_lane_result(out.lane[0], [9])
+    out = s.schedule()
+    assert not out.fast
+    (w,) = out.lane
+    assert w.kind == "window" and w.rows == 1 and w.candidates == ()
+
+
+def test_candidates_capped_by_max_tokens_and_eos() -> None:
+    s = _sched(W=8, G=1)
+    seq = _seq(0, 3, det=True, max_tokens=3)
+    s.add(seq)
+    s.on_lane_result(s.schedule().lane[0], [9])  # 1 output committed, 2 remain
+    assert s.candidate_cap(seq) == 1, "W-1=7 capped so that candidates + lane token <= 2"
+    s2 = _sched(W=8, G=1)
+    seq2 = _seq(1, 3, det=True)
+    s2.add(seq2)
+    s2.on_lane_result(s2.schedule().lane[0], [9])
+    out = s2.schedule()
+    assert len(out.fast) == 1 and not s2.window_ready(seq2)
+    s2.on_fast_result(out.fast[0], EOS)
+    assert s2.window_ready(seq2), "an EOS candidate closes the window early"
+    (win,) = s2.schedule().lane
+    assert win.candidates == (EOS,)
+
+
+def test_preemption_by_recompute_when_blocks_run_out() -> None:
+    s = _sched(mode="nondeterministic", blocks=9, max_num_batched_tokens=64)  # 8 usable
+    seqs = [_seq(i, 7, det=False, max_tokens=30) for i in range(3)]
+    for q in seqs:
+        s.add(q)
+    preempted = 0
+    for _ in range(40):
+        out = s.schedule()
+        preempted += len(out.preempted)
+        _fake_fast(s, out)
+        s.check_integrity()
+    assert preempted > 0
+    victim = next(q for q in seqs if q.stats.preemptions)
+    assert victim.num_committed > victim.num_prompt, "committed tokens survive preemption"
+
+
+def test_remove_releases_blocks() -> None:
+    s = _sched()
+    q = _seq(0, 9, det=False)
+    s.add(q)
+    s.schedule()
+    s.remove(q)
+    assert q.status is Status.FINISHED and s.blocks.num_free == 63
+    s.check_integrity()
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="unknown mode"):
+        SchedulerConfig(mode="fast")
+    with pytest.raises(ValueError):
+        SchedulerConfig(verify_window=0)
+    assert SchedulerConfig().lane_rows == 512
