@@ -75,7 +75,9 @@ class EngineConfig:
     dtype: str = "float32"
     seed: int = 0
     fastpath_perturbation: float = 0.0
-    batch_invariant_rows: int = 32  # fixed row-chunk of batch_invariant mode
+    batch_invariant_rows: int = 32  # fixed row-chunk of batch_invariant mode (CPU reference)
+    lane_threaded: bool = False     # run lane passes on a worker thread (always on CUDA)
+    lane_sms: int | None = None     # CUDA: SMs of the lane's green context (None: shared)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
@@ -90,6 +92,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if not 0.0 <= self.fastpath_perturbation <= 1.0:
             raise ValueError("fastpath_perturbation must be in [0, 1]")
+        if self.lane_sms is not None and self.lane_sms <= 0:
+            raise ValueError("lane_sms must be positive")
         if self.batch_invariant_rows <= 0:
             raise ValueError("batch_invariant_rows must be positive")
         if self.scheduler.max_model_len > self.cache.num_tokens:

@@ -16,6 +16,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -33,9 +34,7 @@ from detserve.params import SamplingParams
 from detserve.sampler import SamplingSpec
 from detserve.scheduler import FastItem, LaneItem, Scheduler
 from detserve.sequence import Sequence
-from detserve.verifier import InProcessVerifier, Verifier
-
-KERNEL_SET_VERSION = "torch-ref-1"
+from detserve.verifier import InProcessVerifier, ThreadedVerifier, Verifier
 
 
 class LLMEngine:
@@ -67,7 +66,9 @@ class LLMEngine:
         self.scheduler = Scheduler(sc, self.blocks, eos)
         self.runner = ModelRunner(self.model, self.pool, sc.lane_rows, sc.verify_window,
                                   config.batch_invariant_rows)
-        self.verifier: Verifier = (verifier_factory or InProcessVerifier)(self.runner)
+        if verifier_factory is None:
+            verifier_factory = self._default_verifier_factory(config)
+        self.verifier: Verifier = verifier_factory(self.runner)
         self._seqs: dict[str, Sequence] = {}
         self._inflight: dict[int, dict[str, LaneItem]] = {}
         self._pass_ids = itertools.count()
@@ -78,6 +79,14 @@ class LLMEngine:
         # fault injection models fast-path drift: it hits every fast-path token (lane-verified
         # candidates and final non-deterministic tokens alike), never lane or batch-invariant math
         self._perturbs_fast_path = config.mode in ("llm42", "nondeterministic")
+
+    @staticmethod
+    def _default_verifier_factory(config: EngineConfig) -> Callable[[ModelRunner], Verifier]:
+        """Lane on its own thread/stream (green context of ``lane_sms`` SMs) when asked or on
+        CUDA; on CPU the in-process verifier keeps runs reproducible step by step."""
+        if config.lane_threaded or config.device.startswith("cuda"):
+            return partial(ThreadedVerifier, lane_sms=config.lane_sms)
+        return InProcessVerifier
 
     @classmethod
     def from_args(cls, model: str, mode: str = "llm42", **kw: object) -> LLMEngine:
@@ -303,7 +312,7 @@ class LLMEngine:
             "verify_group": sc.verify_group,
             "block_size": self.config.cache.block_size,
             "mode": self.config.mode,
-            "kernels": f"{KERNEL_SET_VERSION}/torch-{torch.__version__}",
+            "kernels": f"{self.runner.kernel_set}/torch-{torch.__version__}",
             "device": kind,
             "tp_size": 1,
         }

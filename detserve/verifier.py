@@ -45,3 +45,95 @@ class InProcessVerifier:
 
     def close(self) -> None:
         self._done.clear()
+
+
+class ThreadedVerifier:
+    """Runs lane passes on a worker thread, on a CUDA stream of their own, so verification
+    does not stall fast-path decoding (LLM-42's prototype paused every request instead).
+
+    On CUDA with ``lane_sms`` set, the worker runs inside a green context restricted to that
+    many SMs (``torch.cuda.green_contexts``), leaving the rest to the fast path. Stream order:
+    a pass waits for everything the engine queued before it (the fast path's K/V of its
+    window), and results are only handed out once the pass's kernels have completed.
+    """
+
+    def __init__(self, runner: ModelRunner, lane_sms: int | None = None) -> None:
+        import queue
+        import threading
+
+        import torch
+
+        self.runner = runner
+        self._torch = torch
+        self._todo: queue.Queue[tuple[LanePass, object] | None] = queue.Queue()
+        self._done: queue.Queue[LaneResult | BaseException] = queue.Queue()
+        self._pending = 0
+        self.green_context_sms: int | None = None
+        self._ready = threading.Event()
+        self._lane_sms = lane_sms
+        self._thread = threading.Thread(target=self._work, name="lane-verifier", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    def _work(self) -> None:
+        torch = self._torch
+        stream = None
+        if self.runner.cuda:
+            device = self.runner.device
+            torch.cuda.set_device(device)
+            if self._lane_sms:
+                try:
+                    from torch.cuda.green_contexts import GreenContext
+
+                    ctx = GreenContext.create(self._lane_sms, device.index or 0)
+                    ctx.set_context()
+                    self.green_context_sms = self._lane_sms
+                except Exception:  # older driver/torch: fall back to a plain stream
+                    self.green_context_sms = None
+            stream = torch.cuda.Stream(device=device)
+        self._ready.set()
+        while (job := self._todo.get()) is not None:
+            lane_pass, event = job
+            try:
+                if stream is not None:
+                    stream.wait_event(event)  # type: ignore[arg-type]
+                    with torch.cuda.stream(stream):
+                        result = self.runner.run_lane(lane_pass)
+                    stream.synchronize()
+                else:
+                    result = self.runner.run_lane(lane_pass)
+                self._done.put(result)
+            except BaseException as e:  # surfaced to the engine by poll()
+                self._done.put(e)
+
+    def submit(self, lane_pass: LanePass) -> None:
+        event = None
+        if self.runner.cuda:
+            event = self._torch.cuda.Event()
+            event.record()  # the fast path's writes queued so far
+        self._pending += 1
+        self._todo.put((lane_pass, event))
+
+    def poll(self, wait: bool = False) -> list[LaneResult]:
+        import queue
+
+        out: list[LaneResult] = []
+        block = wait and self._pending > 0
+        while self._pending:
+            try:
+                item = self._done.get(block=block)
+            except queue.Empty:
+                break
+            block = False
+            self._pending -= 1
+            if isinstance(item, BaseException):
+                raise RuntimeError("lane pass failed") from item
+            out.append(item)
+        return out
+
+    def in_flight(self) -> int:
+        return self._pending
+
+    def close(self) -> None:
+        self._todo.put(None)
+        self._thread.join(timeout=30)

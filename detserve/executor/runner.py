@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -18,7 +19,7 @@ from detserve.executor.attention import (
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.ops import FixedShapeOps, TorchOps
 from detserve.lane import LaneDecision, LanePass, LaneResult, decide
-from detserve.model.llama import LlamaModel
+from detserve.model.llama import LlamaModel, Ops
 from detserve.outputs import TokenLogprob
 from detserve.sampler import SamplingSpec, sample_row, sample_rows
 
@@ -35,18 +36,34 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.device = model.embed_tokens.device
+        self.cuda = self.device.type == "cuda"
         self.lane_rows = lane_rows
         self.fast_ops = TorchOps()
         self.lane_ops = FixedShapeOps(lane_rows)
         self.lane_logit_ops = FixedShapeOps(window)
-        self.bi_ops = FixedShapeOps(batch_invariant_rows)
+        self.bi_ops: Ops = FixedShapeOps(batch_invariant_rows)
+        self.bi_rows = batch_invariant_rows
+        self.kernel_set = "torch-ref-1"
+        if self.cuda:
+            from detserve.executor import gpu
 
-    def _forward(self, batch: RowBatch, ops: FixedShapeOps | TorchOps, tiled_rows: int | None
-                 ) -> Tensor:
-        if tiled_rows is None:
+            self.bi_ops = gpu.TritonBatchInvariantOps()
+            self.kernel_set = gpu.KERNEL_VERSION
+
+    def _forward(self, batch: RowBatch, ops: Ops, kind: str) -> Tensor:
+        """kind: "fast" (any reduction order), "lane" (fixed M rows), "bi" (batch-invariant)."""
+        attn: Callable[[int, Tensor, Tensor, Tensor], Tensor]
+        if self.cuda:
+            from detserve.executor import gpu
+
+            meta = gpu.GpuMeta.build(batch)
+            fn = gpu.fast_attention_gpu if kind == "fast" else gpu.lane_attention_gpu
+            attn = partial(fn, self.pool, batch=batch, meta=meta)
+        elif kind == "fast":
             attn = partial(fast_attention, self.pool, batch=batch)
         else:
-            attn = partial(tiled_attention, self.pool, batch=batch, chunk_rows=tiled_rows)
+            rows = self.lane_rows if kind == "lane" else self.bi_rows
+            attn = partial(tiled_attention, self.pool, batch=batch, chunk_rows=rows)
         return self.model(batch.input_ids, batch.positions,
                           lambda i, q, k, v: attn(i, q, k, v), ops)
 
@@ -57,7 +74,7 @@ class ModelRunner:
         whose spec is not None. Returns one (token, logprob) or None per segment."""
         batch = build_rows(segments, self.pool.block_size, self.device)
         ops = self.bi_ops if batch_invariant else self.fast_ops
-        hidden = self._forward(batch, ops, self.bi_ops.rows if batch_invariant else None)
+        hidden = self._forward(batch, ops, "bi" if batch_invariant else "fast")
         want = [i for i, s in enumerate(sample_specs) if s is not None]
         results: list[tuple[int, TokenLogprob | None] | None] = [None] * len(segments)
         if not want:
@@ -84,7 +101,7 @@ class ModelRunner:
             raise ValueError(f"lane pass has {lane_pass.rows} rows, lane is {self.lane_rows}")
         segs = [RowSegment(s.input_ids, s.start, s.block_table) for s in lane_pass.segments]
         batch = build_rows(segs, self.pool.block_size, self.device, pad_to=self.lane_rows)
-        hidden = self._forward(batch, self.lane_ops, self.lane_rows)
+        hidden = self._forward(batch, self.lane_ops, "lane")
         rows = [batch.seg_offsets[i] + r for i, s in enumerate(lane_pass.segments)
                 for r in s.sample_rows]
         logits = (self.model.logits(hidden[torch.tensor(rows, device=self.device)],

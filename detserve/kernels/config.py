@@ -86,14 +86,17 @@ class PrefillConfig:
 class LaneConfig:
     """Lane attention: KV tiles of ``tile`` absolute positions, in order: *bits*."""
 
-    tile: int = 32
-    num_warps: int = 4  # *bits*: decides the layout of the in-tile reductions
-    num_stages: int = 2
+    tile: int = 64
+    # Height of the query tile, (rows x query heads of one kv head): *bits*, as it and
+    # num_warps decide the layout of the in-tile reductions.
+    block_m: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
 
     def __post_init__(self) -> None:
-        _check_pow2(self, tile=self.tile, num_warps=self.num_warps)
-        if self.tile < 16:
-            raise ValueError("lane tile must be >= 16 (tl.dot)")
+        _check_pow2(self, tile=self.tile, block_m=self.block_m, num_warps=self.num_warps)
+        if min(self.tile, self.block_m) < 16:
+            raise ValueError("lane tile and block_m must be >= 16 (tl.dot)")
 
 
 @dataclass(frozen=True)

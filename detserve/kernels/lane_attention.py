@@ -3,14 +3,21 @@
 Each of the pass's M rows is one query token: (sequence -> block-table row, absolute
 position p). The row reduces over KV tiles aligned to absolute positions, tile t covering
 positions [t*TILE, (t+1)*TILE), strictly in increasing t with an online softmax, masking
-positions > p; no split-KV. One program per (row, kv head) takes the g query heads of that
-kv head together.
+positions > p; no split-KV.
+
+A program owns (a block of ``rows_per_program`` consecutive rows, a kv head). Its rows that
+share a sequence are processed together, so a verify window or a prompt chunk reads each KV
+tile once: the query tile is [ROWS * BLOCK_G, D], one slot per (row, query head of this kv
+head), and its height ``cfg.block_m`` never changes, however many slots are filled. A row
+keeps its running state unchanged (``tl.where``) in tiles that start past its p, and in its
+last tile the positions past p get probability 0, so what the other slots hold cannot reach
+its bits: matrix-multiply rows are computed independently of one another.
 
 Invariant (tested bitwise): a row's output is a function of its q, the cached K/V at
-positions 0..p, p and the kernel's compile-time constants (TILE, head sizes, dtype,
-num_warps) alone -- not of the other rows, the row's index in the pass, how the sequence
-was chunked, or anything cached beyond p. The pass must have written its own K/V to the
-cache before this kernel runs.
+positions 0..p, p and the compile-time constants (TILE, block_m, head sizes, dtype,
+num_warps) alone -- not of the other rows, the row's index in the pass, M,
+``rows_per_program``, how the sequence was chunked, or anything cached beyond p. The pass
+must have written its own K/V to the cache before this kernel runs.
 """
 
 from __future__ import annotations
@@ -20,9 +27,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from detserve.kernels._tiles import attend_tile
 from detserve.kernels._utils import (
     LOG2E,
+    cdiv,
     default_scale,
     dot_precision,
     expect,
@@ -31,58 +38,118 @@ from detserve.kernels._utils import (
     expect_paged_cache,
     gather_kv,
     next_pow2,
+    num_sms,
 )
 from detserve.kernels.config import TABLE, LaneConfig
 
 
 @triton.jit
+def _lane_tile(
+    q, m_i, l_i, acc, start, pos_i, live_i, last,
+    bt_row, k_cache_ptr, v_cache_ptr, kv_head, qk_scale,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    offs_d, d_mask,
+    PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Fold positions [start, start + TILE) into the state of the slots with live_i set.
+
+    Slot i sees positions <= pos_i[i]; a slot whose p is before ``start`` keeps its state.
+    K/V past ``last`` (the largest p of the live slots) are not read.
+    """
+    offs_n = start + tl.arange(0, TILE)
+    n_mask = offs_n <= last
+    blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+    in_page = offs_n % PAGE
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k_off = blk * stride_kb + in_page * stride_ks + kv_head * stride_kh
+    k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    qk = tl.where(offs_n[None, :] <= pos_i[:, None], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows seeing nothing: no inf - inf
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
+    l_new = l_i * alpha + tl.sum(p, 1)
+    v_off = blk * stride_vb + in_page * stride_vs + kv_head * stride_vh
+    v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    acc_new = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    upd = live_i & (start <= pos_i)
+    m_i = tl.where(upd, m_new, m_i)
+    l_i = tl.where(upd, l_new, l_i)
+    acc = tl.where(upd[:, None], acc_new, acc)
+    return m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _lane_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, row_seq_ptr, row_pos_ptr, out_ptr,
-    qk_scale,
+    qk_scale, M, rows_per_program,
     stride_qm, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt,
     stride_om, stride_oh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
-    pos = tl.load(row_pos_ptr + row)
-    seq = tl.load(row_seq_ptr + row).to(tl.int64)
+    row0 = tl.program_id(0) * rows_per_program
+    row_end = tl.minimum(row0 + rows_per_program, M)
 
-    offs_g = tl.arange(0, BLOCK_G)
+    # Slot i = (row row0 + i // BLOCK_G, query head kvh * GROUP + i % BLOCK_G).
+    offs_i = tl.arange(0, ROWS * BLOCK_G)
+    row_i = row0 + offs_i // BLOCK_G
+    g_i = offs_i % BLOCK_G
+    in_i = (row_i < row_end) & (g_i < GROUP)
+    seq_i = tl.load(row_seq_ptr + row_i, mask=in_i, other=-1)
+    pos_i = tl.load(row_pos_ptr + row_i, mask=in_i, other=-1)
     offs_d = tl.arange(0, BLOCK_D)
-    g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    heads = kvh * GROUP + offs_g
-    io_mask = g_mask[:, None] & d_mask[None, :]
-    q = tl.load(q_ptr + row * stride_qm + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=io_mask, other=0.0)
+    head_i = kvh * GROUP + g_i
+    q_off = row_i.to(tl.int64) * stride_qm + head_i * stride_qh
+    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=in_i[:, None] & d_mask[None, :],
+                other=0.0)
+    o_ptrs = out_ptr + (row_i.to(tl.int64) * stride_om + head_i * stride_oh)[:, None] \
+        + offs_d[None, :]
+    # Padding rows (p < 0) produce zeros.
+    pad_i = in_i & (pos_i < 0)
+    tl.store(o_ptrs, tl.zeros([ROWS * BLOCK_G, BLOCK_D], dtype=out_ptr.dtype.element_ty),
+             mask=pad_i[:, None] & d_mask[None, :])
 
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    bt_row = block_tables_ptr + seq * stride_bt
-    # Padding rows (pos < 0) see no tile and produce zeros.
-    visible = tl.maximum(pos + 1, 0)  # positions 0..pos
-    full_end = visible // TILE * TILE
-    for s in range(0, full_end, TILE):  # whole tiles, t = 0, 1, ... in order
-        m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, s, visible, offs_g, bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, offs_d, d_mask,
-            PAGE, TILE, False, False, HEAD_DIM != BLOCK_D, PRECISION)
-    for s in range(full_end, visible, TILE):  # the tile holding p, cut at p
-        m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, s, visible, offs_g, bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, offs_d, d_mask,
-            PAGE, TILE, True, False, HEAD_DIM != BLOCK_D, PRECISION)
+    # One pass per distinct sequence, led by its first row in the block.
+    for row in range(row0, row_end):
+        seq = tl.load(row_seq_ptr + row)
+        p = tl.load(row_pos_ptr + row)
+        first = tl.sum(((row_i < row) & (seq_i == seq) & (pos_i >= 0)).to(tl.int32), 0) == 0
+        if (p >= 0) & first:
+            live_i = in_i & (seq_i == seq) & (pos_i >= 0)
+            last = tl.max(tl.where(live_i, pos_i, -1), 0)
+            m_i = tl.full([ROWS * BLOCK_G], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([ROWS * BLOCK_G], dtype=tl.float32)
+            acc = tl.zeros([ROWS * BLOCK_G, BLOCK_D], dtype=tl.float32)
+            bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+            for start in range(0, last + 1, TILE):  # tiles t = 0, 1, ... in order
+                m_i, l_i, acc = _lane_tile(
+                    q, m_i, l_i, acc, start, pos_i, live_i, last,
+                    bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    offs_d, d_mask, PAGE, TILE, PRECISION)
+            o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=live_i[:, None] & d_mask[None, :])
 
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + row * stride_om + heads[:, None] * stride_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+def lane_rows(group: int, cfg: LaneConfig = TABLE.lane) -> int:
+    """Row slots of one program for g query heads per kv head: block_m // next_pow2(g)."""
+    return max(1, cfg.block_m // next_pow2(group))
+
+
+def default_rows_per_program(m: int, num_kv_heads: int, rows: int, sms: int) -> int:
+    """Largest power of two <= rows that still gives every SM a program (from M alone)."""
+    rpp = rows
+    while rpp > 1 and cdiv(m, rpp) * num_kv_heads < sms:
+        rpp //= 2
+    return rpp
 
 
 def lane_attention(
@@ -94,6 +161,7 @@ def lane_attention(
     row_pos: Tensor,
     *,
     scale: float | None = None,
+    rows_per_program: int | None = None,
     out: Tensor | None = None,
     cfg: LaneConfig = TABLE.lane,
 ) -> Tensor:
@@ -102,8 +170,11 @@ def lane_attention(
     q: [M, H, D]; row_seq int32 [M]: row of ``block_tables`` of each row's sequence;
     row_pos int32 [M]: absolute position p of each row (p < 0: padding row, output zeros).
     The cache must hold the sequence's K/V for positions 0..p (the row's own included) and
-    its block-table row must cover them. Returns ``out`` [M, H, D] in q's dtype. Needs no
-    host sync (CUDA-graph safe); does not modify the cache.
+    its block-table row must cover them. ``rows_per_program`` (1..block_m // next_pow2(g))
+    only moves speed, never bits: rows of one sequence that fall in one program share
+    its KV reads, so put a window's or a chunk's rows next to each other. By default it is
+    chosen from M and the SM count. Returns ``out`` [M, H, D] in q's dtype. Needs no host
+    sync (CUDA-graph safe); does not modify the cache.
     """
     _, page, hkv, d = expect_paged_cache(k_cache, v_cache)
     expect(q.dim() == 3 and q.shape[2] == d, f"q must be [M, H, {d}], got {tuple(q.shape)}")
@@ -123,15 +194,19 @@ def lane_attention(
     if m == 0:
         return out
     group = h // hkv
-    _lane_kernel[(m, hkv)](
+    rows = lane_rows(group, cfg)
+    if rows_per_program is None:
+        rows_per_program = default_rows_per_program(m, hkv, rows, num_sms(q.device))
+    expect(1 <= rows_per_program <= rows, f"rows_per_program must be in 1..{rows}")
+    _lane_kernel[(cdiv(m, rows_per_program), hkv)](
         q, k_cache, v_cache, block_tables, row_seq, row_pos, out,
-        default_scale(d, scale) * LOG2E,
+        default_scale(d, scale) * LOG2E, m, rows_per_program,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_G=max(16, next_pow2(group)),
+        GROUP=group, BLOCK_G=next_pow2(group), ROWS=rows,
         HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
         PAGE=page, TILE=cfg.tile, PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

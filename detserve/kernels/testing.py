@@ -18,24 +18,42 @@ from torch import Tensor
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def fix_interpreter_index() -> None:
-    """Let the interpreter use scalars as loop bounds under numpy >= 2.4.
+def patch_interpreter() -> None:
+    """Adapt Triton's CPU interpreter for these tests (idempotent; only under TRITON_INTERPRET).
 
-    Triton <= 3.6 converts its 1-element scalar arrays with ``int(array)``, which numpy 2.4
-    rejects (triton-lang/triton#9171, fixed upstream by #9172). Idempotent.
+    1. Scalars as loop bounds under numpy >= 2.4: Triton <= 3.6 converts its 1-element
+       scalar arrays with ``int(array)``, which numpy 2.4 rejects (triton-lang/triton#9171,
+       fixed upstream by #9172).
+    2. Row-independent ``tl.dot``: numpy's BLAS runs different micro-kernels for different
+       rows of one matrix, so a row's bits would depend on its place in the tile. A GPU's
+       MMA does not do that (the GPU tests check it); computing each row as its own
+       vector-matrix product models it, so the bitwise invariance tests mean the same here.
     """
+    import numpy as np
     from triton.runtime import interpreter
 
-    orig = interpreter._patch_lang_tensor
-    if getattr(orig, "_index_fixed", False):
+    orig_patch = interpreter._patch_lang_tensor
+    if getattr(orig_patch, "_detserve", False):
         return
 
-    def patched(tensor: object, scope: interpreter._LangPatchScope) -> None:
-        orig(tensor, scope)
+    def patch_lang_tensor(tensor: object, scope: interpreter._LangPatchScope) -> None:
+        orig_patch(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
-    patched._index_fixed = True  # type: ignore[attr-defined]
-    interpreter._patch_lang_tensor = patched
+    patch_lang_tensor._detserve = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+    builder = interpreter.InterpreterBuilder
+    orig_dot = builder.create_dot
+
+    def create_dot(self: object, a: interpreter.TensorHandle, b: interpreter.TensorHandle,
+                   d: interpreter.TensorHandle, *args: object) -> interpreter.TensorHandle:
+        if a.data.ndim != 2 or a.dtype.primitive_bitwidth == 8:
+            return orig_dot(self, a, b, d, *args)
+        rows = [np.matmul(a.data[i], b.data, dtype=d.data.dtype) for i in range(a.data.shape[0])]
+        return interpreter.TensorHandle(np.stack(rows) + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
 
 
 def run_in_interpreter(test_file: str, timeout_s: float = 1800.0) -> None:

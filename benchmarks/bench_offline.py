@@ -1,0 +1,184 @@
+"""Offline throughput of the engine per mode and deterministic-traffic ratio.
+
+Random-token prompts (ignore-EOS, fixed output lengths: speed does not depend on content),
+all requests submitted at t=0, like the LLM-42 paper's offline runs. Prints a table and
+writes JSON + markdown with the hardware and date.
+
+    python -m benchmarks.bench_offline --model random:tiny --num-requests 64
+    python -m benchmarks.bench_offline --model smollm2 --num-requests 16 --output-len 64
+    python -m benchmarks.bench_offline --model random:llama3-8b --device cuda --dtype bfloat16 \
+        --lengths sharegpt --num-requests 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from detserve.config import EngineConfig
+from detserve.engine import LLMEngine
+from detserve.model.loader import load_model, resolve_dtype
+from detserve.model.random_init import random_model
+from detserve.params import SamplingParams
+
+
+def lengths(kind: str, n: int, input_len: int, output_len: int, seed: int
+            ) -> list[tuple[int, int]]:
+    """(prompt, output) lengths. "sharegpt": log-normal fits of the paper's Table 3
+    (input mean 304 / median 136, output mean 192 / median 118), clipped to [4, 1024]."""
+    rng = random.Random(seed)
+    if kind == "fixed":
+        return [(input_len, output_len)] * n
+    if kind != "sharegpt":
+        raise ValueError(f"unknown length distribution {kind!r}")
+    def draw(median: float, mean: float) -> int:
+        sigma = math.sqrt(2 * math.log(mean / median))
+        return int(min(1024, max(4, round(rng.lognormvariate(math.log(median), sigma)))))
+    return [(draw(136, 304), draw(118, 192)) for _ in range(n)]
+
+
+def hardware(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model} ({torch.get_num_threads()} threads)"
+
+
+def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
+            shapes: list[tuple[int, int]]) -> dict[str, Any]:
+    cfg = EngineConfig.create(args.model, mode, device=args.device, dtype=args.dtype,
+                              verify_window=args.verify_window, verify_group=args.verify_group,
+                              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                              max_num_batched_tokens=args.max_num_batched_tokens,
+                              num_blocks=args.num_blocks, seed=args.seed)
+    engine = LLMEngine(cfg, loaded=loaded)
+    vocab = engine.model.config.vocab_size
+    rng = random.Random(args.seed)
+    n_det = round(ratio * len(shapes))
+    det_flags = [True] * n_det + [False] * (len(shapes) - n_det)
+    rng.shuffle(det_flags)
+    for i, ((n_in, n_out), det) in enumerate(zip(shapes, det_flags, strict=True)):
+        prompt = [rng.randrange(3, vocab) for _ in range(n_in)]
+        engine.add_request(f"b{i}", None, SamplingParams(
+            max_tokens=n_out, ignore_eos=True, is_deterministic=det), prompt_token_ids=prompt)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    out_tokens = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out_tokens += o.num_new_tokens
+    sync()
+    elapsed = time.perf_counter() - t0
+    stats = engine.stats()
+    in_tokens = sum(s[0] for s in shapes)
+    decoded = stats["fast_tokens"] + stats["windows"]
+    return {
+        "mode": mode, "deterministic_ratio": ratio, "num_requests": len(shapes),
+        "duration_s": elapsed,
+        "request_throughput": len(shapes) / elapsed,
+        "output_throughput": out_tokens / elapsed,
+        "total_token_throughput": (out_tokens + in_tokens) / elapsed,
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "rollbacks": stats["rollbacks"], "windows": stats["windows"],
+        "recomputed_tokens": stats["recomputed_tokens"],
+        "recomputed_pct_of_decoded": 100 * stats["recomputed_tokens"] / max(1, decoded),
+        "verify_passes": stats["verify_passes"],
+        "lane_padding_fraction": stats["lane_padding_fraction"],
+        "lane_seconds": stats["lane_seconds"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="random:tiny", help="model spec, or random:<shape>")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--modes", default="nondeterministic,batch_invariant,llm42")
+    p.add_argument("--ratios", default="0,0.1,1.0", help="deterministic ratios for llm42")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--lengths", default="fixed", choices=["fixed", "sharegpt"])
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--verify-window", "-W", type=int, default=64)
+    p.add_argument("--verify-group", "-G", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON path (markdown written beside it)")
+    args = p.parse_args(argv)
+    dtype = resolve_dtype(args.dtype)
+    if args.model.startswith("random:"):
+        loaded = random_model(args.model.split(":", 1)[1], dtype, args.device, args.seed)
+    else:
+        loaded = load_model(args.model, dtype, args.device)
+    shapes = lengths(args.lengths, args.num_requests, args.input_len, args.output_len, args.seed)
+    runs = []
+    run_one(loaded, args, "nondeterministic", 0.0, shapes[: min(4, len(shapes))])  # warm-up
+    for mode in args.modes.split(","):
+        ratios = [float(r) for r in args.ratios.split(",")] if mode == "llm42" else [1.0 if mode in ("batch_invariant", "lane_only") else 0.0]
+        for ratio in ratios:
+            r = run_one(loaded, args, mode, ratio, shapes)
+            runs.append(r)
+            print(f"{mode:>16} det={ratio:>4.0%}  {r['output_throughput']:9.1f} out tok/s  "
+                  f"{r['total_token_throughput']:9.1f} tot tok/s  rollbacks={r['rollbacks']:>4} "
+                  f"recomputed={r['recomputed_pct_of_decoded']:5.2f}%  "
+                  f"lane padding={r['lane_padding_fraction']:.1%}", flush=True)
+    base = next((r for r in runs if r["mode"] == "nondeterministic"), None)
+    meta = {"date": dt.date.today().isoformat(), "hardware": hardware(args.device),
+            "torch": torch.__version__, "args": vars(args)}
+    report = {"meta": meta, "runs": runs}
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+        out.with_suffix(".md").write_text(markdown(report, base))
+        print(f"wrote {out} and {out.with_suffix('.md')}")
+    return 0
+
+
+def markdown(report: dict[str, Any], base: dict[str, Any] | None) -> str:
+    m = report["meta"]
+    a = m["args"]
+    lines = [f"# Offline throughput: {a['model']} on {m['hardware']}", "",
+             f"Date {m['date']}, torch {m['torch']}, dtype {a['dtype']}, W={a['verify_window']}, "
+             f"G={a['verify_group']}, {a['num_requests']} requests, lengths={a['lengths']} "
+             f"(input {a['input_len']}, output {a['output_len']} when fixed).", "",
+             f"Command: `python -m benchmarks.bench_offline {' '.join(_argv(a))}`", "",
+             "| mode | det. ratio | output tok/s | total tok/s | vs nondet | rollbacks | "
+             "recomputed % of decoded | lane padding |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        rel = f"{r['output_throughput'] / base['output_throughput']:.3f}x" if base else "-"
+        lines.append(f"| {r['mode']} | {r['deterministic_ratio']:.0%} | "
+                     f"{r['output_throughput']:.1f} | {r['total_token_throughput']:.1f} | {rel} | "
+                     f"{r['rollbacks']} | {r['recomputed_pct_of_decoded']:.2f} | "
+                     f"{r['lane_padding_fraction']:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def _argv(a: dict[str, Any]) -> list[str]:
+    skip = {"out"}
+    return [f"--{k.replace('_', '-')} {v}" for k, v in a.items() if v is not None and k not in skip]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,119 @@
+"""CUDA execution through the Triton kernels in ``detserve.kernels``.
+
+Same contracts as the plain-torch paths in ``attention.py`` and ``ops.py``:
+- fast path: split-KV paged decode attention and varlen paged prefill attention (whatever
+  split the context length suggests: shape-dependent reductions are allowed here);
+- lane and batch-invariant mode: ``lane_attention`` (tiles aligned to absolute positions,
+  no split), and for batch-invariant mode a persistent no-split-K matmul and one-row-per-
+  program RMSNorm, so every row's bits are independent of the batch.
+Metadata tensors are built once per forward (``GpuMeta``), not once per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from detserve.executor.attention import RowBatch
+from detserve.executor.kv_pool import KVPool
+from detserve.executor.ops import _silu_mul
+from detserve.kernels.batch_invariant import matmul_bi, rmsnorm_bi
+from detserve.kernels.config import KERNEL_VERSION
+from detserve.kernels.decode_attention import decode_attention
+from detserve.kernels.lane_attention import lane_attention
+from detserve.kernels.prefill_attention import prefill_attention
+
+__all__ = ["KERNEL_VERSION", "GpuMeta", "TritonBatchInvariantOps", "fast_attention_gpu",
+           "lane_attention_gpu"]
+
+
+class TritonBatchInvariantOps:
+    name = "triton-bi"
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        return matmul_bi(x, weight, bias)
+
+    def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return rmsnorm_bi(x, weight, eps)
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        return _silu_mul(gate_up)  # elementwise: the same bits for a row in any batch
+
+
+@dataclass
+class GpuMeta:
+    seg_tables: Tensor      # int32 [S, T]
+    context_lens: Tensor    # int32 [S]: start + rows of each segment
+    row_seg: Tensor         # int32 [N]: segment of each row
+    lane_pos: Tensor        # int32 [N]: position, -1 for padding rows
+    decode_rows: Tensor     # long: rows of one-row segments
+    decode_segs: Tensor     # long: their segments
+    max_decode_ctx: int
+    prefill_rows: Tensor    # long: rows of multi-row segments, in order
+    prefill_segs: Tensor    # long
+    cu_seqlens: Tensor      # int32 [P+1]
+    max_q_len: int
+
+    @classmethod
+    def build(cls, batch: RowBatch) -> GpuMeta:
+        dev = batch.input_ids.device
+        segs = batch.segments
+        width = max(len(s.block_table) for s in segs) if segs else 1
+        tables = torch.zeros((max(1, len(segs)), width), dtype=torch.int32)
+        for i, s in enumerate(segs):
+            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        lens = [s.start + len(s.input_ids) for s in segs]
+        n = batch.num_rows
+        row_seg = [0] * n
+        lane_pos = [-1] * n
+        dec_rows: list[int] = []
+        dec_segs: list[int] = []
+        pre_rows: list[int] = []
+        pre_segs: list[int] = []
+        cu = [0]
+        for i, (s, off) in enumerate(zip(segs, batch.seg_offsets, strict=True)):
+            m = len(s.input_ids)
+            for r in range(m):
+                row_seg[off + r] = i
+                lane_pos[off + r] = s.start + r
+            if m == 1:
+                dec_rows.append(off)
+                dec_segs.append(i)
+            else:
+                pre_rows.extend(range(off, off + m))
+                pre_segs.append(i)
+                cu.append(cu[-1] + m)
+
+        def t(x: list[int], dtype: torch.dtype = torch.long) -> Tensor:
+            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+
+        return cls(tables.to(dev, non_blocking=True), t(lens, torch.int32),
+                   t(row_seg, torch.int32), t(lane_pos, torch.int32), t(dec_rows), t(dec_segs),
+                   max((lens[i] for i in dec_segs), default=0), t(pre_rows), t(pre_segs),
+                   t(cu, torch.int32),
+                   max((len(segs[i].input_ids) for i in pre_segs), default=0))
+
+
+def fast_attention_gpu(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,
+                       batch: RowBatch, meta: GpuMeta) -> Tensor:
+    pool.write(layer, k, v, batch.slots)
+    kc, vc = pool.k(layer), pool.v(layer)
+    out = torch.empty_like(q)
+    if meta.decode_rows.numel():
+        out[meta.decode_rows] = decode_attention(
+            q[meta.decode_rows], kc, vc, meta.seg_tables[meta.decode_segs],
+            meta.context_lens[meta.decode_segs], max_context_len=meta.max_decode_ctx)
+    if meta.prefill_rows.numel():
+        out[meta.prefill_rows] = prefill_attention(
+            q[meta.prefill_rows], kc, vc, meta.seg_tables[meta.prefill_segs], meta.cu_seqlens,
+            meta.context_lens[meta.prefill_segs], max_q_len=meta.max_q_len)
+    return out
+
+
+def lane_attention_gpu(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,
+                       batch: RowBatch, meta: GpuMeta) -> Tensor:
+    pool.write(layer, k, v, batch.slots)
+    return lane_attention(q.contiguous(), pool.k(layer), pool.v(layer), meta.seg_tables,
+                          meta.row_seg, meta.lane_pos)

@@ -1,0 +1,56 @@
+"""Random-weight models of real shapes, for throughput benchmarks (speed does not depend
+on the weights). Weights are drawn on the target device; nothing is written to disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import models, pre_tokenizers
+
+from detserve.model.config import ModelConfig, RopeScaling
+from detserve.model.llama import LlamaModel
+from detserve.model.loader import ModelInfo
+from detserve.model.tokenizer import Tokenizer
+
+SHAPES: dict[str, ModelConfig] = {
+    "llama3-8b": ModelConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), max_position_embeddings=16384,
+        eos_token_ids=(128001,)),
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True, eos_token_ids=(2,)),
+    "tiny": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, max_position_embeddings=4096, eos_token_ids=(0,)),
+}
+
+
+def _word_tokenizer(vocab: int, eos: tuple[int, ...]) -> Tokenizer:
+    backend = BackendTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(backend, eos_token_ids=eos)
+
+
+@torch.inference_mode()
+def random_model(shape: str, dtype: torch.dtype, device: str, seed: int = 0
+                 ) -> tuple[LlamaModel, Tokenizer, ModelInfo]:
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    cfg = SHAPES[shape]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    model = LlamaModel(cfg, dtype=dtype, device=device)
+    for name, p in model.named_parameters():
+        if name.endswith("norm"):
+            p.fill_(1.0)
+        else:
+            std = 1.0 / p.shape[-1] ** 0.5
+            p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)
+                    .mul_(std).to(dtype))
+    info = ModelInfo(name=f"random-{shape}", source=Path("/dev/null"),
+                     weights_hash=f"random-seed{seed}", dtype=str(dtype).removeprefix("torch."))
+    return model, _word_tokenizer(cfg.vocab_size, cfg.eos_token_ids), info

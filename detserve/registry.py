@@ -1,0 +1,219 @@
+"""Who is where: decoders' KV pools and block tables, and the live verifiers, in Redis.
+
+Keys (``<p>`` is the prefix, ``detserve`` by default):
+
+- ``<p>:epoch:<decoder_id>``: integer, INCR'd by a decoder at every start. The value is the
+  decoder's current epoch; a handle or hello with a smaller epoch is stale.
+- ``<p>:decoder:<decoder_id>``: JSON ``DecoderRecord`` of the current epoch (KV handle,
+  weights hash, lane geometry, numerics). Written once the pool exists, deleted when the
+  decoder shuts down cleanly (only if still its epoch).
+- ``<p>:blocks:<decoder_id>:<epoch>``: hash ``request_id -> JSON list of block ids`` of the
+  decoder's deterministic requests, updated when a request's table changes, the field
+  deleted when it finishes, the whole hash deleted with the decoder record.
+- ``<p>:verifier:<verifier_id>``: JSON ``VerifierRecord`` (gRPC address, host, model), with
+  a TTL that the verifier's heartbeat keeps refreshing: a verifier that dies disappears
+  within one TTL without anyone deregistering it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import redis
+
+from detserve.kv_handle import KVHandle
+
+DEFAULT_PREFIX = "detserve"
+_RETIRE = """
+local v = redis.call('GET', KEYS[1])
+if v and cjson.decode(v)['epoch'] == tonumber(ARGV[1]) then
+  redis.call('DEL', KEYS[1], KEYS[2])
+  return 1
+end
+redis.call('DEL', KEYS[2])
+return 0
+"""
+
+
+@dataclass(frozen=True)
+class LaneGeometry:
+    """What a verifier's runner must share with the decoder's for identical lane bits."""
+
+    lane_rows: int
+    window: int
+    batch_invariant_rows: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if min(self.lane_rows, self.window, self.batch_invariant_rows, self.block_size) <= 0:
+            raise ValueError(f"bad lane geometry {self}")
+        if self.lane_rows % self.window:
+            raise ValueError("lane_rows must be a multiple of the window")
+
+
+@dataclass(frozen=True)
+class DecoderRecord:
+    decoder_id: str
+    epoch: int
+    kv_handle: KVHandle
+    weights_hash: str
+    geometry: LaneGeometry
+    numerics: str
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["kv_handle"] = self.kv_handle.to_json()
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> DecoderRecord:
+        d = json.loads(text)
+        d["kv_handle"] = KVHandle.from_json(d["kv_handle"])
+        d["geometry"] = LaneGeometry(**d["geometry"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class VerifierRecord:
+    verifier_id: str
+    address: str            # host:port of its gRPC server
+    host: str               # hostname: co-location with a decoder's KV pool
+    device: str
+    weights_hash: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> VerifierRecord:
+        return cls(**json.loads(text))
+
+
+class Registry:
+    """Thin typed layer over redis-py; safe to share between threads."""
+
+    def __init__(self, url: str, prefix: str = DEFAULT_PREFIX) -> None:
+        self.url = url
+        self.prefix = prefix
+        self.r = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5.0,
+                                      socket_connect_timeout=5.0, health_check_interval=10)
+        self._retire = self.r.register_script(_RETIRE)
+
+    def ping(self) -> bool:
+        return bool(self.r.ping())
+
+    def close(self) -> None:
+        self.r.close()
+
+    # ---- keys -----------------------------------------------------------------------
+    def epoch_key(self, decoder_id: str) -> str:
+        return f"{self.prefix}:epoch:{decoder_id}"
+
+    def decoder_key(self, decoder_id: str) -> str:
+        return f"{self.prefix}:decoder:{decoder_id}"
+
+    def blocks_key(self, decoder_id: str, epoch: int) -> str:
+        return f"{self.prefix}:blocks:{decoder_id}:{epoch}"
+
+    def verifier_key(self, verifier_id: str) -> str:
+        return f"{self.prefix}:verifier:{verifier_id}"
+
+    # ---- decoders -------------------------------------------------------------------
+    def next_epoch(self, decoder_id: str) -> int:
+        """Start a new epoch for ``decoder_id``: every earlier handle becomes stale."""
+        return int(self.r.incr(self.epoch_key(decoder_id)))
+
+    def current_epoch(self, decoder_id: str) -> int | None:
+        v = self.r.get(self.epoch_key(decoder_id))
+        return None if v is None else int(v)
+
+    def publish_decoder(self, record: DecoderRecord) -> None:
+        if record.kv_handle.epoch != record.epoch or record.kv_handle.decoder_id != record.decoder_id:
+            raise ValueError("the KV handle belongs to another decoder or epoch")
+        current = self.current_epoch(record.decoder_id)
+        if current != record.epoch:
+            raise ValueError(f"epoch {record.epoch} of {record.decoder_id} is not current "
+                             f"({current}); call next_epoch first")
+        self.r.set(self.decoder_key(record.decoder_id), record.to_json())
+
+    def get_decoder(self, decoder_id: str) -> DecoderRecord | None:
+        v = self.r.get(self.decoder_key(decoder_id))
+        return None if v is None else DecoderRecord.from_json(v)
+
+    def retire_decoder(self, decoder_id: str, epoch: int) -> bool:
+        """Delete the record (if still ``epoch``'s) and that epoch's block tables."""
+        keys = [self.decoder_key(decoder_id), self.blocks_key(decoder_id, epoch)]
+        return bool(self._retire(keys=keys, args=[epoch]))
+
+    # ---- block tables -----------------------------------------------------------------
+    def publish_block_tables(self, decoder_id: str, epoch: int,
+                             tables: Mapping[str, Sequence[int]]) -> None:
+        if tables:
+            self.r.hset(self.blocks_key(decoder_id, epoch),
+                        mapping={rid: json.dumps(list(t)) for rid, t in tables.items()})
+
+    def drop_block_tables(self, decoder_id: str, epoch: int, request_ids: Sequence[str]) -> None:
+        if request_ids:
+            self.r.hdel(self.blocks_key(decoder_id, epoch), *request_ids)
+
+    def block_tables(self, decoder_id: str, epoch: int) -> dict[str, list[int]]:
+        raw = self.r.hgetall(self.blocks_key(decoder_id, epoch))
+        return {rid: json.loads(v) for rid, v in raw.items()}
+
+    # ---- verifiers --------------------------------------------------------------------
+    def register_verifier(self, record: VerifierRecord, ttl_s: float) -> None:
+        """(Re)register; also the heartbeat: the key expires ``ttl_s`` after the last call."""
+        self.r.set(self.verifier_key(record.verifier_id), record.to_json(),
+                   px=max(1, int(ttl_s * 1000)))
+
+    def deregister_verifier(self, verifier_id: str) -> None:
+        self.r.delete(self.verifier_key(verifier_id))
+
+    def live_verifiers(self) -> list[VerifierRecord]:
+        """Verifiers whose TTL has not expired, sorted by id (a stable order)."""
+        keys = sorted(self.r.scan_iter(match=self.verifier_key("*"), count=100))
+        values = self.r.mget(keys) if keys else []
+        return [VerifierRecord.from_json(v) for v in values if v is not None]
+
+
+class Heartbeat:
+    """Background thread that keeps a verifier's registration alive (every ttl/3)."""
+
+    def __init__(self, registry: Registry, record: VerifierRecord, ttl_s: float = 3.0) -> None:
+        self.registry = registry
+        self.record = record
+        self.ttl_s = ttl_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="verifier-heartbeat",
+                                        daemon=True)
+        self.failures = 0
+
+    def start(self) -> Heartbeat:
+        self.registry.register_verifier(self.record, self.ttl_s)
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                self.registry.register_verifier(self.record, self.ttl_s)
+                self.failures = 0
+            except redis.RedisError:
+                self.failures += 1  # Redis hiccup: retry; the key expires if it persists
+
+    def stop(self, deregister: bool = True) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        if deregister:
+            try:
+                self.registry.deregister_verifier(self.record.verifier_id)
+            except redis.RedisError:
+                pass  # the TTL removes it anyway
