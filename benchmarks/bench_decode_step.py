@@ -1,0 +1,94 @@
+"""Fast-path decode step time vs the memory roofline (the GPU issue's step benchmark).
+
+For each batch size, B sequences with a ``--context``-token prompt are prefilled, then
+``--steps`` decode steps of ``nondeterministic`` mode are timed. Roofline: bytes that one
+step must read (all weights + every sequence's K/V) over the measured device-to-device
+copy bandwidth (bytes read + written per second).
+
+    python -m benchmarks.bench_decode_step --model random:llama3-8b --out decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_offline import hardware
+from detserve.config import EngineConfig
+from detserve.engine import LLMEngine
+from detserve.model.random_init import random_model
+from detserve.params import SamplingParams
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    return 2 * nbytes * 10 / (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="random:llama3-8b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batches", default="1,8,32,64,128")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    loaded = random_model(a.model.split(":", 1)[1], torch.bfloat16, a.device)
+    model = loaded[0]
+    cfg_m = model.config
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    kv_per_token = 2 * cfg_m.num_layers * cfg_m.num_kv_heads * cfg_m.head_dim * 2
+    bw = copy_bandwidth(a.device)
+    rows = []
+    for bsz in (int(x) for x in a.batches.split(",")):
+        cfg = EngineConfig.create(a.model, "nondeterministic", device=a.device, dtype="bfloat16",
+                                  max_num_seqs=bsz, max_model_len=a.context + a.steps + 8,
+                                  num_blocks=bsz * (a.context + a.steps + 32) // 16 + 64,
+                                  max_num_batched_tokens=max(2048, a.context))
+        eng = LLMEngine(cfg, loaded=loaded)
+        for i in range(bsz):
+            eng.add_request(str(i), None, SamplingParams(max_tokens=a.steps + 4, ignore_eos=True),
+                            prompt_token_ids=[(7 * i + j) % 1000 + 3 for j in range(a.context)])
+        while any(s.num_computed < s.num_prompt for s in eng.scheduler.running) or eng.scheduler.waiting:
+            eng.step()
+        eng.step()  # first decode step (warm-up)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            eng.step()
+        torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - t0) / a.steps * 1e3
+        kv_bytes = bsz * (a.context + a.steps // 2) * kv_per_token
+        roof_ms = (weight_bytes + kv_bytes) / bw * 1e3  # bytes that must be read once
+        rows.append({"batch": bsz, "step_ms": step_ms, "roofline_ms": roof_ms,
+                     "ratio_to_roofline": step_ms / roof_ms})
+        print(f"batch {bsz:>4}: {step_ms:7.2f} ms/step  roofline {roof_ms:6.2f} ms  "
+              f"({step_ms / roof_ms:.2f}x)", flush=True)
+        del eng
+        torch.cuda.empty_cache()
+    report = {"meta": {"date": dt.date.today().isoformat(), "hardware": hardware(a.device),
+                       "torch": torch.__version__, "args": vars(a), "copy_bandwidth_Bps": bw,
+                       "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token},
+              "rows": rows}
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
