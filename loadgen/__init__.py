@@ -1,0 +1,1 @@
+"""Load generator and benchmark harness for detserve (see loadgen/README.md)."""
