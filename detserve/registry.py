@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -189,12 +190,18 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="verifier-heartbeat",
                                         daemon=True)
-        self.failures = 0
+        self.last_ok = 0.0  # time.monotonic() of the last successful refresh
 
     def start(self) -> Heartbeat:
         self.registry.register_verifier(self.record, self.ttl_s)
+        self.last_ok = time.monotonic()
         self._thread.start()
         return self
+
+    @property
+    def registered(self) -> bool:
+        """Whether the registration can still be live (refreshed within one TTL)."""
+        return self.alive and time.monotonic() - self.last_ok < self.ttl_s
 
     @property
     def alive(self) -> bool:
@@ -204,9 +211,9 @@ class Heartbeat:
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 self.registry.register_verifier(self.record, self.ttl_s)
-                self.failures = 0
+                self.last_ok = time.monotonic()
             except redis.RedisError:
-                self.failures += 1  # Redis hiccup: retry; the key expires if it persists
+                pass  # a Redis hiccup: retry; the key expires if it persists
 
     def stop(self, deregister: bool = True) -> None:
         self._stop.set()

@@ -90,7 +90,16 @@ def sample_row(logits: Tensor, spec: SamplingSpec, position: int) -> tuple[int, 
 
 def sample_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int]
                 ) -> list[tuple[int, TokenLogprob | None]]:
-    """Sample many rows. All-greedy rows without logprobs take one batched argmax."""
-    if all(s.temperature == 0.0 and s.logprobs is None and not s.min_tokens for s in specs):
-        return [(int(t), None) for t in torch.argmax(logits, dim=-1).tolist()]
-    return [sample_row(logits[i], s, p) for i, (s, p) in enumerate(zip(specs, positions, strict=True))]
+    """Sample many rows. Greedy rows without logprobs share one batched argmax (exact, so
+    still row-independent); the others go row by row."""
+    simple = [s.temperature == 0.0 and s.logprobs is None and not s.min_tokens for s in specs]
+    out: list[tuple[int, TokenLogprob | None]] = [(0, None)] * len(specs)
+    idx = [i for i, ok in enumerate(simple) if ok]
+    if idx:
+        rows = logits if len(idx) == len(specs) else logits[torch.tensor(idx, device=logits.device)]
+        for i, t in zip(idx, torch.argmax(rows, dim=-1).tolist(), strict=True):
+            out[i] = (int(t), None)
+    for i, ok in enumerate(simple):
+        if not ok:
+            out[i] = sample_row(logits[i], specs[i], positions[i])
+    return out

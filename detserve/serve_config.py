@@ -5,7 +5,8 @@ take locally and that `deploy/k8s` embeds, as YAML, in the RayService's `serveCo
 Pure dict building and validation: no Ray import, so it runs (and is tested) anywhere.
 
 Contract with the application (`services.app:build_app`):
-- `build_app(args)` receives `applications[0]["args"]`, whose keys are exactly `ARG_NAMES`.
+- `build_app(args)` receives `applications[0]["args"]`, whose keys are `ARG_NAMES` plus
+  any of `OPTIONAL_ARGS` that were given.
 - Its deployments are named `ROUTER`, `DECODER` and `VERIFIER`. Ray Serve rejects a config
   that overrides a deployment the application does not have, so these names are part of
   the contract as soon as a caller passes `deployments` (the Kubernetes overlays do, to
@@ -51,6 +52,9 @@ DEFAULT_ARGS: Mapping[str, Any] = {
     "max_num_seqs": 64,
 }
 ARG_NAMES = tuple(DEFAULT_ARGS)
+# Accepted when given, never added to a default config: fault injection for tests
+# (probability that a fast-path token is corrupted; the lane must catch every one).
+OPTIONAL_ARGS: Mapping[str, Any] = {"fastpath_perturbation": 0.0}
 
 
 @dataclass(frozen=True)
@@ -151,9 +155,10 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
     Raises ValueError naming the offending key. Unknown and missing keys are errors, so a
     typo in an overlay cannot silently fall back to a default.
     """
-    unknown = sorted(set(args) - set(ARG_NAMES))
+    unknown = sorted(set(args) - set(ARG_NAMES) - set(OPTIONAL_ARGS))
     if unknown:
-        raise ValueError(f"unknown serve args {unknown}; expected a subset of {list(ARG_NAMES)}")
+        raise ValueError(f"unknown serve args {unknown}; expected a subset of "
+                         f"{list(ARG_NAMES) + list(OPTIONAL_ARGS)}")
     missing = [name for name in ARG_NAMES if name not in args]
     if missing:
         raise ValueError(f"missing serve args {missing}")
@@ -184,7 +189,11 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
         _check_int(name, args[name], lo=1, hi=65535)
     if args["http_port"] == args["grpc_port"]:
         raise ValueError("http_port and grpc_port must differ")
-    return {name: args[name] for name in ARG_NAMES}
+    if "fastpath_perturbation" in args:
+        _check_number("fastpath_perturbation", args["fastpath_perturbation"], lo=0.0)
+        if args["fastpath_perturbation"] > 1.0:
+            raise ValueError("fastpath_perturbation must be in [0, 1]")
+    return {name: args[name] for name in (*ARG_NAMES, *OPTIONAL_ARGS) if name in args}
 
 
 def default_serve_config(

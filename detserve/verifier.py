@@ -8,7 +8,7 @@ its KV pool); the serving layer provides one that talks to a verifier actor over
 from __future__ import annotations
 
 from collections import deque
-from typing import Protocol
+from typing import Any, Protocol
 
 from detserve.executor.runner import ModelRunner
 from detserve.lane import LanePass, LaneResult
@@ -81,16 +81,9 @@ class ThreadedVerifier:
         if self.runner.cuda:
             device = self.runner.device
             torch.cuda.set_device(device)
-            if self._lane_sms:
-                try:
-                    from torch.cuda.green_contexts import GreenContext
-
-                    ctx = GreenContext.create(self._lane_sms, device.index or 0)
-                    ctx.set_context()
-                    self.green_context_sms = self._lane_sms
-                except Exception:  # older driver/torch: fall back to a plain stream
-                    self.green_context_sms = None
-            stream = torch.cuda.Stream(device=device)
+            stream = self._green_stream(device) if self._lane_sms else None
+            if stream is None:
+                stream = torch.cuda.Stream(device=device)
         self._ready.set()
         while (job := self._todo.get()) is not None:
             lane_pass, event = job
@@ -105,6 +98,23 @@ class ThreadedVerifier:
                 self._done.put(result)
             except BaseException as e:  # surfaced to the engine by poll()
                 self._done.put(e)
+
+    def _green_stream(self, device: Any) -> Any:
+        """A stream whose kernels run on ``lane_sms`` SMs only; None where unsupported."""
+        try:
+            from torch.cuda.green_contexts import GreenContext
+
+            ctx: Any = GreenContext.create(num_sms=self._lane_sms, device_id=device.index or 0)
+            if hasattr(ctx, "Stream"):
+                stream = ctx.Stream()
+            else:  # older torch: make the context current for this thread
+                ctx.set_context()
+                stream = self._torch.cuda.Stream(device=device)
+        except Exception:  # driver/torch without green contexts: share all SMs
+            return None
+        self._green_ctx = ctx  # keep alive with the thread
+        self.green_context_sms = self._lane_sms
+        return stream
 
     def submit(self, lane_pass: LanePass) -> None:
         event = None

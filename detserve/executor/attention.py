@@ -38,6 +38,7 @@ class RowBatch:
     row_tables: Tensor  # [N, T] long; padding rows point at the scratch block
     segments: list[RowSegment]
     seg_offsets: list[int]  # first row of each segment
+    num_real: int           # rows before the padding (padding rows are always last)
 
     @property
     def num_rows(self) -> int:
@@ -78,7 +79,13 @@ def build_rows(segments: list[RowSegment], block_size: int, device: torch.device
         return torch.tensor(xs, dtype=torch.long, device=device)
 
     return RowBatch(as_long(ids), as_long(pos), as_long(slots), table_t.to(device),
-                    list(segments), offsets)
+                    list(segments), offsets, n_real)
+
+
+def write_kv(pool: KVPool, layer: int, k: Tensor, v: Tensor, batch: RowBatch) -> None:
+    """The pass's K/V into the cache before anyone attends (padding rows are not written)."""
+    n = batch.num_real
+    pool.write(layer, k[:n], v[:n], batch.slots[:n])
 
 
 def _expand_kv(x: Tensor, groups: int) -> Tensor:
@@ -87,7 +94,7 @@ def _expand_kv(x: Tensor, groups: int) -> Tensor:
 
 def fast_attention(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,
                    batch: RowBatch) -> Tensor:
-    pool.write(layer, k, v, batch.slots)
+    write_kv(pool, layer, k, v, batch)
     n, heads, dim = q.shape
     groups = heads // k.shape[1]
     out = torch.empty_like(q)
@@ -125,7 +132,7 @@ def fast_attention(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,
 
 def tiled_attention(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,
                     batch: RowBatch, chunk_rows: int) -> Tensor:
-    pool.write(layer, k, v, batch.slots)
+    write_kv(pool, layer, k, v, batch)
     n, heads, dim = q.shape
     kv_heads = k.shape[1]
     groups = heads // kv_heads

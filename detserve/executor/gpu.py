@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from detserve.executor.attention import RowBatch
+from detserve.executor.attention import RowBatch, write_kv
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.ops import _silu_mul
 from detserve.kernels.batch_invariant import matmul_bi, rmsnorm_bi
@@ -55,6 +55,7 @@ class GpuMeta:
     prefill_segs: Tensor    # long
     cu_seqlens: Tensor      # int32 [P+1]
     max_q_len: int
+    all_decode: bool        # every segment is one row, in segment order
 
     @classmethod
     def build(cls, batch: RowBatch) -> GpuMeta:
@@ -93,14 +94,18 @@ class GpuMeta:
                    t(row_seg, torch.int32), t(lane_pos, torch.int32), t(dec_rows), t(dec_segs),
                    max((lens[i] for i in dec_segs), default=0), t(pre_rows), t(pre_segs),
                    t(cu, torch.int32),
-                   max((len(segs[i].input_ids) for i in pre_segs), default=0))
+                   max((len(segs[i].input_ids) for i in pre_segs), default=0),
+                   all_decode=len(dec_rows) == n == len(segs))
 
 
 def fast_attention_gpu(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,
                        batch: RowBatch, meta: GpuMeta) -> Tensor:
-    pool.write(layer, k, v, batch.slots)
+    write_kv(pool, layer, k, v, batch)
     kc, vc = pool.k(layer), pool.v(layer)
     out = torch.empty_like(q)
+    if meta.all_decode:  # the common case: no gather/scatter of q
+        return decode_attention(q, kc, vc, meta.seg_tables, meta.context_lens,
+                                max_context_len=meta.max_decode_ctx)
     if meta.decode_rows.numel():
         out[meta.decode_rows] = decode_attention(
             q[meta.decode_rows], kc, vc, meta.seg_tables[meta.decode_segs],
@@ -114,6 +119,6 @@ def fast_attention_gpu(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor
 
 def lane_attention_gpu(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,
                        batch: RowBatch, meta: GpuMeta) -> Tensor:
-    pool.write(layer, k, v, batch.slots)
+    write_kv(pool, layer, k, v, batch)
     return lane_attention(q.contiguous(), pool.k(layer), pool.v(layer), meta.seg_tables,
                           meta.row_seg, meta.lane_pos)

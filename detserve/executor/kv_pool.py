@@ -37,10 +37,7 @@ class KVPool:
         return self.data[layer, 1]
 
     def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
-        """Store rows' K/V at their slots; rows with slot < 0 (padding) are not written."""
-        keep = slots >= 0
-        if not bool(keep.all()):
-            k, v, slots = k[keep], v[keep], slots[keep]
+        """Store rows' K/V at their slots (every slot valid: callers drop padding rows)."""
         kc = self.k(layer).view(-1, *k.shape[1:])
         vc = self.v(layer).view(-1, *v.shape[1:])
         kc[slots] = k.to(kc.dtype)

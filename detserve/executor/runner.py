@@ -106,16 +106,16 @@ class ModelRunner:
                 for r in s.sample_rows]
         logits = (self.model.logits(hidden[torch.tensor(rows, device=self.device)],
                                     self.lane_logit_ops) if rows else None)
+        specs = [s.spec for s in lane_pass.segments for _ in s.sample_rows]
+        positions = [s.start + r + 1 for s in lane_pass.segments for r in s.sample_rows]
+        picked = sample_rows(logits, specs, positions) if logits is not None else []
         decisions = []
         j = 0
         for seg in lane_pass.segments:
-            picked = []
-            for r in seg.sample_rows:
-                assert logits is not None
-                picked.append(sample_row(logits[j], seg.spec, seg.start + r + 1))
-                j += 1
-            tokens = [t for t, _ in picked]
-            lps = [lp for _, lp in picked]
+            n = len(seg.sample_rows)
+            tokens = [t for t, _ in picked[j:j + n]]
+            lps = [lp for _, lp in picked[j:j + n]]
+            j += n
             if seg.kind == "window":
                 acc = decide(seg.candidates, tokens)
                 tokens, lps = tokens[:acc + 1], lps[:acc + 1]

@@ -1,7 +1,6 @@
-"""The online-softmax step over one tile of paged KV, shared by the attention kernels.
-
-The lane's bits depend on this function: change its arithmetic only with a bump of
-``config.KERNEL_VERSION``.
+"""The online-softmax step over one tile of paged KV, shared by the fast-path attention kernels
+(decode and prefill). The lane has its own step (``lane_attention._lane_tile``), so that
+speed work here cannot move the lane's bits.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ class MatmulConfig:
     block_n: int = 128
     block_k: int = 64
     group_m: int = 8  # L2 swizzle of tiles; speed only
-    num_warps: int = 8
-    num_stages: int = 3  # speed only
+    num_warps: int = 4
+    num_stages: int = 4  # speed only
 
     def __post_init__(self) -> None:
         _check_pow2(self, block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
@@ -108,7 +108,8 @@ class KvWriteConfig:
 class KernelTable:
     matmul_bf16: MatmulConfig = field(default_factory=MatmulConfig)
     # fp32 operands take IEEE fp32 dots (no TF32): smaller K step to fit shared memory.
-    matmul_fp32: MatmulConfig = field(default_factory=lambda: MatmulConfig(block_k=32))
+    matmul_fp32: MatmulConfig = field(
+        default_factory=lambda: MatmulConfig(block_k=32, num_warps=8, num_stages=3))
     rmsnorm: RowConfig = field(default_factory=lambda: RowConfig(block=1024))
     log_softmax: RowConfig = field(default_factory=lambda: RowConfig(block=4096, num_warps=8))
     decode: DecodeConfig = field(default_factory=DecodeConfig)
