@@ -1,6 +1,6 @@
 """Benchmark the Triton kernels on a GPU against cuBLAS / torch SDPA.
 
-    python benchmarks/bench_kernels.py --out results/bench_kernels.json [--quick] [--sweep]
+    python benchmarks/bench_kernels.py --out results/bench_kernels.json [--quick] [--sweep matmul,decode,prefill,lane]
 
 - matmul_bi (persistent, no split-K, one tile config) vs torch.matmul (cuBLAS), bf16, TFLOP/s
   over M for the Llama-3.1-8B layer shapes, plus how many distinct values row 0 takes over M
@@ -38,6 +38,7 @@ from detserve.kernels.config import (
     DecodeConfig,
     LaneConfig,
     MatmulConfig,
+    PrefillConfig,
 )
 from detserve.kernels.decode_attention import choose_num_splits, decode_attention
 from detserve.kernels.lane_attention import lane_attention
@@ -67,6 +68,15 @@ DECODE_SWEEP = [
     DecodeConfig(block_n=128, num_warps=8, num_stages=2, min_tokens_per_split=256),
     DecodeConfig(block_n=64, num_stages=4, min_tokens_per_split=128, programs_per_sm=4),
     DecodeConfig(block_n=32, num_stages=4, min_tokens_per_split=64, programs_per_sm=8),
+]
+PREFILL_SWEEP = [  # (block_m, block_n, num_warps, num_stages)
+    PrefillConfig(64, 64, 4, 2),
+    PrefillConfig(64, 64, 4, 3),
+    PrefillConfig(128, 64, 8, 2),
+    PrefillConfig(128, 64, 8, 3),
+    PrefillConfig(128, 128, 8, 2),
+    PrefillConfig(64, 128, 4, 2),
+    PrefillConfig(128, 32, 4, 3),
 ]
 LANE_SWEEP = [
     LaneConfig(tile=32, block_m=64, num_warps=4, num_stages=2),
@@ -150,10 +160,10 @@ def bench_matmul(quick: bool, ms: list[int]) -> tuple[list[dict], dict]:
     return rows, invariance
 
 
-def sweep(quick: bool) -> list[dict]:
+def sweep(quick: bool, what: set[str]) -> list[dict]:
     """Time candidate tile configs (speed only: a matmul or lane change also moves bits)."""
     out: list[dict] = []
-    for name, (n, k) in LLAMA_8B.items():
+    for name, (n, k) in LLAMA_8B.items() if "matmul" in what else ():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
         for m in (1, 16, 128, 1024, 4096):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -163,6 +173,8 @@ def sweep(quick: bool) -> list[dict]:
                             "case": f"{name} M={m}", "value": 2.0 * m * n * k / t / 1e9,
                             "unit": "TFLOP/s"})
     for b, n in [(1, 1024), (1, 8192), (8, 2048), (32, 2048), (128, 1024)]:
+        if "decode" not in what:
+            break
         kv = make_cache([n] * b)
         q = torch.randn(b, H, D, device="cuda", dtype=torch.bfloat16)
         for dcfg in DECODE_SWEEP:
@@ -171,9 +183,25 @@ def sweep(quick: bool) -> list[dict]:
                                         cfg=dcfg), quick)
             out.append({"what": "decode", "cfg": dataclasses.asdict(dcfg),
                         "case": f"B={b} ctx={n}", "value": t * 1e3, "unit": "us"})
+    for case, chunks in [("prefill 1x4096", [(4096, 4096)]), ("prefill 8x1024", [(1024, 1024)] * 8),
+                         ("extend 4x512 on 4096", [(4608, 512)] * 4)]:
+        if "prefill" not in what:
+            break
+        kv = make_cache([c for c, _ in chunks])
+        q_lens = [qn for _, qn in chunks]
+        cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device="cuda")
+        q = torch.randn(sum(q_lens), H, D, device="cuda", dtype=torch.bfloat16)
+        for pcfg in PREFILL_SWEEP:
+            t = bench(functools.partial(prefill_attention, q, kv.k_cache, kv.v_cache,
+                                        kv.block_tables, cu, kv.context_lens,
+                                        max_q_len=max(q_lens), cfg=pcfg), quick)
+            out.append({"what": "prefill", "cfg": dataclasses.asdict(pcfg), "case": case,
+                        "value": t * 1e3, "unit": "us"})
     for case, chunks in [("decode-like 32 rows ctx 2048", [(2048, 1)] * 32),
                          ("verify 8x16 on 2048", [(2048, 16)] * 8),
                          ("chunk 1x2048", [(2048, 2048)])]:
+        if "lane" not in what:
+            break
         kv = make_cache([c for c, _ in chunks])
         seq = torch.cat([torch.full((qn,), i) for i, (_, qn) in enumerate(chunks)])
         pos = torch.cat([torch.arange(c - qn, c) for c, qn in chunks])
@@ -323,7 +351,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="JSON output path")
     ap.add_argument("--quick", action="store_true", help="fewer timing repetitions")
-    ap.add_argument("--sweep", action="store_true", help="also time candidate tile configs")
+    ap.add_argument("--sweep", default="", metavar="KINDS",
+                    help="also time candidate configs of these kernels: comma list of "
+                         "matmul,decode,prefill,lane")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA device")
@@ -338,7 +368,7 @@ def main() -> None:
     res["attention"] = bench_attention(args.quick)
     res["rmsnorm"] = bench_rmsnorm(args.quick)
     if args.sweep:
-        res["sweep"] = sweep(args.quick)
+        res["sweep"] = sweep(args.quick, set(args.sweep.split(",")))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
     print_tables(res)

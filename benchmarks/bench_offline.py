@@ -87,6 +87,10 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     sync()
     elapsed = time.perf_counter() - t0
     stats = engine.stats()
+    engine.close()
+    del engine
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
     in_tokens = sum(s[0] for s in shapes)
     decoded = stats["fast_tokens"] + stats["windows"]
     return {
@@ -142,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['total_token_throughput']:9.1f} tot tok/s  rollbacks={r['rollbacks']:>4} "
                   f"recomputed={r['recomputed_pct_of_decoded']:5.2f}%  "
                   f"lane padding={r['lane_padding_fraction']:.1%}", flush=True)
+            _save(args, runs)  # after every run: a cut-off job still leaves its figures
+    return 0
+
+
+def _save(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
     base = next((r for r in runs if r["mode"] == "nondeterministic"), None)
     meta = {"date": dt.date.today().isoformat(), "hardware": hardware(args.device),
             "torch": torch.__version__, "args": vars(args)}
@@ -151,8 +160,6 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))
         out.with_suffix(".md").write_text(markdown(report, base))
-        print(f"wrote {out} and {out.with_suffix('.md')}")
-    return 0
 
 
 def markdown(report: dict[str, Any], base: dict[str, Any] | None) -> str:

@@ -127,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     for run in range(a.runs):
         for key, sig in run_batch(eng, targets, run, rng, a.max_tokens).items():
             seen.setdefault(key, set()).add(sig)
+        if run % 10 == 9:
+            uniq = {k: len(v) for k, v in sorted(seen.items())}
+            print(f"run {run + 1}/{a.runs} {time.perf_counter() - t0:.0f}s unique={uniq}",
+                  flush=True)
     oracle = {}
     if a.mode == "llm42":
         ref = engine("lane_only")

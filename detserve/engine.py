@@ -322,5 +322,9 @@ class LLMEngine:
         prof["fingerprint"] = hashlib.sha256(blob).hexdigest()[:16]
         return prof
 
+    def close(self) -> None:
+        """Stop the verifier (its worker thread holds the runner and the KV pool)."""
+        self.verifier.close()
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -25,15 +25,18 @@ import base64
 import json
 import math
 import os
+import secrets
 import socket
 from dataclasses import asdict, dataclass, field
 from multiprocessing import resource_tracker, shared_memory
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
 KINDS = ("shm", "cuda_ipc")
 _SHM_DIR = "/dev/shm"
+_SHM_PREFIX = "dskv_"  # dskv_<owner pid>_<random>: lets a later exporter reap dead owners' pools
 # Resources this process exported (released by release_kv / at exit) or had to keep mapped.
 _OWNED_SHM: dict[str, shared_memory.SharedMemory] = {}
 _OWNED_CUDA: dict[str, Tensor] = {}
@@ -146,9 +149,42 @@ class KVExporter:
 
 
 # ---- shared memory ------------------------------------------------------------------
+def reap_dead_pools() -> list[str]:
+    """Unlink pools whose exporting process is gone (it was SIGKILLed, or exited through
+    ``os._exit`` as Ray workers do, so neither ``release_kv`` nor atexit ran). Verifiers
+    that still map one keep their mapping. Returns the names unlinked."""
+    if not os.path.isdir(_SHM_DIR):
+        return []
+    reaped = []
+    for name in os.listdir(_SHM_DIR):
+        parts = name.split("_")
+        if not name.startswith(_SHM_PREFIX) or len(parts) != 3 or not parts[1].isdigit():
+            continue
+        if _pid_alive(int(parts[1])):
+            continue
+        try:
+            os.unlink(os.path.join(_SHM_DIR, name))
+            reaped.append(name)
+        except FileNotFoundError:
+            pass
+    return reaped
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _export_shm(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Tensor, str]:
+    reap_dead_pools()
     nbytes = math.prod(shape) * dtype.itemsize
-    shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))  # zero-filled
+    name = f"{_SHM_PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
+    shm = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))  # zero-filled
     _OWNED_SHM[shm.name] = shm
     if os.path.isdir(_SHM_DIR):
         shm.close()  # the segment stays until unlinked; the tensor maps it on its own
@@ -178,8 +214,8 @@ def _map_file(path: str, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int
         size = os.fstat(fd).st_size
         if size < nbytes:
             raise ValueError(f"{path} has {size} bytes, need {nbytes}")
-        storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True,
-                                                 nbytes=nbytes)
+        storage = cast(torch.UntypedStorage, torch.UntypedStorage.from_file(
+            f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes))
     finally:
         os.close(fd)
     return torch.empty(0, dtype=dtype).set_(storage).view(shape)
@@ -216,7 +252,7 @@ def _open_cuda(handle: KVHandle) -> Tensor:
     p = json.loads(handle.name)
     index = _local_device_index(p["device_uuid"])
     torch.cuda._lazy_init()
-    storage = torch.UntypedStorage._new_shared_cuda(
+    storage: Any = torch.UntypedStorage._new_shared_cuda(
         index, _unb64(p["handle"]), p["size"], p["offset"], _unb64(p["ref_counter_handle"]),
         p["ref_counter_offset"], _unb64(p["event_handle"]), p["event_sync_required"])
     tensor = torch.empty(0, dtype=handle.torch_dtype, device=f"cuda:{index}")

@@ -142,7 +142,7 @@ class Registry:
 
     def get_decoder(self, decoder_id: str) -> DecoderRecord | None:
         v = self.r.get(self.decoder_key(decoder_id))
-        return None if v is None else DecoderRecord.from_json(v)
+        return None if v is None else DecoderRecord.from_json(_text(v))
 
     def retire_decoder(self, decoder_id: str, epoch: int) -> bool:
         """Delete the record (if still ``epoch``'s) and that epoch's block tables."""
@@ -162,7 +162,7 @@ class Registry:
 
     def block_tables(self, decoder_id: str, epoch: int) -> dict[str, list[int]]:
         raw = self.r.hgetall(self.blocks_key(decoder_id, epoch))
-        return {rid: json.loads(v) for rid, v in raw.items()}
+        return {_text(rid): json.loads(v) for rid, v in raw.items()}
 
     # ---- verifiers --------------------------------------------------------------------
     def register_verifier(self, record: VerifierRecord, ttl_s: float) -> None:
@@ -177,7 +177,12 @@ class Registry:
         """Verifiers whose TTL has not expired, sorted by id (a stable order)."""
         keys = sorted(self.r.scan_iter(match=self.verifier_key("*"), count=100))
         values = self.r.mget(keys) if keys else []
-        return [VerifierRecord.from_json(v) for v in values if v is not None]
+        return [VerifierRecord.from_json(_text(v)) for v in values if v is not None]
+
+
+def _text(value: str | bytes) -> str:
+    # the client decodes responses; the bytes case only exists in redis-py's type hints
+    return value if isinstance(value, str) else value.decode()
 
 
 class Heartbeat:

@@ -144,12 +144,7 @@ def test_serveconfigv2_parses_as_a_ray_serve_deploy_config(name: str) -> None:
 
 
 def _import_app_module() -> Any:
-    try:
-        return importlib.import_module(sc.IMPORT_PATH.split(":")[0])
-    except ModuleNotFoundError as error:
-        if error.name not in ("services", "services.app"):
-            raise
-        pytest.skip("services.app (the Ray Serve application) is not in the tree yet")
+    return importlib.import_module(sc.IMPORT_PATH.split(":")[0])
 
 
 @pytest.mark.parametrize("name", [o.name for o in m.OVERLAYS])

@@ -12,7 +12,6 @@ import torch
 
 from detserve.model.config import ModelConfig
 from detserve.model.fetch import fetch_smollm2, sha256_file
-from detserve.model.gguf_loader import iter_gguf_weights, open_gguf, read_gguf_config
 from detserve.model.hf_loader import hf_weight_files, iter_hf_weights, read_hf_config
 from detserve.model.llama import LlamaModel
 from detserve.model.tokenizer import Tokenizer
@@ -62,6 +61,9 @@ def load_model(spec: str | Path, dtype: torch.dtype | str = torch.float32,
         model = _build(config, torch_dtype, device, iter_hf_weights(path))
         files = [path / "config.json", *hf_weight_files(path)]
     else:
+        # gguf is imported only for GGUF checkpoints
+        from detserve.model.gguf_loader import iter_gguf_weights, open_gguf, read_gguf_config
+
         reader = open_gguf(path)
         config = read_gguf_config(reader)
         tokenizer = Tokenizer.from_gguf(reader)

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import gguf
 import tokenizers
 import torch
 import torch.nn.functional as F
@@ -29,7 +28,6 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from torch import Tensor
 
 from detserve.model.config import ModelConfig
-from detserve.model.gguf_loader import permute_rotary
 from detserve.model.hf_loader import iter_hf_weights, read_hf_config
 from detserve.model.llama import LlamaModel, rope_inv_freq
 
@@ -209,6 +207,10 @@ def write_llama_gguf(hf_dir: str | Path, path: str | Path, *, qtype: str = "F32"
     cfg = read_hf_config(hf_dir)
     if cfg.attention_bias:
         raise ValueError("write_llama_gguf writes the llama architecture only (no qkv bias)")
+    import gguf  # only the GGUF-writing helper needs it
+
+    from detserve.model.gguf_loader import permute_rotary
+
     quant = gguf.GGMLQuantizationType[qtype]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(hf_dir.name)

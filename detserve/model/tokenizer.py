@@ -11,14 +11,16 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2.ext
-from gguf import GGUFReader
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # vLLM's window: decode this many already-emitted tokens again so that merges across the

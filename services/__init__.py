@@ -1,0 +1,1 @@
+"""The serving cluster: router, decoder and verifier services (Ray Serve + gRPC + Redis)."""

@@ -1,0 +1,77 @@
+"""The Ray Serve application: ``build_app(args)`` (the contract of detserve.serve_config).
+
+    Router(decoder handle[, verifier pool])  <- HTTP :8000 and gRPC :9000 ingress
+    Decoder x num_decoders                   <- one engine each (GPU when device == cuda)
+    Verifier x num_verifiers                 <- lane executors (services.verifier)
+
+Replica placement set here is the local default; KubeRay overlays override it per
+deployment. The Verifier deployment is bound only when ``services.verifier.deployment``
+is importable; decoders then reach it through the Redis registry, and otherwise verify
+in-process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from detserve.serve_config import validate_args
+from services.decoder.deployment import Decoder
+from services.router.deployment import Router
+from services.router.limits import ServingLimits
+
+log = logging.getLogger(__name__)
+REQUEST_ROUTER = "services.router.request_router:LeastTokensRouter"
+
+
+def build_app(args: Mapping[str, Any]) -> serve.Application:
+    return compose(args)
+
+
+def compose(args: Mapping[str, Any], *, limits: ServingLimits | None = None,
+            replica_cpus: float = 1.0) -> serve.Application:
+    """``build_app`` with knobs tests and benchmarks need: router limits, and the CPUs each
+    replica reserves (a fraction packs a whole cluster onto a small machine)."""
+    args = validate_args(args)
+    decoder = _decoder(args, replica_cpus).bind(args)
+    verifier = _verifier(args, replica_cpus)
+    router = Router.options(  # type: ignore[attr-defined]
+        ray_actor_options={"num_cpus": replica_cpus})
+    return router.bind(args, decoder, limits, verifier)  # type: ignore[no-any-return]
+
+
+def _decoder(args: Mapping[str, Any], num_cpus: float) -> Any:
+    gpus = 0.0
+    if args["device"] == "cuda":
+        shares_gpu = args["num_verifiers"] > 0 and args["verifier_gpu_fraction"] < 1.0
+        gpus = 1.0 - args["verifier_gpu_fraction"] if shares_gpu else 1.0
+    return Decoder.options(  # type: ignore[attr-defined]
+        num_replicas=args["num_decoders"],
+        max_ongoing_requests=4 * args["max_num_seqs"],
+        ray_actor_options={"num_cpus": num_cpus, "num_gpus": gpus},
+        request_router_config=RequestRouterConfig(
+            request_router_class=REQUEST_ROUTER),  # type: ignore[arg-type]
+    )
+
+
+def _verifier(args: Mapping[str, Any], num_cpus: float) -> Any:
+    if args["num_verifiers"] == 0 or args["mode"] not in ("llm42", "lane_only"):
+        return None
+    try:
+        module = importlib.import_module("services.verifier.deployment")
+    except ModuleNotFoundError as e:
+        if e.name not in ("services.verifier", "services.verifier.deployment"):
+            raise
+        log.warning("no verifier deployment (%s): decoders verify in-process", e)
+        return None
+    gpus = args["verifier_gpu_fraction"] if args["device"] == "cuda" else 0.0
+    return module.Verifier.options(
+        num_replicas=args["num_verifiers"],
+        ray_actor_options={"num_cpus": num_cpus, "num_gpus": gpus},
+    ).bind(model=args["model"], redis_url=args["redis_url"], dtype=args["dtype"],
+           device=args["device"], sm_fraction=gpus)

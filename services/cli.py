@@ -1,0 +1,127 @@
+"""``detserve serve``: Ray (local), Redis, router, decoders and verifiers in one command.
+
+    detserve serve --model smollm2        # OpenAI API on :8000, gRPC on :9000
+
+Picked up by ``detserve.cli`` through ``register_detserve_commands``. The application args
+come from ``detserve.serve_config.default_serve_config``, the same function KubeRay's
+manifests are rendered from, so a local server and a cluster run the same config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
+
+from detserve.config import MODES
+from detserve.serve_config import APP_NAME, DEFAULT_ARGS
+
+
+def register_detserve_commands(subcommand: Callable[..., Any]) -> None:
+    subcommand("serve", "serve the OpenAI-compatible API locally (Ray Serve)", _args)(_serve)
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    d = DEFAULT_ARGS
+    p.add_argument("--model", default=d["model"],
+                   help="HF folder, .gguf file, or 'smollm2' (fetched once; default)")
+    p.add_argument("--mode", default=d["mode"], choices=MODES)
+    p.add_argument("--device", default=d["device"], choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--verify-window", "-W", type=int, default=d["verify_window"])
+    p.add_argument("--verify-group", "-G", type=int, default=d["verify_group"])
+    p.add_argument("--num-decoders", type=int, default=d["num_decoders"])
+    p.add_argument("--num-verifiers", type=int, default=d["num_verifiers"],
+                   help="verifier replicas; 0 verifies inside each decoder")
+    p.add_argument("--verifier-gpu-fraction", type=float, default=None,
+                   help="GPU share of a co-located verifier (default: 0 on CPU, 0.25 on CUDA)")
+    p.add_argument("--max-model-len", type=int, default=d["max_model_len"])
+    p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"])
+    p.add_argument("--fastpath-perturbation", type=float, default=0.0,
+                   help="fault injection: probability of corrupting a fast-path token")
+    p.add_argument("--host", default="0.0.0.0", help="HTTP bind address")
+    p.add_argument("--port", type=int, default=d["http_port"], help="HTTP port")
+    p.add_argument("--grpc-port", type=int, default=d["grpc_port"])
+    p.add_argument("--redis-url", default=None,
+                   help="use this Redis instead of starting an embedded one")
+
+
+def serve_config_from(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
+    from detserve.serve_config import default_serve_config
+
+    fraction = a.verifier_gpu_fraction
+    if fraction is None:
+        fraction = 0.25 if a.device == "cuda" and a.num_verifiers else 0.0
+    overrides: dict[str, Any] = dict(
+        model=a.model, mode=a.mode, device=a.device, dtype=a.dtype,
+        verify_window=a.verify_window, verify_group=a.verify_group,
+        num_decoders=a.num_decoders, num_verifiers=a.num_verifiers,
+        verifier_gpu_fraction=fraction, redis_url=redis_url, http_port=a.port,
+        grpc_port=a.grpc_port, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs)
+    if a.fastpath_perturbation:
+        overrides["fastpath_perturbation"] = a.fastpath_perturbation
+    return default_serve_config(http_host=a.host, **overrides)
+
+
+def _serve(a: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from services.app import compose
+
+    for port in (a.port, a.grpc_port):
+        _ensure_free(a.host, port)
+    with ExitStack() as stack:
+        redis_url = a.redis_url or _embedded_redis(stack)
+        config = serve_config_from(a, redis_url)
+        args = config["applications"][0]["args"]
+        replicas = 1 + args["num_decoders"] + args["num_verifiers"]
+        cpus = os.cpu_count() or 1
+        ray.init(include_dashboard=False)
+        stack.callback(ray.shutdown)
+        serve.start(http_options=config["http_options"], grpc_options=config["grpc_options"])
+        stack.callback(serve.shutdown)
+        # share this machine's CPUs between the replicas instead of waiting for more
+        serve.run(compose(args, replica_cpus=min(1.0, cpus / replicas)), name=APP_NAME,
+                  route_prefix="/")
+        host = "127.0.0.1" if a.host == "0.0.0.0" else a.host
+        print(f"detserve: serving {args['model']} ({args['mode']}) at "
+              f"http://{host}:{args['http_port']}/v1 and grpc {host}:{args['grpc_port']}; "
+              "Ctrl-C stops", flush=True)
+        _wait_for_signal()
+        print("detserve: shutting down", flush=True)
+    return 0
+
+
+def _wait_for_signal() -> None:
+    """Block until SIGINT (Ctrl-C) or SIGTERM; a background job started by a shell has
+    SIGINT ignored, so both are handled explicitly."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+
+
+def _ensure_free(host: str, port: int) -> None:
+    """Ray Serve's proxies bind with SO_REUSEPORT: a second server on a taken port would
+    start and silently share its connections with the first. Refuse instead."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise RuntimeError(f"port {port} is in use ({e.strerror}); pick another "
+                               "with --port / --grpc-port") from e
+
+
+def _embedded_redis(stack: ExitStack) -> str:
+    from detserve.redis_server import EmbeddedRedis
+
+    redis = stack.enter_context(EmbeddedRedis())
+    print(f"detserve: embedded Redis at {redis.url}", flush=True)
+    return redis.url

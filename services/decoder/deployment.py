@@ -1,0 +1,82 @@
+"""The ``Decoder`` Ray Serve deployment: one engine (model, KV pool, fast path) per replica.
+
+``generate`` is an async generator (call it through a handle with ``stream=True``): one
+``DecodeChunk`` per engine step that committed tokens, the last one ``finished``. When the
+caller goes away (client disconnect, router cancel) the request is aborted in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from ray import serve
+
+from detserve.serve_config import DECODER
+from services.decoder.engine_factory import DecoderSettings, build_engine
+from services.decoder.engine_loop import EngineLoop
+from services.decoder.messages import DecodeChunk, DecodeRequest, ReplicaStats
+
+log = logging.getLogger(__name__)
+
+
+def _replica_id() -> str:
+    try:
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # outside a Serve replica (tests constructing the class directly)
+        return f"local-{os.getpid()}"
+
+
+@serve.deployment(name=DECODER, health_check_period_s=5, health_check_timeout_s=30,
+                  graceful_shutdown_timeout_s=5,
+                  logging_config={"enable_access_log": False})  # the router logs requests
+class Decoder:
+    def __init__(self, args: Mapping[str, Any]) -> None:
+        self.settings = DecoderSettings.from_args(args)
+        self.replica = _replica_id()
+        engine, self._close = build_engine(self.settings, self.replica)
+        self.loop = EngineLoop(engine, self.replica)
+        self.loop.start()
+        log.info("decoder %s ready (%s, mode %s)", self.replica, self.settings.model,
+                 self.settings.mode)
+
+    async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
+        chunks: asyncio.Queue[DecodeChunk] = asyncio.Queue()
+        event_loop = asyncio.get_running_loop()
+        self.loop.submit(request, lambda c: event_loop.call_soon_threadsafe(chunks.put_nowait, c))
+        finished = False
+        try:
+            while not finished:
+                chunk = await chunks.get()
+                finished = chunk.finished
+                yield chunk
+        finally:
+            if not finished:
+                self.loop.abort(request.request_id)
+
+    def ping(self) -> str:
+        return self.replica
+
+    def profile(self) -> Mapping[str, object]:
+        return self.loop.determinism
+
+    def stats(self) -> ReplicaStats:
+        return ReplicaStats(self.replica, dict(self.loop.stats), self.loop.outstanding_tokens,
+                            self.loop.num_streams, self.loop.healthy,
+                            type(self.loop.engine.verifier).__name__)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return {"outstanding_tokens": self.loop.outstanding_tokens}
+
+    def check_health(self) -> None:
+        if not self.loop.healthy:
+            raise RuntimeError(f"decoder {self.replica}: engine loop failed")
+
+    def __del__(self) -> None:
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.stop()
+            self._close()

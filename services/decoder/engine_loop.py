@@ -1,0 +1,185 @@
+"""Step an ``LLMEngine`` on a background thread and fan its outputs out to streams.
+
+The engine is not thread-safe, so this thread is its only user: requests and aborts
+arrive through an inbox, outputs leave through each request's ``sink`` callback (called
+on this thread; the deployment hands them to its event loop). A failing step is fatal:
+every open stream gets an error chunk and ``healthy`` turns False, so Ray Serve's health
+check restarts the replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from detserve.engine import LLMEngine
+from detserve.outputs import RequestOutput
+from services.decoder.deltas import DeltaTracker
+from services.decoder.messages import DecodeChunk, DecodeRequest
+
+log = logging.getLogger(__name__)
+Sink = Callable[[DecodeChunk], object]
+_IDLE_WAIT_S = 0.5
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: DecodeRequest
+    sink: Sink
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Stream:
+    request: DecodeRequest
+    sink: Sink
+    tracker: DeltaTracker
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, replica: str) -> None:
+        self.engine = engine
+        self.replica = replica
+        self.determinism = engine.determinism_profile()
+        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stats: Mapping[str, float] = engine.stats()
+        self._outstanding_tokens = 0
+        self.healthy = True
+        self._thread = threading.Thread(target=self._run, name=f"engine-{replica}", daemon=True)
+
+    # ---- any thread ----------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: DecodeRequest, sink: Sink) -> None:
+        if self._stop.is_set() or not self.healthy:
+            sink(DecodeChunk(request.request_id, self.replica, finished=True,
+                             error=f"decoder {self.replica} is not running",
+                             error_type="server_error"))
+            return
+        self._inbox.put(_Add(request, sink))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+        self._wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def stats(self) -> Mapping[str, float]:
+        """Engine counters after the latest step (a fresh dict each step: safe to read)."""
+        return self._stats
+
+    @property
+    def outstanding_tokens(self) -> int:
+        return self._outstanding_tokens
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # ---- engine thread --------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(_IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self._stats = self.engine.stats()
+                for out in outputs:
+                    self._deliver(out)
+                self._forget([out.request_id for out in outputs if out.finished])
+        except Exception as e:  # the engine's state is unknown now: fail everything
+            log.exception("engine step failed on %s", self.replica)
+            self.healthy = False
+            self._fail_all(f"decoder {self.replica} failed: {type(e).__name__}: {e}")
+            return
+        self._fail_all(f"decoder {self.replica} is shutting down")
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                self._add(command.request, command.sink)
+            else:
+                self._abort(command.request_id)
+
+    def _add(self, request: DecodeRequest, sink: Sink) -> None:
+        rid = request.request_id
+        try:
+            self.engine.add_request(rid, None, request.params,
+                                    prompt_token_ids=list(request.prompt_token_ids))
+        except ValueError as e:
+            sink(DecodeChunk(rid, self.replica, finished=True, error=str(e),
+                             error_type="invalid_request"))
+            return
+        self._streams[rid] = _Stream(request, sink, DeltaTracker(request.params.stop))
+        self._outstanding_tokens += request.cost_tokens
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._outstanding_tokens -= stream.request.cost_tokens
+            self.engine.abort_request(request_id)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:  # aborted by its client
+            return
+        text, ids, lps = stream.tracker.update(out)
+        determinism = self.determinism if out.finished and out.is_deterministic else None
+        chunk = DecodeChunk(
+            out.request_id, self.replica, text=text, token_ids=ids, logprobs=lps,
+            finished=out.finished, finish_reason=out.finish_reason,
+            num_prompt_tokens=len(out.prompt_token_ids), num_output_tokens=len(out.token_ids),
+            determinism=determinism,
+            # counters ride on final chunks only (the router's health probe refreshes them
+            # too): pickling them into every chunk costs decoder CPU on small machines
+            engine_stats=self._stats if out.finished else {})
+        if out.finished:
+            self._streams.pop(out.request_id)
+            self._outstanding_tokens -= stream.request.cost_tokens
+            if out.finish_reason == "abort":
+                chunk = DecodeChunk(out.request_id, self.replica, finished=True,
+                                    finish_reason="abort", error="request aborted by the engine",
+                                    error_type="server_error", engine_stats=self._stats)
+        stream.sink(chunk)
+
+    def _forget(self, request_ids: list[str]) -> None:
+        """A remote verifier keeps finished requests' block tables until told."""
+        drop = getattr(self.engine.verifier, "drop_requests", None)
+        if drop is None or not request_ids:
+            return
+        try:
+            drop(request_ids)
+        except Exception:  # bookkeeping only: never fail requests over it
+            log.warning("could not drop block tables of %d requests", len(request_ids),
+                        exc_info=True)
+
+    def _fail_all(self, message: str) -> None:
+        for rid, stream in list(self._streams.items()):
+            stream.sink(DecodeChunk(rid, self.replica, finished=True, error=message,
+                                    error_type="server_error"))
+        self._streams.clear()
+        self._outstanding_tokens = 0

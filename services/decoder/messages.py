@@ -1,0 +1,71 @@
+"""Typed messages between the router and a decoder replica (pickled by Ray)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from detserve.outputs import TokenLogprob
+from detserve.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """One sequence to generate. The router has tokenized and validated it already;
+    the engine validates again (vocab range, context length) and answers with an error
+    chunk when it disagrees."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+    @property
+    def is_deterministic(self) -> bool:
+        return self.params.is_deterministic
+
+    @property
+    def cost_tokens(self) -> int:
+        """Upper bound on the tokens this request adds to a decoder: prompt + output."""
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+
+@dataclass(frozen=True)
+class DecodeChunk:
+    """Committed progress of one request since the previous chunk.
+
+    ``text`` is the text added by this chunk: text is held back while it could still
+    change (an incomplete UTF-8 character, a possible stop-string prefix), so the
+    concatenation of all ``text`` fields is exactly the final text. ``error`` ends the
+    stream: ``error_type`` is "invalid_request" (the engine refused the request) or
+    "server_error" (the engine failed or is shutting down).
+    """
+
+    request_id: str
+    replica: str
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    determinism: Mapping[str, object] | None = None
+    error: str | None = None
+    error_type: str | None = None
+    engine_stats: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def is_error(self) -> bool:
+        return self.error is not None
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """What a decoder reports about itself: engine counters plus its own load."""
+
+    replica: str
+    engine: Mapping[str, float]
+    outstanding_tokens: int
+    num_streams: int
+    healthy: bool
+    verifier: str = ""        # how lane passes are verified: "RemoteVerifier", "InProcessVerifier"

@@ -1,0 +1,83 @@
+"""The ``Router`` Ray Serve deployment: HTTP ingress (FastAPI) and gRPC ``Completions``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from fastapi import FastAPI
+from ray import serve
+
+from detserve.serve_config import ROUTER
+from services.router import detserve_pb2 as pb
+from services.router.dispatch import DecoderFailure
+from services.router.errors import APIError
+from services.router.grpc_api import (
+    chunk_message,
+    complete_message,
+    error_message,
+    job_from_proto,
+    status_code,
+)
+from services.router.http_app import build_http_app
+from services.router.limits import ServingLimits
+from services.router.model_context import ModelContext
+from services.router.service import RouterService, decoder_failed
+
+log = logging.getLogger(__name__)
+
+
+class GrpcRefused(Exception):
+    """Raised after the status code was set on the gRPC context."""
+
+
+@serve.deployment(name=ROUTER, max_ongoing_requests=4096)
+@serve.ingress()
+class Router:
+    async def __init__(self, args: Mapping[str, Any], decoder: Any,  # type: ignore[misc]
+                       limits: ServingLimits | None = None, verifier: Any = None) -> None:
+        ctx = ModelContext.load(str(args["model"]), int(args["max_model_len"]))
+        self.service = RouterService(ctx, limits or ServingLimits.from_args(args), decoder)
+        self.service.health.start()
+        self._verifier = verifier  # bound so that Serve deploys the verifier pool
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_http_app(self.service)
+
+    async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 (gRPC method name)
+                       grpc_context: Any = None) -> AsyncIterator[pb.GenerateResponse]:
+        rid = request.request_id
+        try:
+            job = job_from_proto(request, self.service.ctx, self.service.limits)
+            rid = rid or job.id
+            stream = await self.service.open(job)
+        except APIError as e:
+            if grpc_context is not None:
+                grpc_context.set_code(status_code(e))
+                grpc_context.set_details(e.message)
+            raise GrpcRefused(e.message) from e
+        text, tokens, reason, determinism = "", 0, "stop", None
+        try:
+            async for event in stream:
+                text += event.text
+                tokens += len(event.token_ids)
+                reason = event.finish_reason or reason
+                determinism = event.determinism or determinism
+                yield chunk_message(rid, event)
+            yield complete_message(rid, job, text, tokens, reason, determinism)
+        except (APIError, DecoderFailure) as e:
+            yield error_message(rid, e if isinstance(e, APIError) else decoder_failed(e))
+        finally:
+            await stream.close()
+
+    async def Health(self, request: pb.HealthRequest,  # noqa: N802 (gRPC method name)
+                     grpc_context: Any = None) -> pb.HealthResponse:
+        health = self.service.health
+        ready = await health.ensure_ready()
+        return pb.HealthResponse(ready=ready, decoders_ready=health.decoders_ready,
+                                 status="ok" if ready else health.last_error)
+
+    def __del__(self) -> None:
+        self.service.health.stop()
+

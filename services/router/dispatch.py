@@ -1,0 +1,141 @@
+"""Send a ``Job``'s sequences to decoders and stream their committed output back.
+
+One ``ChoiceEvent`` per decoder chunk that adds something. A decoder failure (the replica
+died, or its engine failed) ends a non-deterministic sequence with ``DecoderFailure``; a
+deterministic one is replayed on another replica up to ``max_replays`` times, and only
+the part the client has not seen yet is streamed (see ``replay``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ray.exceptions import RayError
+
+from detserve.outputs import TokenLogprob
+from services.decoder.messages import DecodeChunk, DecodeRequest
+from services.router.errors import invalid
+from services.router.metrics import RouterMetrics, SequenceTimer
+from services.router.prepare import Job
+from services.router.replay import ReplayDiverged, SentState
+
+
+class DecoderFailure(Exception):
+    """The sequence cannot complete: its decoder failed (message says why)."""
+
+
+@dataclass(frozen=True)
+class ChoiceEvent:
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    determinism: Mapping[str, object] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Dispatcher:
+    def __init__(self, decoder: Any, metrics: RouterMetrics, max_replays: int = 1) -> None:
+        self._decoder = decoder.options(stream=True)
+        self._metrics = metrics
+        self.max_replays = max_replays
+
+    async def run(self, job: Job) -> AsyncIterator[ChoiceEvent]:
+        """Events of every choice, interleaved as they arrive."""
+        if len(job.choices) == 1:
+            async for event in self._choice(0, job.choices[0]):
+                yield event
+            return
+        async for event in self._fan_in(job):
+            yield event
+
+    async def _fan_in(self, job: Job) -> AsyncIterator[ChoiceEvent]:
+        queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
+
+        async def pump(index: int, request: DecodeRequest) -> None:
+            try:
+                async for event in self._choice(index, request):
+                    await queue.put(event)
+                await queue.put(None)
+            except Exception as e:
+                await queue.put(e)
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(job.choices)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _choice(self, index: int, request: DecodeRequest) -> AsyncIterator[ChoiceEvent]:
+        timer = SequenceTimer(self._metrics, request.is_deterministic,
+                              len(request.prompt_token_ids))
+        sent = SentState()
+        attempt = 0
+        try:
+            while True:
+                try:
+                    async for chunk in self._decode(request, attempt):
+                        new = sent.new_part(chunk)
+                        timer.on_tokens(len(new.token_ids))
+                        if new.token_ids or new.text or new.finished:
+                            yield _event(index, new)
+                        if new.finished:
+                            timer.finish(new.finish_reason or "stop")
+                    return
+                except ReplayDiverged as e:
+                    raise DecoderFailure(f"deterministic replay diverged: {e}") from e
+                except DecoderFailure:
+                    if not request.is_deterministic or attempt >= self.max_replays:
+                        raise
+                    attempt += 1
+                    sent.restart()
+                    self._metrics.replays.inc()
+        finally:
+            timer.close()
+
+    async def _decode(self, request: DecodeRequest, attempt: int) -> AsyncIterator[DecodeChunk]:
+        if attempt:
+            request = replace(request, request_id=f"{request.request_id}-replay{attempt}")
+        stream = self._decoder.generate.remote(request)
+        done = False
+        try:
+            async for chunk in stream:
+                self._metrics.engines.update(chunk.replica, chunk.engine_stats)
+                if chunk.error is not None:
+                    done = True
+                    if chunk.error_type == "invalid_request":
+                        raise invalid(chunk.error)
+                    raise DecoderFailure(chunk.error)
+                done = chunk.finished
+                yield chunk
+        except RayError as e:
+            done = True
+            raise DecoderFailure(f"decoder failed: {type(e).__name__}: {e}") from e
+        finally:
+            if not done:
+                stream.cancel()
+        if not done:
+            raise DecoderFailure("decoder stream ended before the request finished")
+
+
+def _event(index: int, chunk: DecodeChunk) -> ChoiceEvent:
+    return ChoiceEvent(index, chunk.text, chunk.token_ids, chunk.logprobs, chunk.finish_reason,
+                       chunk.num_prompt_tokens, chunk.num_output_tokens, chunk.determinism)

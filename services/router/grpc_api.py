@@ -1,0 +1,121 @@
+"""The gRPC ``Completions`` service: proto <-> router jobs.
+
+Ray Serve's gRPC proxy registers the service through ``add_CompletionsServicer_to_server``
+(listed in ``detserve.serve_config.GRPC_SERVICER_FUNCTIONS``) and calls the Router
+deployment's ``Generate`` / ``Health`` methods, which use the functions here. A request is
+converted to the equivalent OpenAI body and validated by the same code as HTTP, so both
+APIs accept and refuse exactly the same things.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import grpc
+from pydantic import ValidationError
+
+from detserve.outputs import TokenLogprob
+from services.router import detserve_pb2 as pb
+from services.router.detserve_pb2_grpc import add_CompletionsServicer_to_server
+from services.router.dispatch import ChoiceEvent
+from services.router.errors import APIError, from_validation_error, invalid
+from services.router.limits import ServingLimits
+from services.router.model_context import ModelContext
+from services.router.prepare import Job, prepare_chat, prepare_completion
+from services.router.schemas import ChatCompletionRequest, CompletionRequest
+
+__all__ = ["add_CompletionsServicer_to_server", "job_from_proto", "status_code"]
+
+# Ray Serve's gRPC proxy pickles the request message to the Router replica, by its class's
+# module name. The stubs are generated from proto/ (proto/gen.py), which registers their
+# messages under the top-level name "detserve_pb2"; make that name importable here (the
+# proxy and the Router both import this module) so the pickle resolves to these classes.
+sys.modules.setdefault(pb.DESCRIPTOR.name.removesuffix(".proto") + "_pb2", pb)
+
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens")
+_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+           413: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+           503: grpc.StatusCode.UNAVAILABLE}
+
+
+def status_code(error: APIError) -> grpc.StatusCode:
+    return _STATUS.get(error.status, grpc.StatusCode.INTERNAL)
+
+
+def job_from_proto(req: pb.GenerateRequest, ctx: ModelContext, limits: ServingLimits) -> Job:
+    """Validate like the HTTP API; raises APIError."""
+    if len(req.request_id) > limits.max_request_id_chars or not req.request_id.isprintable():
+        raise invalid(f"request_id must be printable and <= {limits.max_request_id_chars} "
+                      "chars", param="request_id")
+    if req.ByteSize() > limits.max_body_bytes:
+        raise APIError(413, f"request exceeds {limits.max_body_bytes} bytes",
+                       code="request_too_large")
+    body = _openai_body(req, ctx)
+    try:
+        if "messages" in body:
+            return prepare_chat(ChatCompletionRequest.model_validate(body), ctx, limits)
+        return prepare_completion(CompletionRequest.model_validate(body), ctx, limits)
+    except ValidationError as e:
+        raise from_validation_error(e) from e
+
+
+def _openai_body(req: pb.GenerateRequest, ctx: ModelContext) -> dict[str, Any]:
+    given = [name for name in ("prompt", "prompt_token_ids", "messages") if _is_set(req, name)]
+    if len(given) != 1:
+        raise invalid("set exactly one of prompt, prompt_token_ids, messages", param="prompt")
+    body: dict[str, Any] = {"model": req.model or ctx.model_id, "stream": True,
+                            "is_deterministic": req.is_deterministic,
+                            "ignore_eos": req.ignore_eos}
+    if given[0] == "messages":
+        body["messages"] = [{"role": m.role, "content": m.content} for m in req.messages]
+    else:
+        body["prompt"] = req.prompt if given[0] == "prompt" else list(req.prompt_token_ids)
+    for name in _OPTIONAL:
+        if req.HasField(name):
+            body[name] = getattr(req, name)
+    if req.HasField("logprobs"):
+        if given[0] == "messages":
+            body.update(logprobs=True, top_logprobs=req.logprobs)
+        else:
+            body["logprobs"] = req.logprobs
+    if req.stop:
+        body["stop"] = list(req.stop)
+    return body
+
+
+def _is_set(req: pb.GenerateRequest, name: str) -> bool:
+    value = getattr(req, name)
+    return bool(value) if isinstance(value, str) else len(value) > 0
+
+
+def chunk_message(request_id: str, event: ChoiceEvent) -> pb.GenerateResponse:
+    chunk = pb.Chunk(text=event.text, token_ids=list(event.token_ids),
+                     logprobs=[_logprob(lp) for lp in event.logprobs or ()])
+    return pb.GenerateResponse(request_id=request_id, chunk=chunk)
+
+
+def complete_message(request_id: str, job: Job, text: str, completion_tokens: int,
+                     finish_reason: str, determinism: Mapping[str, object] | None
+                     ) -> pb.GenerateResponse:
+    prompt = job.prompt_tokens
+    usage = pb.Usage(prompt_tokens=prompt, completion_tokens=completion_tokens,
+                     total_tokens=prompt + completion_tokens)
+    done = pb.Complete(finish_reason=finish_reason, usage=usage, text=text,
+                       is_deterministic=job.is_deterministic)
+    if determinism:
+        fields = pb.Determinism.DESCRIPTOR.fields_by_name
+        done.determinism.CopyFrom(pb.Determinism(
+            **{k: v for k, v in determinism.items() if k in fields}))  # type: ignore[arg-type]
+    return pb.GenerateResponse(request_id=request_id, complete=done)
+
+
+def error_message(request_id: str, error: APIError) -> pb.GenerateResponse:
+    err = pb.Error(message=error.message, type=error.type, code=error.code or "")
+    return pb.GenerateResponse(request_id=request_id, error=err)
+
+
+def _logprob(lp: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()])

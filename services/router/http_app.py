@@ -1,0 +1,136 @@
+"""The OpenAI-compatible HTTP API (FastAPI), built around a ``RouterService``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+
+from services.router.dispatch import DecoderFailure
+from services.router.errors import APIError, from_validation_error, invalid
+from services.router.openai_format import DONE, ChoiceResult, Formatter, sse
+from services.router.prepare import Job, prepare_chat, prepare_completion
+from services.router.schemas import ChatCompletionRequest, CompletionRequest
+from services.router.service import OpenStream, RouterService, decoder_failed
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
+
+
+def build_http_app(service: RouterService) -> FastAPI:
+    app = FastAPI(title="detserve", docs_url=None, redoc_url=None)
+    _install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = _parse(CompletionRequest, await read_json(request, service.limits.max_body_bytes))
+        return await _respond(service, prepare_completion(req, service.ctx, service.limits))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await read_json(request, service.limits.max_body_bytes)
+        req = _parse(ChatCompletionRequest, body)
+        return await _respond(service, prepare_chat(req, service.ctx, service.limits))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": service.ctx.model_id, "object": "model", "created": int(time.time()),
+                "owned_by": "detserve", "max_model_len": service.ctx.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        ready = await service.health.ensure_ready()
+        body = {"status": "ok" if ready else "unavailable",
+                "decoders_ready": service.health.decoders_ready}
+        if not ready:
+            body["error"] = service.health.last_error
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON; 413 above ``limit`` bytes, 400 when it is not a JSON object."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+    try:
+        value = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise invalid(f"malformed JSON body: {e}", code="invalid_json") from e
+    if not isinstance(value, dict):
+        raise invalid("the request body must be a JSON object")
+    return value
+
+
+def _parse(model: type[M], body: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from e
+
+
+async def _respond(service: RouterService, job: Job) -> Response:
+    stream = await service.open(job)
+    fmt = Formatter(job, service.ctx)
+    if job.stream:
+        return StreamingResponse(_sse(stream, fmt, job), media_type="text/event-stream")
+    results = [ChoiceResult() for _ in job.choices]
+    try:
+        async for event in stream:
+            results[event.index].add(event)
+    except DecoderFailure as e:
+        raise decoder_failed(e) from e
+    finally:
+        await stream.close()
+    return JSONResponse(fmt.response(results))
+
+
+async def _sse(stream: OpenStream, fmt: Formatter, job: Job) -> AsyncIterator[bytes]:
+    tokens = 0
+    try:
+        async for event in stream:
+            tokens += len(event.token_ids)
+            yield fmt.chunk(event)
+        if job.include_usage:
+            yield fmt.usage_chunk(tokens)
+    except (APIError, DecoderFailure) as e:
+        err = e if isinstance(e, APIError) else decoder_failed(e)
+        log.warning("stream %s failed: %s", job.id, err.message)
+        yield sse(err.body())
+    finally:
+        await stream.close()
+    yield DONE
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException) -> JSONResponse:
+        err = APIError(e.status_code, str(e.detail), code=f"http_{e.status_code}")
+        return JSONResponse(err.body(), status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse(invalid(str(e)).body(), status_code=400)

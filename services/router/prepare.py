@@ -1,0 +1,188 @@
+"""Validated OpenAI request -> ``Job``: the decoder requests to run, one per choice.
+
+Everything that can be refused is refused here, before any decoder sees the request:
+unknown model, unsupported features, prompt and output lengths, sampling values (via
+``SamplingParams``). Errors are ``APIError``s (HTTP 4xx) naming the offending field.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from detserve.params import SamplingParams
+from services.decoder.messages import DecodeRequest
+from services.router.errors import APIError, invalid
+from services.router.limits import ServingLimits
+from services.router.model_context import ModelContext
+from services.router.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+
+@dataclass(frozen=True)
+class Job:
+    """One client request: ``choices[i]`` produces the choice with index i."""
+
+    id: str
+    kind: str                                  # "completion" | "chat"
+    model: str
+    choices: tuple[DecodeRequest, ...]
+    stream: bool
+    include_usage: bool
+    top_logprobs: int | None                   # None: no logprobs requested
+    is_deterministic: bool
+    n: int = 1                                 # choices per prompt
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens, each prompt counted once (not once per choice)."""
+        return sum(len(c.prompt_token_ids) for c in self.choices[::self.n])
+
+
+def check_model(name: str, ctx: ModelContext) -> None:
+    if not ctx.serves(name):
+        raise APIError(404, f"The model `{name}` does not exist.", param="model",
+                       code="model_not_found")
+
+
+def prepare_completion(req: CompletionRequest, ctx: ModelContext,
+                       limits: ServingLimits) -> Job:
+    check_model(req.model, ctx)
+    _check_common(req, limits)
+    prompts = completion_prompts(req.prompt, ctx, limits)
+    if len(prompts) * req.n > limits.max_choices:
+        raise invalid(f"n x prompts must be <= {limits.max_choices}", param="n")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise invalid("logprobs must be in [0, 20]", param="logprobs")
+    job_id = f"cmpl-{uuid.uuid4().hex}"
+    choices = [decode_request(f"{job_id}-{p * req.n + i}", ids, req,
+                              req.max_tokens, req.logprobs, ctx, i)
+               for p, ids in enumerate(prompts) for i in range(req.n)]
+    return _job(job_id, "completion", req, choices, req.logprobs)
+
+
+def prepare_chat(req: ChatCompletionRequest, ctx: ModelContext, limits: ServingLimits) -> Job:
+    check_model(req.model, ctx)
+    _check_common(req, limits)
+    ids = chat_prompt(req, ctx, limits)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid("top_logprobs needs logprobs=true", param="top_logprobs")
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    if top is not None and not 0 <= top <= 20:
+        raise invalid("top_logprobs must be in [0, 20]", param="top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
+    job_id = f"chatcmpl-{uuid.uuid4().hex}"
+    choices = [decode_request(f"{job_id}-{i}", ids, req, max_tokens, top, ctx, i)
+               for i in range(req.n)]
+    return _job(job_id, "chat", req, choices, top)
+
+
+def _job(job_id: str, kind: str, req: SamplingFields, choices: list[DecodeRequest],
+         top: int | None) -> Job:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return Job(job_id, kind, req.model, tuple(choices), req.stream, include_usage, top,
+               req.is_deterministic, req.n)
+
+
+def _check_common(req: SamplingFields, limits: ServingLimits) -> None:
+    bad = req.unsupported()
+    if bad:
+        raise invalid(f"unsupported parameter: {bad[0]}", param=bad[0], code="unsupported")
+    if not 1 <= req.n <= limits.max_n:
+        raise invalid(f"n must be in [1, {limits.max_n}]", param="n")
+    if req.stream_options is not None and not req.stream:
+        raise invalid("stream_options is only allowed with stream=true", param="stream_options")
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > limits.max_stop:
+        raise invalid(f"at most {limits.max_stop} stop sequences", param="stop")
+    if any(len(s) > limits.max_stop_chars for s in stops):
+        raise invalid(f"stop sequences must be <= {limits.max_stop_chars} chars", param="stop")
+
+
+def completion_prompts(prompt: str | list, ctx: ModelContext,
+                       limits: ServingLimits) -> list[list[int]]:
+    """Token ids of each prompt of a completion request (text is tokenized with BOS rules
+    of the engine: ``add_special_tokens=True``)."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        items: list = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise invalid("prompt must not be empty", param="prompt")
+    if len(items) > limits.max_prompts:
+        raise invalid(f"at most {limits.max_prompts} prompts per request", param="prompt")
+    out = []
+    for item in items:
+        ids = ctx.tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) \
+            else list(item)
+        out.append(check_prompt_ids(ids, ctx))
+    return out
+
+
+def check_prompt_ids(ids: Sequence[int], ctx: ModelContext, param: str = "prompt") -> list[int]:
+    if not ids:
+        raise invalid("prompt must not be empty", param=param)
+    vocab = ctx.tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in ids):
+        raise invalid(f"prompt token ids must be in [0, {vocab})", param=param)
+    if len(ids) >= ctx.max_model_len:
+        raise invalid(f"This model's maximum context length is {ctx.max_model_len} tokens; "
+                      f"the prompt has {len(ids)}", param=param,
+                      code="context_length_exceeded")
+    return list(ids)
+
+
+def chat_prompt(req: ChatCompletionRequest, ctx: ModelContext,
+                limits: ServingLimits) -> list[int]:
+    if len(req.messages) > limits.max_messages:
+        raise invalid(f"at most {limits.max_messages} messages", param="messages")
+    messages = []
+    for i, m in enumerate(req.messages):
+        if not m.valid_role():
+            raise invalid(f"messages[{i}].role: unknown role {m.role!r}",
+                          param=f"messages.{i}.role")
+        messages.append({"role": m.role, "content": m.text()})
+    try:
+        text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except ValueError as e:
+        raise invalid(str(e), param="messages") from e
+    return check_prompt_ids(ctx.tokenizer.encode(text, add_special_tokens=False), ctx,
+                            param="messages")
+
+
+def decode_request(request_id: str, ids: list[int], req: SamplingFields, max_tokens: int | None,
+                   logprobs: int | None, ctx: ModelContext, index: int) -> DecodeRequest:
+    room = ctx.max_model_len - len(ids)
+    if max_tokens is None:
+        max_tokens = room
+    if max_tokens < 1:
+        raise invalid("max_tokens must be >= 1", param="max_tokens")
+    if max_tokens > room:
+        raise invalid(f"This model's maximum context length is {ctx.max_model_len} tokens; "
+                      f"you requested {len(ids) + max_tokens} ({len(ids)} in the prompt, "
+                      f"{max_tokens} for the completion)", param="max_tokens",
+                      code="context_length_exceeded")
+    return DecodeRequest(request_id, tuple(ids), sampling_params(req, max_tokens, logprobs, index))
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
+                    index: int) -> SamplingParams:
+    seed = req.seed
+    if index and (seed is not None or req.is_deterministic):
+        seed = (seed or 0) + index  # choices differ, and stay reproducible
+    top_k = req.top_k if req.top_k not in (None, -1) else 0
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k, seed=seed,
+            is_deterministic=req.is_deterministic, stop=_stops(req.stop), logprobs=logprobs,
+            ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+            skip_special_tokens=req.skip_special_tokens)
+    except ValueError as e:
+        raise invalid(str(e), param=str(e).split(" ", 1)[0]) from e
+
+
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)

@@ -1,0 +1,63 @@
+"""Ray Serve request router for the Decoder deployment: ``TokenLedger`` policy.
+
+Configured on the deployment (``RequestRouterConfig(request_router_class=...)``), so every
+handle to decoders routes this way. Only ``generate`` calls carry a ``DecodeRequest``;
+other calls (stats, ping) go to any replica.
+"""
+
+from __future__ import annotations
+
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
+
+from services.decoder.messages import DecodeRequest
+from services.router.load_ledger import TokenLedger, prefix_keys
+
+
+def _decode_request(pending: PendingRequest | None) -> DecodeRequest | None:
+    if pending is None or not pending.args:
+        return None
+    arg = pending.args[0]
+    return arg if isinstance(arg, DecodeRequest) else None
+
+
+def _keys(req: DecodeRequest) -> list[int]:
+    return prefix_keys(req.prompt_token_ids) if req.is_deterministic else []
+
+
+class LeastTokensRouter(RequestRouter):
+    def initialize_state(self, affinity_slack_tokens: int = 4096,  # type: ignore[override]
+                         affinity_capacity: int = 8192) -> None:
+        self._ledger = TokenLedger(affinity_slack_tokens, affinity_capacity)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            # when no rank accepts, back off instead of spinning
+            pending_request.routing_context.should_backoff = True
+        req = _decode_request(pending_request)
+        if req is None:
+            return [candidate_replicas]
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        ranked = self._ledger.rank(list(by_id), _keys(req))
+        return [[by_id[rid]] for rid in ranked]  # type: ignore[index]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: ReplicaResult) -> None:
+        req = _decode_request(pending_request)
+        if req is not None:
+            self._ledger.routed(pending_request.metadata.internal_request_id, replica_id,
+                                req.cost_tokens, _keys(req))
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._ledger.completed(internal_request_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._ledger.forget(replica_id)

@@ -1,0 +1,260 @@
+"""``RemoteVerifier``: the decoder's side of the verifier pool (implements ``Verifier``).
+
+It keeps one stream to one co-located verifier found in the registry. ``submit`` sends a
+pass and remembers it until its result arrives; ``poll`` returns results. When the stream
+breaks (the verifier died, was restarted, stopped answering), it picks another live
+verifier, waiting up to ``failover_timeout_s`` for one to appear, says hello again and
+re-sends every pass still without a result, in submission order. Re-running a pass is
+safe: a request in the lane is touched by nothing else, so the same rows give the same K/V
+bits and the same decisions. Results only ever come from a verifier; if none can be had,
+``poll`` raises ``VerifierUnavailable`` and the engine stops instead of committing
+anything unverified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import time
+from collections.abc import Callable, Iterable
+
+import grpc
+import redis
+
+from detserve.executor.runner import ModelRunner
+from detserve.kv_handle import KVExporter, KVHandle
+from detserve.lane import LanePass, LaneResult
+from detserve.registry import DEFAULT_PREFIX, DecoderRecord, LaneGeometry, Registry, VerifierRecord
+from services.verifier import codec
+from services.verifier import verifier_pb2 as pb
+from services.verifier.stream import Closed, Event, LaneStream
+
+log = logging.getLogger(__name__)
+
+
+class VerifierUnavailable(RuntimeError):
+    """No usable verifier appeared within the failover timeout."""
+
+
+class StaleEpochError(RuntimeError):
+    """The registry holds a newer epoch of this decoder: this process must not go on."""
+
+
+class VerifierError(RuntimeError):
+    """A verifier reported that a pass failed (a bug on one side, not a crash)."""
+
+
+class RemoteVerifier:
+    def __init__(self, registry: Registry, record: DecoderRecord, *,
+                 failover_timeout_s: float = 30.0, hello_timeout_s: float = 10.0,
+                 pass_timeout_s: float = 120.0, retry_bad_after_s: float = 2.0,
+                 publish_block_tables: bool = True) -> None:
+        self.registry = registry
+        self.record = record
+        self.failover_timeout_s = failover_timeout_s
+        self.hello_timeout_s = hello_timeout_s
+        self.pass_timeout_s = pass_timeout_s
+        self.retry_bad_after_s = retry_bad_after_s
+        self.publish_block_tables = publish_block_tables
+        self._pending: dict[int, LanePass] = {}  # submitted, no result yet; submission order
+        self._events: queue.Queue[Event] = queue.Queue()
+        self._ready: list[LaneResult] = []
+        self._stream: LaneStream | None = None
+        self._generation = 0
+        self._bad: dict[str, float] = {}  # verifier address -> when it last failed us
+        self._tables: dict[str, tuple[int, ...]] = {}
+        self.failovers = 0
+        self.resent_passes = 0
+
+    # ---- the Verifier protocol --------------------------------------------------------
+    def submit(self, lane_pass: LanePass) -> None:
+        self._publish_tables(lane_pass)
+        self._pending[lane_pass.pass_id] = lane_pass
+        if self._stream is None:
+            self.connect()  # sends every pending pass, this one included
+        else:
+            assert self._stream is not None
+            self._stream.send(codec.encode_pass(lane_pass))
+
+    def poll(self, wait: bool = False) -> list[LaneResult]:
+        self._drain(block=False)
+        if wait and not self._ready and self._pending:
+            self._drain(block=True)
+        out, self._ready = self._ready, []
+        return out
+
+    def in_flight(self) -> int:
+        return len(self._pending) + len(self._ready)
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        try:
+            self.registry.retire_decoder(self.record.decoder_id, self.record.epoch)
+        except redis.RedisError:
+            log.warning("could not retire decoder %s from the registry", self.record.decoder_id)
+        self.registry.close()
+
+    # ---- extras for the decoder service -------------------------------------------------
+    @property
+    def verifier(self) -> VerifierRecord | None:
+        """The verifier currently in use."""
+        return self._stream.verifier if self._stream else None
+
+    def drop_requests(self, request_ids: Iterable[str]) -> None:
+        """Forget finished requests' block tables (in Redis too)."""
+        gone = [rid for rid in request_ids if self._tables.pop(rid, None) is not None]
+        if gone:
+            self.registry.drop_block_tables(self.record.decoder_id, self.record.epoch, gone)
+
+    def connect(self) -> None:
+        """Open a stream to a usable verifier and (re-)send every pending pass."""
+        deadline = time.monotonic() + self.failover_timeout_s
+        last_error = "no verifier registered"
+        while True:
+            for verifier in self._candidates():
+                error = self._open(verifier)
+                if error is None:
+                    return
+                last_error = f"{verifier.address}: {error}"
+                self._bad[verifier.address] = time.monotonic()
+            if time.monotonic() >= deadline:
+                raise VerifierUnavailable(
+                    f"no usable verifier for decoder {self.record.decoder_id!r} within "
+                    f"{self.failover_timeout_s:.0f} s (last error: {last_error})")
+            time.sleep(0.1)
+
+    # ---- internals --------------------------------------------------------------------
+    def _candidates(self) -> list[VerifierRecord]:
+        """Live verifiers that can map our pool and run our model; ones that failed us
+        recently only after a while (their registration may not have expired yet)."""
+        try:
+            live = self.registry.live_verifiers()
+        except redis.RedisError as e:
+            log.warning("registry unreachable: %s", e)
+            return []
+        now = time.monotonic()
+        usable = [v for v in live if v.host == self.record.kv_handle.host
+                  and v.weights_hash == self.record.weights_hash
+                  and now - self._bad.get(v.address, -1e9) > self.retry_bad_after_s]
+        # rendezvous hashing: decoders spread over the pool, each with a stable preference
+        return sorted(usable, key=lambda v: hashlib.sha1(
+            f"{self.record.decoder_id}/{v.verifier_id}".encode()).digest())
+
+    def _open(self, verifier: VerifierRecord) -> str | None:
+        """Say hello; on Ready, re-send the pending passes. Returns an error or None."""
+        self._generation += 1
+        stream = LaneStream(verifier, self._generation, self._events)
+        stream.send(codec.encode_hello(self.record))
+        deadline = time.monotonic() + self.hello_timeout_s
+        while True:
+            try:
+                gen, event = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                stream.close()
+                return f"no answer to hello within {self.hello_timeout_s} s"
+            if gen != stream.generation:
+                self._take(event)  # a late reply of an old stream: keep its results
+                continue
+            if isinstance(event, Closed):
+                stream.close()
+                if event.code == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise StaleEpochError(event.details)
+                return f"{event.code}: {event.details}"
+            if event.WhichOneof("kind") == "ready":
+                break
+        self._stream = stream
+        for p in self._pending.values():
+            stream.send(codec.encode_pass(p))
+        log.info("decoder %s verified by %s (%s), %d passes re-sent", self.record.decoder_id,
+                 verifier.address, event.ready.verifier_id, len(self._pending))
+        return None
+
+    def _drain(self, block: bool) -> None:
+        """Handle queued events; with ``block``, until a result is ready."""
+        while True:
+            timeout = self.pass_timeout_s if block and not self._ready else None
+            try:
+                if timeout is None:
+                    gen, event = self._events.get_nowait()
+                else:
+                    gen, event = self._events.get(timeout=timeout)
+            except queue.Empty:
+                if timeout is None:
+                    return
+                self._failover(f"no result within {self.pass_timeout_s} s")
+                continue
+            current = self._stream is not None and gen == self._stream.generation
+            if isinstance(event, Closed):
+                if current:
+                    self._failover(f"stream closed: {event.code}: {event.details}")
+            else:
+                self._take(event)
+
+    def _take(self, event: pb.LaneReply | Closed) -> None:
+        if isinstance(event, Closed):
+            return
+        kind = event.WhichOneof("kind")
+        if kind == "error":
+            raise VerifierError(f"lane pass {event.error.pass_id}: {event.error.message}")
+        if kind == "decisions":
+            result = codec.decode_result(event.decisions)
+            # a duplicate (the pass was re-sent after its result was already under way)
+            # carries the same bits; only the first one counts
+            if self._pending.pop(result.pass_id, None) is not None:
+                self._ready.append(result)
+
+    def _failover(self, reason: str) -> None:
+        old = self._stream
+        self._stream = None
+        if old is not None:
+            log.warning("verifier %s lost (%s); failing over with %d passes in flight",
+                        old.verifier.address, reason, len(self._pending))
+            self._bad[old.verifier.address] = time.monotonic()
+            old.close()
+        self.failovers += 1
+        self.resent_passes += len(self._pending)
+        self.connect()
+
+    def _publish_tables(self, lane_pass: LanePass) -> None:
+        if not self.publish_block_tables:
+            return
+        changed = {s.request_id: s.block_table for s in lane_pass.segments
+                   if self._tables.get(s.request_id) != s.block_table}
+        if changed:
+            self.registry.publish_block_tables(self.record.decoder_id, self.record.epoch, changed)
+            self._tables.update(changed)
+
+
+def make_verifier_factory(redis_url: str, decoder_id: str, kv_handle: KVHandle | KVExporter,
+                          weights_hash: str, *, prefix: str = DEFAULT_PREFIX,
+                          connect: bool = True, **options: float | bool
+                          ) -> Callable[[ModelRunner], RemoteVerifier]:
+    """``LLMEngine(verifier_factory=...)``: when the engine has built its runner over the
+    exported pool, publish this decoder's record and connect to a verifier.
+
+    ``kv_handle`` may be the ``KVExporter`` also passed as ``kv_storage``: its handle exists
+    only once the engine has allocated the pool, which happens before this factory runs.
+    ``options`` go to ``RemoteVerifier`` (timeouts, ``publish_block_tables``)."""
+
+    def factory(runner: ModelRunner) -> RemoteVerifier:
+        handle = kv_handle.handle if isinstance(kv_handle, KVExporter) else kv_handle
+        if handle.decoder_id != decoder_id:
+            raise ValueError(f"KV handle of {handle.decoder_id!r}, not {decoder_id!r}")
+        pool = runner.pool.data
+        if tuple(pool.shape) != handle.shape or str(pool.dtype) != f"torch.{handle.dtype}":
+            raise ValueError("the engine's KV pool is not the exported one")
+        geometry = LaneGeometry(runner.lane_rows, runner.lane_logit_ops.rows, runner.bi_rows,
+                                runner.pool.block_size)
+        record = DecoderRecord(decoder_id, handle.epoch, handle, weights_hash, geometry,
+                               codec.numerics_profile(runner))
+        registry = Registry(redis_url, prefix)
+        registry.publish_decoder(record)
+        verifier = RemoteVerifier(registry, record, **options)  # type: ignore[arg-type]
+        if connect:
+            verifier.connect()
+        return verifier
+
+    return factory

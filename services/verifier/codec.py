@@ -1,0 +1,109 @@
+"""The one place that converts lane messages to and from protobuf.
+
+Round trips are exact: floats travel as doubles (Python floats are doubles), top-logprob
+order is kept, and ``None`` logprobs stay ``None``; ``tests/test_remote_verifier.py``
+checks ``decode(encode(x)) == x``.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from detserve.executor.runner import ModelRunner
+from detserve.lane import LaneDecision, LanePass, LaneResult, LaneSegment
+from detserve.outputs import TokenLogprob
+from detserve.params import SamplingSpec
+from detserve.registry import DecoderRecord, LaneGeometry
+from services.verifier import verifier_pb2 as pb
+
+
+def numerics_profile(runner: ModelRunner) -> str:
+    """What lane bits depend on besides weights, dtype and geometry. A verifier serves a
+    decoder only if both runners report the same string (CPU GEMMs may split work by
+    thread, so the thread count is part of it)."""
+    if runner.device.type == "cuda":
+        kind = torch.cuda.get_device_name(runner.device)
+    else:
+        kind = f"cpu-{platform.machine()}-{torch.get_num_threads()}threads"
+    return f"{runner.kernel_set}/torch-{torch.__version__}/{kind}"
+
+
+# ---- hello --------------------------------------------------------------------------
+def encode_hello(record: DecoderRecord) -> pb.LaneRequest:
+    g = record.geometry
+    return pb.LaneRequest(hello=pb.Hello(
+        decoder_id=record.decoder_id, epoch=record.epoch,
+        kv_handle=record.kv_handle.to_json(), weights_hash=record.weights_hash,
+        dtype=record.kv_handle.dtype, numerics=record.numerics,
+        geometry=pb.LaneGeometry(lane_rows=g.lane_rows, window=g.window,
+                                 batch_invariant_rows=g.batch_invariant_rows,
+                                 block_size=g.block_size)))
+
+
+def decode_geometry(g: pb.LaneGeometry) -> LaneGeometry:
+    return LaneGeometry(g.lane_rows, g.window, g.batch_invariant_rows, g.block_size)
+
+
+# ---- passes -------------------------------------------------------------------------
+def _encode_spec(s: SamplingSpec) -> pb.SamplingSpec:
+    return pb.SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                           seed=s.seed, logprobs=s.logprobs, min_tokens=s.min_tokens,
+                           prompt_len=s.prompt_len, stop_ids=list(s.stop_ids))
+
+
+def _decode_spec(s: pb.SamplingSpec) -> SamplingSpec:
+    return SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+                        logprobs=s.logprobs if s.HasField("logprobs") else None,
+                        min_tokens=s.min_tokens, prompt_len=s.prompt_len,
+                        stop_ids=tuple(s.stop_ids))
+
+
+def encode_pass(p: LanePass) -> pb.LaneRequest:
+    segs = [pb.LaneSegment(request_id=s.request_id, is_window=s.kind == "window", start=s.start,
+                           input_ids=s.input_ids, block_table=s.block_table,
+                           candidates=s.candidates, sample_rows=s.sample_rows,
+                           spec=_encode_spec(s.spec))
+            for s in p.segments]
+    return pb.LaneRequest(lane_pass=pb.LanePass(pass_id=p.pass_id, rows=p.rows, segments=segs))
+
+
+def decode_pass(p: pb.LanePass) -> LanePass:
+    segs = tuple(LaneSegment(s.request_id, "window" if s.is_window else "prefill", s.start,
+                             tuple(s.input_ids), tuple(s.block_table), tuple(s.candidates),
+                             tuple(s.sample_rows), _decode_spec(s.spec))
+                 for s in p.segments)
+    return LanePass(p.pass_id, p.rows, segs)
+
+
+# ---- results ------------------------------------------------------------------------
+def _encode_logprob(lp: TokenLogprob | None) -> pb.Logprob:
+    if lp is None:
+        return pb.Logprob(present=False)
+    return pb.Logprob(present=True, token_id=lp.token_id, logprob=lp.logprob,
+                      top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()])
+
+
+def _decode_logprob(lp: pb.Logprob) -> TokenLogprob | None:
+    if not lp.present:
+        return None
+    return TokenLogprob(lp.token_id, lp.logprob, {t.token_id: t.logprob for t in lp.top})
+
+
+def encode_result(r: LaneResult) -> pb.LaneReply:
+    decisions = [pb.LaneDecision(request_id=d.request_id, is_window=d.kind == "window",
+                                 start=d.start, accepted=d.accepted, tokens=d.tokens,
+                                 logprobs=[_encode_logprob(lp) for lp in d.logprobs])
+                 for d in r.decisions]
+    return pb.LaneReply(decisions=pb.LaneResult(pass_id=r.pass_id, decisions=decisions,
+                                                padding_rows=r.padding_rows,
+                                                elapsed_s=r.elapsed_s))
+
+
+def decode_result(r: pb.LaneResult) -> LaneResult:
+    decisions = tuple(LaneDecision(d.request_id, "window" if d.is_window else "prefill",
+                                   d.start, d.accepted, tuple(d.tokens),
+                                   tuple(_decode_logprob(lp) for lp in d.logprobs))
+                      for d in r.decisions)
+    return LaneResult(r.pass_id, decisions, r.padding_rows, r.elapsed_s)

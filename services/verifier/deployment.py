@@ -1,0 +1,96 @@
+"""The verifier pool as a Ray Serve deployment (named ``Verifier``, see serve_config.py).
+
+Each replica is a ``VerifierReplica``: it loads the model, serves the ``Verify`` gRPC
+stream on a free port and registers ``host:port`` in Redis with a TTL heartbeat. Decoders
+find replicas through the registry, not through Ray handles: lane traffic is a long-lived
+bidirectional stream, which Serve's request path does not carry. Ray Serve still places
+the replicas, runs ``check_health`` and replaces a replica that dies or fails it; the
+decoders then fail over to another one (services/verifier/client.py).
+
+On a GPU the replica shares the decoder's GPU (a fractional ``num_gpus``) and should use
+only a slice of its SMs, so the decoder's fast path keeps the rest:
+- under MPS (the daemon is running), ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` caps this
+  process before it first touches CUDA; MPS is also what lets the two processes' kernels
+  run at the same time at all;
+- otherwise the lane thread enters a CUDA green context of that many SMs and runs on its
+  stream. Without MPS the decoder's and the verifier's kernels still time-slice.
+These paths need a GPU and are not exercised by the CPU test suite.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ray import serve
+
+from detserve.registry import DEFAULT_PREFIX
+from services.verifier.replica import VerifierReplica
+
+_MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"
+
+
+def mps_running() -> bool:
+    return os.path.exists(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", _MPS_PIPE_DEFAULT))
+
+
+def limit_sms(device: str, sm_fraction: float) -> Callable[[], None] | None:
+    """Confine lane kernels to ``sm_fraction`` of the GPU. Must run before CUDA is
+    initialised in this process; returns the lane thread's initializer (or None)."""
+    if not device.startswith("cuda") or not 0.0 < sm_fraction < 1.0:
+        return None
+    if mps_running():
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, round(100 * sm_fraction)))
+        return None
+    return _green_context_init(device, sm_fraction)
+
+
+def _green_context_init(device: str, sm_fraction: float) -> Callable[[], None]:
+    import torch
+    from torch.cuda.green_contexts import GreenContext
+
+    held: list[Any] = []  # the context must outlive the lane thread's use of it
+
+    def init() -> None:
+        index = torch.device(device).index or 0
+        total = torch.cuda.get_device_properties(index).multi_processor_count
+        # SM partitions come in hardware-sized groups; 8 is a multiple of all of them
+        num_sms = max(8, int(total * sm_fraction) // 8 * 8)
+        ctx: Any = GreenContext.create(num_sms=num_sms, device_id=index)
+        ctx.set_context()
+        torch.cuda.set_stream(ctx.Stream())
+        held.append(ctx)
+
+    return init
+
+
+@serve.deployment(name="Verifier", health_check_period_s=5, health_check_timeout_s=15,
+                  graceful_shutdown_timeout_s=10)
+class Verifier:
+    """Constructor arguments are the application's (see ``services.app``):
+    ``model``, ``redis_url``, ``dtype``, ``device`` and ``sm_fraction`` (normally the
+    replica's fractional GPU share, ``verifier_gpu_fraction``)."""
+
+    def __init__(self, model: str, redis_url: str, dtype: str = "float32", device: str = "cpu",
+                 sm_fraction: float = 0.0, ttl_s: float = 3.0,
+                 prefix: str = DEFAULT_PREFIX) -> None:
+        if device.startswith("cuda"):
+            device = "cuda:0"  # Ray exposes the assigned GPU as the only visible one
+        lane_init = limit_sms(device, sm_fraction)
+        self.replica = VerifierReplica(model, redis_url, dtype=dtype, device=device,
+                                       ttl_s=ttl_s, prefix=prefix, lane_thread_init=lane_init)
+
+    def check_health(self) -> None:
+        self.replica.check_health()
+
+    def info(self) -> dict[str, Any]:
+        s = self.replica.servicer
+        return {"verifier_id": self.replica.verifier_id, "address": self.replica.address,
+                "streams": s.streams, "passes": s.passes}
+
+    def __del__(self) -> None:
+        # Ray Serve calls __del__ when it stops a replica: deregister before exiting
+        replica = getattr(self, "replica", None)
+        if replica is not None:
+            replica.shutdown()

@@ -1,0 +1,102 @@
+"""One verifier replica: the model, the gRPC server, and its registration in Redis.
+
+This is everything a verifier process does, without Ray: the Ray Serve deployment
+(``deployment.py``) wraps it, and ``python -m services.verifier.replica`` runs it
+stand-alone (tests start verifiers this way, in processes of their own).
+
+A replica binds to loopback by default: it can only serve decoders whose KV pool it maps,
+and those live on the same host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from detserve.registry import DEFAULT_PREFIX, Heartbeat, Registry, VerifierRecord
+from services.verifier import verifier_pb2 as pb
+from services.verifier import verifier_pb2_grpc as pb_grpc
+from services.verifier.server import VerifierServer, VerifierServicer, load_model_once
+
+log = logging.getLogger(__name__)
+
+
+class VerifierReplica:
+    def __init__(self, model: str, redis_url: str, *, dtype: str = "float32",
+                 device: str = "cpu", host: str = "127.0.0.1", port: int = 0,
+                 ttl_s: float = 3.0, prefix: str = DEFAULT_PREFIX,
+                 lane_thread_init: Callable[[], None] | None = None) -> None:
+        """Loads the model, starts serving, then registers (so a registered verifier is
+        always ready to answer a hello)."""
+        self.verifier_id = uuid.uuid4().hex[:12]
+        self.registry = Registry(redis_url, prefix)
+        weights, info = load_model_once(model, dtype, device)
+        self.servicer = VerifierServicer(weights, info, self.registry, device, self.verifier_id,
+                                         lane_thread_init=lane_thread_init)
+        self.server = VerifierServer(self.servicer, host, port).start()
+        advertise = socket.gethostbyname(socket.gethostname()) if host == "0.0.0.0" else host
+        self.record = VerifierRecord(self.verifier_id, f"{advertise}:{self.server.port}",
+                                     socket.gethostname(), device, info.weights_hash)
+        self.heartbeat = Heartbeat(self.registry, self.record, ttl_s).start()
+        self._closed = False
+        log.info("verifier %s serving %s on %s", self.verifier_id, info.name, self.record.address)
+
+    @property
+    def address(self) -> str:
+        return self.record.address
+
+    def check_health(self) -> None:
+        """Raise if this replica cannot serve: Ray Serve then replaces it."""
+        if self._closed or not self.servicer.serving:
+            raise RuntimeError("verifier is shut down")
+        if not self.heartbeat.registered:
+            raise RuntimeError("the registration in Redis is not being refreshed")
+        with grpc.insecure_channel(self.address) as ch:
+            reply = pb_grpc.VerifierStub(ch).Health(pb.HealthRequest(), timeout=5.0)
+        if not reply.serving:
+            raise RuntimeError("gRPC server reports not serving")
+
+    def shutdown(self) -> None:
+        """Deregister first (no new streams), then stop the server."""
+        if self._closed:
+            return
+        self._closed = True
+        self.heartbeat.stop(deregister=True)
+        self.server.stop()
+        self.registry.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Run one detserve verifier replica.")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--redis-url", required=True)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--ttl", type=float, default=3.0, help="registration TTL in seconds")
+    ap.add_argument("--prefix", default=DEFAULT_PREFIX)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    replica = VerifierReplica(args.model, args.redis_url, dtype=args.dtype, device=args.device,
+                              host=args.host, port=args.port, ttl_s=args.ttl, prefix=args.prefix)
+    print(f"READY {replica.verifier_id} {replica.address}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        pass
+    replica.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

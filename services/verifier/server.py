@@ -1,0 +1,233 @@
+"""The verifier's gRPC servicer: maps decoders' KV pools and runs their lane passes.
+
+One ``Verify`` stream per decoder. Its first message is a Hello; the servicer checks it
+against the registry (the epoch must be the decoder's current one) and against its own
+model (weights, dtype, numerics, KV geometry), maps the decoder's pool through the handle
+and builds a ``ModelRunner`` over it, cached per decoder and epoch. Then it answers every
+lane pass, in order, with the runner's decisions; the lane writes its K/V in place into the
+decoder's pool. Passes of all streams run one at a time on a single lane thread (one
+device, one model copy), which also keeps the gRPC threads free for Health checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from detserve.executor.kv_pool import KVPool
+from detserve.executor.runner import ModelRunner
+from detserve.kv_handle import KVHandle, open_kv
+from detserve.lane import LanePass, LaneResult
+from detserve.model.llama import LlamaModel
+from detserve.model.loader import ModelInfo, load_model
+from detserve.registry import Registry
+from services.verifier import codec
+from services.verifier import verifier_pb2 as pb
+from services.verifier import verifier_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+_MODELS: dict[tuple[str, str, str], tuple[LlamaModel, ModelInfo]] = {}
+_MODELS_LOCK = threading.Lock()
+# accept the decoders' keepalive pings (services/verifier/stream.py) during long passes
+_SERVER_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
+def load_model_once(spec: str, dtype: str, device: str) -> tuple[LlamaModel, ModelInfo]:
+    """The process's copy of the weights (a verifier loads its model once)."""
+    key = (spec, dtype, device)
+    with _MODELS_LOCK:
+        if key not in _MODELS:
+            model, _, info = load_model(spec, dtype=dtype, device=device)
+            _MODELS[key] = (model, info)
+        return _MODELS[key]
+
+
+class HelloRefused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class _Attached:
+    epoch: int
+    handle: KVHandle
+    runner: ModelRunner
+
+
+class VerifierServicer(pb_grpc.VerifierServicer):
+    def __init__(self, model: LlamaModel, info: ModelInfo, registry: Registry, device: str,
+                 verifier_id: str | None = None,
+                 lane_thread_init: Callable[[], None] | None = None) -> None:
+        self.model = model
+        self.info = info
+        self.registry = registry
+        self.device = device
+        self.verifier_id = verifier_id or uuid.uuid4().hex[:12]
+        self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lane",
+                                        initializer=lane_thread_init)
+        self._attached: dict[str, _Attached] = {}
+        self._lock = threading.Lock()
+        self.streams = 0
+        self.passes = 0
+        self.serving = True
+
+    # ---- RPCs ---------------------------------------------------------------------
+    def Verify(self, request_iterator: Iterator[pb.LaneRequest],
+               context: grpc.ServicerContext) -> Iterator[pb.LaneReply]:
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "hello":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a hello")
+            return
+        try:
+            runner = self._attach(first.hello)
+        except HelloRefused as e:
+            log.warning("refused %s: %s", first.hello.decoder_id, e)
+            context.abort(e.code, str(e))
+            return
+        with self._lock:
+            self.streams += 1
+        try:
+            yield pb.LaneReply(ready=pb.Ready(verifier_id=self.verifier_id))
+            for req in request_iterator:
+                if req.WhichOneof("kind") != "lane_pass":
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "hello sent twice")
+                if not context.is_active() or not self.serving:
+                    return  # the decoder has moved on: write nothing more into its pool
+                yield self._run(runner, codec.decode_pass(req.lane_pass))
+        finally:
+            with self._lock:
+                self.streams -= 1
+
+    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
+        return pb.HealthReply(serving=self.serving, verifier_id=self.verifier_id,
+                              weights_hash=self.info.weights_hash, streams=self.streams,
+                              passes=self.passes)
+
+    def close(self) -> None:
+        self.serving = False
+        self._lane.shutdown(wait=True)
+        with self._lock:
+            self._attached.clear()
+
+    # ---- internals ----------------------------------------------------------------
+    def _run(self, runner: ModelRunner, lane_pass: LanePass) -> pb.LaneReply:
+        try:
+            result: LaneResult = self._lane.submit(runner.run_lane, lane_pass).result()
+        except Exception as e:  # a bad pass is a bug on one side: report it, never guess
+            log.exception("lane pass %d failed", lane_pass.pass_id)
+            return pb.LaneReply(error=pb.PassError(pass_id=lane_pass.pass_id,
+                                                   message=f"{type(e).__name__}: {e}"))
+        with self._lock:
+            self.passes += 1
+        return codec.encode_result(result)
+
+    def _attach(self, hello: pb.Hello) -> ModelRunner:
+        try:
+            handle = KVHandle.from_json(hello.kv_handle)
+        except (ValueError, KeyError, TypeError) as e:
+            raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV handle: {e}") from e
+        self._check_current(hello, handle)
+        self._check_compatible(hello, handle)
+        with self._lock:
+            cached = self._attached.get(hello.decoder_id)
+            if cached is not None and cached.epoch == hello.epoch and cached.handle == handle:
+                return cached.runner
+        try:
+            storage = open_kv(handle)
+        except FileNotFoundError as e:
+            raise HelloRefused(grpc.StatusCode.NOT_FOUND, f"KV pool not found: {e}") from e
+        except (ValueError, RuntimeError) as e:
+            raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT, f"cannot map KV pool: {e}") from e
+        g = codec.decode_geometry(hello.geometry)
+        mc = self.model.config
+        pool = KVPool(mc.num_layers, handle.shape[2], g.block_size, mc.num_kv_heads,
+                      mc.head_dim, handle.torch_dtype, self.device, storage=storage)
+        runner = ModelRunner(self.model, pool, g.lane_rows, g.window, g.batch_invariant_rows)
+        numerics = codec.numerics_profile(runner)
+        if hello.numerics != numerics:
+            raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"numerics {hello.numerics!r} != {numerics!r}")
+        with self._lock:  # a newer epoch replaces (and unmaps) the old one
+            self._attached[hello.decoder_id] = _Attached(hello.epoch, handle, runner)
+        return runner
+
+    def _check_current(self, hello: pb.Hello, handle: KVHandle) -> None:
+        """Refuse anything but the decoder's current epoch, as published in the registry."""
+        current = self.registry.current_epoch(hello.decoder_id)
+        if current is None:
+            raise HelloRefused(grpc.StatusCode.NOT_FOUND,
+                               f"decoder {hello.decoder_id!r} is not in the registry")
+        if hello.epoch != current:
+            raise HelloRefused(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"stale epoch {hello.epoch} of decoder {hello.decoder_id!r} "
+                               f"(current {current})")
+        record = self.registry.get_decoder(hello.decoder_id)
+        if record is None or record.epoch != hello.epoch:
+            raise HelloRefused(grpc.StatusCode.NOT_FOUND,
+                               f"decoder {hello.decoder_id!r} has not published epoch {hello.epoch}")
+        if record.kv_handle != handle or handle.epoch != hello.epoch:
+            raise HelloRefused(grpc.StatusCode.FAILED_PRECONDITION,
+                               "the hello's KV handle is not the one the decoder published")
+
+    def _check_compatible(self, hello: pb.Hello, handle: KVHandle) -> None:
+        """Refuse a decoder whose lane this verifier would not reproduce bit for bit."""
+        mc = self.model.config
+        g = hello.geometry
+        problems = []
+        if hello.weights_hash != self.info.weights_hash:
+            problems.append(f"weights {hello.weights_hash[:12]} != {self.info.weights_hash[:12]}")
+        if hello.dtype != self.info.dtype or handle.dtype != self.info.dtype:
+            problems.append(f"dtype {hello.dtype} != {self.info.dtype}")
+        if (handle.kind == "shm") != (torch.device(self.device).type == "cpu"):
+            problems.append(f"a {handle.kind} pool cannot be used on {self.device}")
+        nb = handle.shape[2] if len(handle.shape) == 6 else -1
+        want = KVPool.shape_for(mc.num_layers, nb, g.block_size, mc.num_kv_heads, mc.head_dim)
+        if handle.shape != want:
+            problems.append(f"KV pool shape {handle.shape} != {want}")
+        if min(g.lane_rows, g.window, g.batch_invariant_rows) <= 0 or g.lane_rows % g.window:
+            problems.append(f"bad lane geometry {g.lane_rows}/{g.window}")
+        if problems:
+            raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
+
+
+class VerifierServer:
+    """A gRPC server around one servicer, on ``host:port`` (port 0: any free port)."""
+
+    def __init__(self, servicer: VerifierServicer, host: str = "127.0.0.1", port: int = 0,
+                 max_streams: int = 32) -> None:
+        self.servicer = servicer
+        self.host = host
+        # one thread per open stream, plus room for Health checks
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=max_streams + 4,
+                                                      thread_name_prefix="verifier-grpc"),
+                                   maximum_concurrent_rpcs=max_streams + 4,
+                                   options=_SERVER_OPTIONS)
+        pb_grpc.add_VerifierServicer_to_server(servicer, self._server)
+        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise RuntimeError(f"could not bind the verifier's gRPC server on {host}:{port}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> VerifierServer:
+        self._server.start()
+        return self
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.servicer.serving = False
+        self._server.stop(grace_s).wait()
+        self.servicer.close()

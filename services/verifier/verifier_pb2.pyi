@@ -1,0 +1,186 @@
+# ruff: noqa
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LaneGeometry(_message.Message):
+    __slots__ = ("lane_rows", "window", "batch_invariant_rows", "block_size")
+    LANE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INVARIANT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    lane_rows: int
+    window: int
+    batch_invariant_rows: int
+    block_size: int
+    def __init__(self, lane_rows: _Optional[int] = ..., window: _Optional[int] = ..., batch_invariant_rows: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("decoder_id", "epoch", "kv_handle", "weights_hash", "dtype", "geometry", "numerics")
+    DECODER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_HASH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    decoder_id: str
+    epoch: int
+    kv_handle: str
+    weights_hash: str
+    dtype: str
+    geometry: LaneGeometry
+    numerics: str
+    def __init__(self, decoder_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kv_handle: _Optional[str] = ..., weights_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., geometry: _Optional[_Union[LaneGeometry, _Mapping]] = ..., numerics: _Optional[str] = ...) -> None: ...
+
+class SamplingSpec(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs", "min_tokens", "prompt_len", "stop_ids")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    STOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    logprobs: int
+    min_tokens: int
+    prompt_len: int
+    stop_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., prompt_len: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LaneSegment(_message.Message):
+    __slots__ = ("request_id", "is_window", "start", "input_ids", "block_table", "candidates", "sample_rows", "spec")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IS_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    is_window: bool
+    start: int
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    candidates: _containers.RepeatedScalarFieldContainer[int]
+    sample_rows: _containers.RepeatedScalarFieldContainer[int]
+    spec: SamplingSpec
+    def __init__(self, request_id: _Optional[str] = ..., is_window: _Optional[bool] = ..., start: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., block_table: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[int]] = ..., sample_rows: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[SamplingSpec, _Mapping]] = ...) -> None: ...
+
+class LanePass(_message.Message):
+    __slots__ = ("pass_id", "rows", "segments")
+    PASS_ID_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    pass_id: int
+    rows: int
+    segments: _containers.RepeatedCompositeFieldContainer[LaneSegment]
+    def __init__(self, pass_id: _Optional[int] = ..., rows: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[LaneSegment, _Mapping]]] = ...) -> None: ...
+
+class LaneRequest(_message.Message):
+    __slots__ = ("hello", "lane_pass")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    LANE_PASS_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    lane_pass: LanePass
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., lane_pass: _Optional[_Union[LanePass, _Mapping]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class Logprob(_message.Message):
+    __slots__ = ("present", "token_id", "logprob", "top")
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    present: bool
+    token_id: int
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, present: _Optional[bool] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class LaneDecision(_message.Message):
+    __slots__ = ("request_id", "is_window", "start", "accepted", "tokens", "logprobs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IS_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    is_window: bool
+    start: int
+    accepted: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[Logprob]
+    def __init__(self, request_id: _Optional[str] = ..., is_window: _Optional[bool] = ..., start: _Optional[int] = ..., accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[Logprob, _Mapping]]] = ...) -> None: ...
+
+class LaneResult(_message.Message):
+    __slots__ = ("pass_id", "decisions", "padding_rows", "elapsed_s")
+    PASS_ID_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    PADDING_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    pass_id: int
+    decisions: _containers.RepeatedCompositeFieldContainer[LaneDecision]
+    padding_rows: int
+    elapsed_s: float
+    def __init__(self, pass_id: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[LaneDecision, _Mapping]]] = ..., padding_rows: _Optional[int] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+
+class Ready(_message.Message):
+    __slots__ = ("verifier_id",)
+    VERIFIER_ID_FIELD_NUMBER: _ClassVar[int]
+    verifier_id: str
+    def __init__(self, verifier_id: _Optional[str] = ...) -> None: ...
+
+class PassError(_message.Message):
+    __slots__ = ("pass_id", "message")
+    PASS_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    pass_id: int
+    message: str
+    def __init__(self, pass_id: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class LaneReply(_message.Message):
+    __slots__ = ("ready", "decisions", "error")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ready: Ready
+    decisions: LaneResult
+    error: PassError
+    def __init__(self, ready: _Optional[_Union[Ready, _Mapping]] = ..., decisions: _Optional[_Union[LaneResult, _Mapping]] = ..., error: _Optional[_Union[PassError, _Mapping]] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthReply(_message.Message):
+    __slots__ = ("serving", "verifier_id", "weights_hash", "streams", "passes")
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_HASH_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    PASSES_FIELD_NUMBER: _ClassVar[int]
+    serving: bool
+    verifier_id: str
+    weights_hash: str
+    streams: int
+    passes: int
+    def __init__(self, serving: _Optional[bool] = ..., verifier_id: _Optional[str] = ..., weights_hash: _Optional[str] = ..., streams: _Optional[int] = ..., passes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,75 @@
+"""A local serving cluster for the serving tests: Ray, Redis, router, decoders, verifiers.
+
+One cluster per test module (each module's fixture calls ``serving_cluster``). The model is
+a tiny random Llama, the lane small (W=8, G=4), so a whole module runs in seconds of
+engine time on two CPU cores; start-up (Ray, Serve, replicas) dominates.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from detserve.model.testing import make_random_llama
+from detserve.serve_config import GRPC_SERVICER_FUNCTIONS, default_serve_config
+from services.router.limits import ServingLimits
+
+W, G = 8, 4
+MAX_MODEL_LEN = 512
+
+
+def tiny_model() -> str:
+    return str(make_random_llama(max_position_embeddings=1024, num_layers=2))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Cluster:
+    args: dict[str, Any]
+    http_url: str            # http://127.0.0.1:PORT
+    grpc_address: str        # 127.0.0.1:PORT
+    startup_s: float
+
+    @property
+    def base_url(self) -> str:
+        return self.http_url + "/v1"
+
+
+@contextmanager
+def serving_cluster(*, limits: ServingLimits | None = None, **overrides: Any
+                    ) -> Iterator[Cluster]:
+    import ray
+    from ray import serve
+
+    from detserve.redis_server import EmbeddedRedis
+    from services.app import compose
+
+    t0 = time.monotonic()
+    http_port, grpc_port = free_port(), free_port()
+    with ExitStack() as stack:
+        redis = stack.enter_context(EmbeddedRedis())
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        stack.callback(ray.shutdown)
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port},
+                    grpc_options={"port": grpc_port,
+                                  "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS)})
+        stack.callback(serve.shutdown)
+        settings: dict[str, Any] = dict(model=tiny_model(), verify_window=W, verify_group=G,
+                        max_model_len=MAX_MODEL_LEN, max_num_seqs=16, redis_url=redis.url,
+                        http_port=http_port, grpc_port=grpc_port)
+        settings.update(overrides)
+        config = default_serve_config(**settings)
+        args = config["applications"][0]["args"]
+        serve.run(compose(args, limits=limits, replica_cpus=0.5), name="detserve",
+                  route_prefix="/")
+        yield Cluster(args, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}",
+                      time.monotonic() - t0)

@@ -1,0 +1,161 @@
+"""lane_attention: matches the reference, and a row's bits depend on the row alone.
+
+CPU: the non-GPU tests run in a TRITON_INTERPRET=1 subprocess (test_interpreter_suite).
+GPU: bf16 at model sizes (marked gpu).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from detserve.kernels import testing as kt  # noqa: E402
+from detserve.kernels.config import LaneConfig  # noqa: E402
+from detserve.kernels.lane_attention import (  # noqa: E402
+    default_rows_per_program,
+    lane_attention,
+    lane_attention_ref,
+    lane_rows,
+)
+
+if kt.INTERPRETED:
+    kt.patch_interpreter()
+
+interp = pytest.mark.skipif(not kt.INTERPRETED, reason="runs in test_interpreter_suite's subprocess")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+CPU = ("cpu", torch.float32)
+GPU = ("cuda", torch.bfloat16)
+
+
+@pytest.mark.skipif(kt.INTERPRETED, reason="this is the parent of the interpreter run")
+def test_interpreter_suite() -> None:
+    kt.run_in_interpreter(__file__)
+
+
+def _i32(xs: list[int], device: str) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int32, device=device)
+
+
+def check_matches_reference(device: str, dtype: torch.dtype, h: int, hkv: int, d: int,
+                            page: int, lens: list[int], cfg: LaneConfig, atol: float) -> None:
+    kv = kt.make_paged_kv(lens, hkv, d, page, dtype=dtype, device=device, seed=1)
+    g = torch.Generator().manual_seed(2)
+    rows = [(s, int(torch.randint(0, n, (1,), generator=g))) for s, n in enumerate(lens)]
+    rows += [(s, n - 1) for s, n in enumerate(lens)] + [(0, 0), (0, -1)]  # ends, first, padding
+    seq, pos = _i32([r[0] for r in rows], device), _i32([r[1] for r in rows], device)
+    q = kt.randn(len(rows), h, d, dtype=dtype, device=device, seed=3)
+    out = lane_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, seq, pos, cfg=cfg)
+    ref = lane_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, seq, pos)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=atol)
+    assert torch.all(out[-1] == 0)  # the padding row
+
+
+def check_row_invariance(device: str, dtype: torch.dtype, h: int, hkv: int, d: int, page: int,
+                         lens: list[int], m: int, cfg: LaneConfig) -> None:
+    """Same (q, seq, p) -> same bits: in any pass, at any index, however long the seq is."""
+    g = torch.Generator().manual_seed(5)
+    dense = kt.random_kv(lens, hkv, d, seed=6)
+    kv = kt.paged_from_dense(dense, page, dtype=dtype, device=device, seed=7)
+    q_all = kt.randn(3 * m, h, d, dtype=dtype, device=device, seed=8)
+    # windows of consecutive positions of one sequence, as a lane pass packs them
+    seq_l: list[int] = []
+    pos_l: list[int] = []
+    while len(seq_l) < 3 * m:
+        s = int(torch.randint(0, len(lens), (1,), generator=g))
+        w = int(torch.randint(1, 20, (1,), generator=g))
+        p0 = int(torch.randint(0, lens[s], (1,), generator=g))
+        for p in range(p0, min(p0 + w, lens[s])):
+            seq_l.append(s)
+            pos_l.append(p)
+    seq_all = torch.tensor(seq_l[: 3 * m], dtype=torch.int32, device=device)
+    pos_all = torch.tensor(pos_l[: 3 * m], dtype=torch.int32, device=device)
+    rows = lane_rows(h // hkv, cfg)
+
+    def run(idx: torch.Tensor, cache: kt.PagedKV = kv, rpp: int | None = None) -> torch.Tensor:
+        idx = idx.to(device)
+        return lane_attention(q_all[idx], cache.k_cache, cache.v_cache, cache.block_tables,
+                              seq_all[idx], pos_all[idx], cfg=cfg, rows_per_program=rpp)
+
+    base_idx = torch.arange(m)
+    base = run(base_idx, rpp=rows)
+    # 0. however many rows a program takes (the default follows M)
+    for rpp in sorted({1, 2, max(1, rows // 2), rows}):
+        assert kt.bitwise_equal(run(base_idx, rpp=rpp), base), f"rows_per_program={rpp}"
+    # 1. the same rows permuted, among different neighbours, in passes of other sizes
+    perm = torch.randperm(m, generator=g)
+    assert kt.bitwise_equal(run(base_idx[perm]), base[perm.to(device)])
+    mixed = torch.cat([torch.arange(m, 3 * m), base_idx])[torch.randperm(3 * m, generator=g)]
+    out_mixed = run(mixed)
+    where = {int(r): i for i, r in enumerate(mixed)}
+    take = torch.tensor([where[r] for r in range(m)], device=device)
+    assert kt.bitwise_equal(out_mixed[take], base)
+    shifted = torch.cat([torch.arange(2 * m, 2 * m + 5), base_idx])  # every row moves by 5
+    assert kt.bitwise_equal(run(shifted, rpp=rows)[5:], base)
+    for r in (0, m // 2, m - 1):  # alone, M = 1
+        assert kt.bitwise_equal(run(torch.tensor([r])), base[r : r + 1])
+    # 2. everything past each row's p changed: other values, another block layout, NaNs
+    for r in range(min(m, 6)):
+        s, p = int(seq_all[r]), int(pos_all[r])
+        longer = [(torch.cat([k[: p + 1], torch.randn(7 + s, hkv, d)]),
+                   torch.cat([v[: p + 1], torch.randn(7 + s, hkv, d)])) for k, v in dense]
+        shorter = [(k[: p + 1], v[: p + 1]) for k, v in dense]
+        for variant, seed in ((longer, 11), (shorter, 12)):
+            kv2 = kt.paged_from_dense(variant, page, dtype=dtype, device=device, seed=seed,
+                                      max_blocks=kv.block_tables.shape[1] + 3)
+            got = run(torch.tensor([r]), kv2)[0]
+            assert kt.bitwise_equal(got, base[r]), f"row {r} changed with the cache past p={p}"
+
+
+def test_default_rows_per_program() -> None:
+    assert default_rows_per_program(1024, 8, 16, 132) == 16  # a prompt chunk: share KV
+    assert default_rows_per_program(32, 8, 16, 132) == 1  # decode-like: parallelism first
+    assert default_rows_per_program(128, 8, 16, 132) == 4
+    assert lane_rows(4, LaneConfig(block_m=64)) == 16 and lane_rows(3, LaneConfig()) == 16
+
+
+@interp
+@pytest.mark.parametrize("h,hkv,d,page,tile", [
+    (6, 2, 32, 4, 32), (4, 4, 24, 16, 16), (9, 3, 64, 64, 32), (8, 1, 16, 8, 16),
+])
+def test_matches_reference_interp(h: int, hkv: int, d: int, page: int, tile: int) -> None:
+    check_matches_reference(*CPU, h, hkv, d, page, [1, 37, 70, 16],
+                            LaneConfig(tile=tile, block_m=16), 1e-5)
+
+
+@interp
+@pytest.mark.parametrize("page,tile,block_m", [(8, 16, 16), (32, 16, 32)])
+def test_row_invariance_interp(page: int, tile: int, block_m: int) -> None:
+    check_row_invariance(*CPU, 6, 2, 32, page, [40, 9, 73], 12,
+                         LaneConfig(tile=tile, block_m=block_m))
+
+
+@interp
+def test_rejects_bad_arguments() -> None:
+    kv = kt.make_paged_kv([8], 2, 16, 8, dtype=torch.float32, device="cpu")
+    q = torch.zeros(2, 4, 16)
+    seq, pos = _i32([0, 0], "cpu"), _i32([1, 2], "cpu")
+    with pytest.raises(ValueError, match="dtype"):
+        lane_attention(q.double(), kv.k_cache, kv.v_cache, kv.block_tables, seq, pos)
+    with pytest.raises(ValueError, match="row_pos"):
+        lane_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, seq, pos.long())
+    with pytest.raises(ValueError, match="divide"):
+        kv24 = kt.make_paged_kv([8], 2, 16, 24, dtype=torch.float32, device="cpu")
+        lane_attention(q, kv24.k_cache, kv24.v_cache, kv24.block_tables, seq, pos)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("h,hkv,d", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("page", [16, 64])
+def test_matches_reference_gpu(h: int, hkv: int, d: int, page: int) -> None:
+    check_matches_reference(*GPU, h, hkv, d, page, [1, 300, 2048, 4099], LaneConfig(), 2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("h,hkv,d", [(32, 8, 128), (9, 3, 64)])
+def test_row_invariance_gpu(h: int, hkv: int, d: int) -> None:
+    check_row_invariance(*GPU, h, hkv, d, 16, [2000, 77, 4096, 513], 200, LaneConfig())

@@ -1,0 +1,92 @@
+"""The Redis registry, against a real redis-server (EmbeddedRedis)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from detserve.kv_handle import KVHandle
+from detserve.redis_server import EmbeddedRedis
+from detserve.registry import DecoderRecord, Heartbeat, LaneGeometry, Registry, VerifierRecord
+
+GEOMETRY = LaneGeometry(lane_rows=32, window=8, batch_invariant_rows=32, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis() as r:
+        yield r
+
+
+@pytest.fixture
+def registry(server: EmbeddedRedis) -> Iterator[Registry]:
+    reg = Registry(server.url, prefix=f"t{uuid.uuid4().hex[:8]}")
+    yield reg
+    reg.close()
+
+
+def _record(decoder_id: str, epoch: int) -> DecoderRecord:
+    handle = KVHandle("shm", f"seg-{epoch}", (3, 2, 8, 16, 2, 8), "float32", "cpu", epoch,
+                      decoder_id)
+    return DecoderRecord(decoder_id, epoch, handle, "ab" * 32, GEOMETRY, "torch-ref-1/x")
+
+
+def test_embedded_redis_is_a_real_server() -> None:
+    with EmbeddedRedis() as r:
+        client = redis.Redis.from_url(r.url)
+        assert client.ping()
+        assert client.info("server")["redis_version"]
+        proc = r._proc
+        client.close()
+    assert proc is not None and proc.poll() is not None, "server stopped on exit"
+    assert not r.running
+
+
+def test_epochs_and_decoder_records(registry: Registry) -> None:
+    assert registry.current_epoch("d0") is None
+    e1 = registry.next_epoch("d0")
+    registry.publish_decoder(_record("d0", e1))
+    got = registry.get_decoder("d0")
+    assert got == _record("d0", e1)
+    e2 = registry.next_epoch("d0")  # the decoder restarted
+    assert e2 == e1 + 1 and registry.current_epoch("d0") == e2
+    with pytest.raises(ValueError, match="not current"):
+        registry.publish_decoder(_record("d0", e1))
+    registry.publish_decoder(_record("d0", e2))
+    assert not registry.retire_decoder("d0", e1), "an old epoch cannot retire the new one"
+    assert registry.get_decoder("d0") == _record("d0", e2)
+    assert registry.retire_decoder("d0", e2)
+    assert registry.get_decoder("d0") is None
+    assert registry.current_epoch("d0") == e2, "the epoch counter never goes back"
+
+
+def test_block_tables(registry: Registry) -> None:
+    epoch = registry.next_epoch("d1")
+    registry.publish_block_tables("d1", epoch, {"r1": [3, 4], "r2": (7,)})
+    registry.publish_block_tables("d1", epoch, {"r1": [3, 4, 9]})
+    assert registry.block_tables("d1", epoch) == {"r1": [3, 4, 9], "r2": [7]}
+    registry.drop_block_tables("d1", epoch, ["r2"])
+    assert registry.block_tables("d1", epoch) == {"r1": [3, 4, 9]}
+    registry.publish_decoder(_record("d1", epoch))
+    registry.retire_decoder("d1", epoch)
+    assert registry.block_tables("d1", epoch) == {}
+
+
+def test_verifier_registration_expires_without_heartbeat(registry: Registry) -> None:
+    a = VerifierRecord("va", "127.0.0.1:1", "h", "cpu", "w")
+    b = VerifierRecord("vb", "127.0.0.1:2", "h", "cpu", "w")
+    registry.register_verifier(a, ttl_s=0.3)
+    beat = Heartbeat(registry, b, ttl_s=0.3).start()
+    try:
+        assert registry.live_verifiers() == [a, b]
+        time.sleep(0.6)
+        assert registry.live_verifiers() == [b], "a's TTL ran out; b's heartbeat renewed it"
+        assert beat.registered
+    finally:
+        beat.stop(deregister=True)
+    assert registry.live_verifiers() == []
+    assert not beat.alive

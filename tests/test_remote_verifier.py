@@ -1,0 +1,341 @@
+"""Decoder <-> verifier over gRPC, with the verifier in another process mapping the
+decoder's shared-memory KV pool, found through a real Redis.
+
+DVR with a remote verifier must equal the in-process ``lane_only`` oracle token for token,
+logprob for logprob; killing the verifier in use mid-run must lose no request and release
+no token that is not the oracle's; stale or incompatible decoders are refused.
+"""
+
+from __future__ import annotations
+
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from engine_utils import Req, random_prompts, run_engine, signature, tiny_model
+
+from detserve.config import EngineConfig
+from detserve.engine import LLMEngine
+from detserve.kv_handle import KVExporter
+from detserve.lane import LaneDecision, LanePass, LaneResult, LaneSegment
+from detserve.model.loader import load_model
+from detserve.outputs import RequestOutput, TokenLogprob
+from detserve.params import SamplingParams, SamplingSpec
+from detserve.redis_server import EmbeddedRedis
+from detserve.registry import Registry
+from services.verifier import codec
+from services.verifier import verifier_pb2 as pb
+from services.verifier import verifier_pb2_grpc as pb_grpc
+from services.verifier.client import (
+    RemoteVerifier,
+    StaleEpochError,
+    VerifierUnavailable,
+    make_verifier_factory,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+W, G, NUM_BLOCKS = 8, 4, 128
+_PROMPTS = random_prompts(5, [21, 9, 40, 5, 17], seed=42)
+REQS = [
+    Req(_PROMPTS[0], SamplingParams(max_tokens=40, is_deterministic=True, logprobs=2,
+                                    ignore_eos=True)),
+    Req(_PROMPTS[1], SamplingParams(max_tokens=30, is_deterministic=False, temperature=0.7,
+                                    seed=1, ignore_eos=True), arrival=1),
+    Req(_PROMPTS[2], SamplingParams(max_tokens=36, temperature=0.8, top_p=0.9, seed=1234,
+                                    is_deterministic=True, logprobs=1, ignore_eos=True)),
+    Req(_PROMPTS[3], SamplingParams(max_tokens=25, is_deterministic=False, ignore_eos=True)),
+    Req(_PROMPTS[4], SamplingParams(max_tokens=33, is_deterministic=True, logprobs=0,
+                                    ignore_eos=True), arrival=3),
+]
+DET = [i for i, r in enumerate(REQS) if r.params.is_deterministic]
+
+
+class VerifierProc:
+    """``python -m services.verifier.replica`` in a process of its own."""
+
+    def __init__(self, model: str, redis_url: str, prefix: str, ttl_s: float = 1.0) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.verifier.replica", "--model", model,
+             "--redis-url", redis_url, "--prefix", prefix, "--ttl", str(ttl_s)],
+            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        self.address = ""
+
+    def wait_ready(self, timeout_s: float = 60.0) -> VerifierProc:
+        assert self.proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout_s):
+            raise TimeoutError("verifier did not start")
+        line = self.proc.stdout.readline().split()
+        assert line and line[0] == "READY", f"verifier failed to start: {line}"
+        self.address = line[2]
+        return self
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_verifiers(n: int, model: str, redis_url: str, prefix: str) -> list[VerifierProc]:
+    procs = [VerifierProc(model, redis_url, prefix) for _ in range(n)]  # start in parallel
+    return [p.wait_ready() for p in procs]
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    with EmbeddedRedis() as r:
+        yield r.url
+
+
+@pytest.fixture(scope="module")
+def oracle(model: str) -> list[tuple]:
+    outs, _, _ = run_engine(model, REQS, mode="lane_only", window=W, group=G,
+                            num_blocks=NUM_BLOCKS)
+    return [signature(o) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def pool(model: str, redis_url: str) -> Iterator[tuple[str, list[VerifierProc]]]:
+    """One verifier shared by the tests that do not kill it."""
+    prefix = f"pool{uuid.uuid4().hex[:6]}"
+    procs = start_verifiers(1, model, redis_url, prefix)
+    yield prefix, procs
+    for p in procs:
+        p.stop()
+
+
+def make_engine(model: str, redis_url: str, prefix: str, decoder_id: str,
+                connect: bool = True, **options: float) -> tuple[LLMEngine, KVExporter]:
+    """The decoder side, exactly as a decoder service wires it."""
+    registry = Registry(redis_url, prefix)
+    epoch = registry.next_epoch(decoder_id)
+    registry.close()
+    exporter = KVExporter(decoder_id, epoch)
+    loaded = load_model(model)
+    config = EngineConfig.create(model, "llm42", verify_window=W, verify_group=G,
+                                 max_model_len=512, num_blocks=NUM_BLOCKS,
+                                 fastpath_perturbation=0.2, seed=7)
+    factory = make_verifier_factory(redis_url, decoder_id, exporter, loaded[2].weights_hash,
+                                    prefix=prefix, connect=connect, **options)
+    return LLMEngine(config, loaded=loaded, kv_storage=exporter, verifier_factory=factory), exporter
+
+
+def drive(engine: LLMEngine, reqs: list[Req],
+          on_output: Callable[[int, RequestOutput], None]) -> list[RequestOutput]:
+    order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival)
+    done: dict[int, RequestOutput] = {}
+    step = 0
+    while order or engine.has_unfinished_requests():
+        while order and reqs[order[0]].arrival <= step:
+            i = order.pop(0)
+            engine.add_request(f"r{i}", None, reqs[i].params, prompt_token_ids=reqs[i].prompt)
+        for out in engine.step():
+            i = int(out.request_id[1:])
+            on_output(i, out)
+            if out.finished:
+                done[i] = out
+        engine.check_integrity()
+        step += 1
+        assert step < 5000, "no progress"
+    return [done[i] for i in range(len(reqs))]
+
+
+def oracle_prefix_checker(oracle: list[tuple]) -> Callable[[int, RequestOutput], None]:
+    """Every released state of a deterministic request is a prefix of the oracle's."""
+    def check(i: int, out: RequestOutput) -> None:
+        if i in DET:
+            tokens, lps = signature(out)
+            assert tokens == oracle[i][0][:len(tokens)], f"r{i} released an unverified token"
+            assert lps == oracle[i][1][:len(lps)]
+    return check
+
+
+def test_codec_roundtrip_is_exact() -> None:
+    spec = SamplingSpec(temperature=0.1 + 0.2, top_p=0.9, top_k=5, seed=2**63 - 1, logprobs=None,
+                        min_tokens=2, prompt_len=7, stop_ids=(0, 2))
+    lane_pass = LanePass(9, 32, (
+        LaneSegment("a", "window", 12, (5, 6, 7), (1, 4), (6, 7), (0, 1, 2), spec),
+        LaneSegment("b", "prefill", 0, (3,), (2,), (), (), SamplingSpec(logprobs=0))))
+    assert codec.decode_pass(codec.encode_pass(lane_pass).lane_pass) == lane_pass
+    lp = TokenLogprob(6, -0.123456789012345, {6: -0.12, 3: -2.5, 9: -1e-300})
+    result = LaneResult(9, (LaneDecision("a", "window", 12, 1, (6, 8), (lp, None)),
+                            LaneDecision("b", "prefill", 0, 0, (), ())), 28, 0.25)
+    back = codec.decode_result(codec.encode_result(result).decisions)
+    assert back == result
+    first = back.decisions[0].logprobs[0]
+    assert first is not None and list(first.top) == [6, 3, 9], "top order is kept"
+
+
+def test_remote_lane_equals_oracle(model: str, redis_url: str, oracle: list[tuple],
+                                   pool: tuple[str, list[VerifierProc]]) -> None:
+    prefix, procs = pool
+    engine, exporter = make_engine(model, redis_url, prefix, "dec-oracle")
+    remote = engine.verifier
+    assert isinstance(remote, RemoteVerifier) and remote.verifier is not None
+    registry = Registry(redis_url, prefix)
+    try:
+        outs = drive(engine, REQS, oracle_prefix_checker(oracle))
+        stats = engine.stats()
+        assert stats["perturbed_tokens"] > 0 and stats["rollbacks"] > 0
+        for i in DET:
+            assert signature(outs[i]) == oracle[i], f"r{i} differs from the oracle"
+        assert all(o.finished and len(o.token_ids) == REQS[i].params.max_tokens
+                   for i, o in enumerate(outs))
+        with grpc.insecure_channel(procs[0].address) as ch:
+            health = pb_grpc.VerifierStub(ch).Health(pb.HealthRequest(), timeout=5)
+        assert health.serving and health.passes >= stats["verify_passes"]
+        tables = registry.block_tables("dec-oracle", remote.record.epoch)
+        assert set(tables) == {f"r{i}" for i in DET}, "deterministic requests' tables published"
+        remote.drop_requests(["r0"])
+        assert "r0" not in registry.block_tables("dec-oracle", remote.record.epoch)
+    finally:
+        remote.close()
+        exporter.close()
+    assert registry.get_decoder("dec-oracle") is None, "close() retires the decoder"
+    registry.close()
+
+
+def test_killed_verifier_loses_nothing(model: str, redis_url: str,
+                                       oracle: list[tuple]) -> None:
+    prefix = f"kill{uuid.uuid4().hex[:6]}"
+    procs = start_verifiers(2, model, redis_url, prefix)
+    by_address = {p.address: p for p in procs}
+    try:
+        engine, exporter = make_engine(model, redis_url, prefix, "dec-kill")
+        remote = engine.verifier
+        assert isinstance(remote, RemoteVerifier) and remote.verifier is not None
+        first = remote.verifier.address
+        submit, submitted = remote.submit, [0]
+
+        def submit_then_kill(lane_pass: LanePass) -> None:
+            submit(lane_pass)
+            submitted[0] += 1
+            if submitted[0] == 3:  # the pass just sent is certainly still in flight
+                by_address[first].kill()
+
+        remote.submit = submit_then_kill  # type: ignore[method-assign]
+        try:
+            outs = drive(engine, REQS, oracle_prefix_checker(oracle))
+        finally:
+            remote.close()
+            exporter.close()
+        assert by_address[first].proc.poll() is not None, "the verifier was killed"
+        assert remote.failovers == 1 and remote.resent_passes >= 1
+        assert remote.verifier is None or remote.verifier.address != first
+        assert all(o.finished and len(o.token_ids) == REQS[i].params.max_tokens
+                   for i, o in enumerate(outs)), "a request was lost"
+        for i in DET:
+            assert signature(outs[i]) == oracle[i], f"r{i} differs from the oracle"
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_stale_or_incompatible_decoder_is_refused(model: str, redis_url: str,
+                                                  pool: tuple[str, list[VerifierProc]]) -> None:
+    prefix, procs = pool
+    engine, exporter = make_engine(model, redis_url, prefix, "dec-stale", connect=False)
+    remote = engine.verifier
+    assert isinstance(remote, RemoteVerifier)
+    registry = Registry(redis_url, prefix)
+    try:
+        hello = codec.encode_hello(remote.record)
+        assert _hello_status(procs[0].address, hello) == grpc.StatusCode.OK
+        bad = pb.LaneRequest()
+        bad.CopyFrom(hello)
+        bad.hello.weights_hash = "0" * 64
+        assert _hello_status(procs[0].address, bad) == grpc.StatusCode.INVALID_ARGUMENT
+        registry.next_epoch("dec-stale")  # the decoder restarted: this epoch is now stale
+        assert _hello_status(procs[0].address, hello) == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(StaleEpochError, match="stale epoch"):
+            remote.connect()
+    finally:
+        remote.close()
+        exporter.close()
+        registry.close()
+
+
+def _hello_status(address: str, hello: pb.LaneRequest) -> grpc.StatusCode:
+    with grpc.insecure_channel(address) as ch:
+        replies = pb_grpc.VerifierStub(ch).Verify(iter([hello]), timeout=10)
+        try:
+            first = next(replies)
+        except grpc.RpcError as e:
+            return e.code()  # type: ignore[attr-defined,no-any-return]
+        assert first.WhichOneof("kind") == "ready"
+        return grpc.StatusCode.OK
+
+
+def test_waits_for_a_verifier_then_gives_up_clearly(model: str, redis_url: str,
+                                                    oracle: list[tuple]) -> None:
+    prefix = f"wait{uuid.uuid4().hex[:6]}"
+    engine, exporter = make_engine(model, redis_url, prefix, "dec-wait", connect=False,
+                                   failover_timeout_s=0.5)
+    remote = engine.verifier
+    assert isinstance(remote, RemoteVerifier)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(VerifierUnavailable, match="no usable verifier"):
+            remote.connect()
+        assert time.monotonic() - t0 < 5
+        remote.failover_timeout_s = 60.0
+        late: list[VerifierProc] = []
+        starter = threading.Timer(1.0, lambda: late.append(VerifierProc(model, redis_url, prefix)))
+        starter.start()  # a verifier appears only after the first pass is submitted
+        try:
+            outs = drive(engine, REQS, oracle_prefix_checker(oracle))
+        finally:
+            starter.join()
+            for p in late:
+                p.stop()
+        for i in DET:
+            assert signature(outs[i]) == oracle[i]
+    finally:
+        remote.close()
+        exporter.close()
+
+
+def test_deployment_replica_registers_serves_and_deregisters(model: str, redis_url: str) -> None:
+    """The Ray Serve class, constructed as Serve would (without starting Ray)."""
+    pytest.importorskip("ray")
+    from detserve.serve_config import VERIFIER
+    from services.verifier.deployment import Verifier
+
+    deployment: Any = Verifier  # a Serve Deployment; its class is func_or_class
+    assert deployment.name == VERIFIER == "Verifier"
+    prefix = f"dep{uuid.uuid4().hex[:6]}"
+    replica = deployment.func_or_class(model, redis_url, ttl_s=1.0, prefix=prefix)
+    registry = Registry(redis_url, prefix)
+    try:
+        replica.check_health()
+        live = registry.live_verifiers()
+        assert [v.address for v in live] == [replica.info()["address"]]
+        assert live[0].weights_hash == load_model(model)[2].weights_hash
+    finally:
+        replica.__del__()
+    assert registry.live_verifiers() == [], "deregistered on shutdown"
+    with pytest.raises(RuntimeError):
+        replica.check_health()
+    registry.close()

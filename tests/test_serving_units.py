@@ -1,0 +1,216 @@
+"""Serving pieces without Ray: stream deltas, the engine loop, routing bookkeeping, replay,
+admission, request preparation and the serve-config extension."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from serving_cluster import tiny_model
+
+from detserve.engine import LLMEngine
+from detserve.outputs import RequestOutput, TokenLogprob
+from detserve.params import SamplingParams
+from detserve.serve_config import DEFAULT_ARGS, default_serve_config
+from services.decoder.deltas import DeltaTracker
+from services.decoder.engine_loop import EngineLoop
+from services.decoder.messages import DecodeChunk, DecodeRequest
+from services.router.admission import Admission
+from services.router.errors import APIError
+from services.router.limits import ServingLimits
+from services.router.load_ledger import TokenLedger, prefix_keys
+from services.router.model_context import ModelContext
+from services.router.prepare import prepare_chat, prepare_completion
+from services.router.replay import ReplayDiverged, SentState
+from services.router.schemas import ChatCompletionRequest, CompletionRequest
+
+
+def _out(text: str, ids: list[int], finished: bool = False) -> RequestOutput:
+    return RequestOutput("r", [1], ids, text, finished, "stop" if finished else None,
+                         [TokenLogprob(t, -0.5) for t in ids], False)
+
+
+# ---- deltas ---------------------------------------------------------------------------
+def test_deltas_hold_back_partial_characters_and_stop_prefixes() -> None:
+    t = DeltaTracker(stop=("END",))
+    assert t.update(_out("ab\ufffd", [1, 2])) == ("a", (1, 2), (TokenLogprob(1, -0.5),
+                                                                TokenLogprob(2, -0.5)))
+    text, ids, _ = t.update(_out("abcdE", [1, 2, 3]))
+    assert (text, ids) == ("bc", (3,))  # "dE" may start "END"
+    text, ids, _ = t.update(_out("abcd", [1, 2, 3, 4], finished=True))
+    assert (text, ids) == ("d", (4,))
+
+
+def test_engine_loop_streams_exactly_the_engine_output() -> None:
+    engine = LLMEngine.from_args(tiny_model(), "llm42", verify_window=8, verify_group=4,
+                                 max_model_len=256, fastpath_perturbation=0.3)
+    loop = EngineLoop(engine, "test")
+    loop.start()
+    done = threading.Event()
+    chunks: dict[str, list[DecodeChunk]] = {"a": [], "b": []}
+
+    def sink(chunk: DecodeChunk) -> None:
+        chunks[chunk.request_id].append(chunk)
+        if all(c and c[-1].finished for c in chunks.values()):
+            done.set()
+
+    params = SamplingParams(max_tokens=20, is_deterministic=True, logprobs=0, ignore_eos=True)
+    loop.submit(DecodeRequest("a", (5, 6, 7, 8), params), sink)
+    loop.submit(DecodeRequest("b", (9, 10), SamplingParams(max_tokens=5, ignore_eos=True)), sink)
+    assert done.wait(60)
+    loop.stop()
+    a = chunks["a"]
+    assert sum(len(c.token_ids) for c in a) == 20 == a[-1].num_output_tokens
+    assert len([lp for c in a for lp in c.logprobs or ()]) == 20
+    assert a[-1].determinism and a[-1].determinism["fingerprint"]
+    ids = [t for c in a for t in c.token_ids]
+    assert "".join(c.text for c in a) == engine.tokenizer.decode(ids)
+    assert chunks["b"][-1].determinism is None and loop.outstanding_tokens == 0
+
+
+def test_engine_loop_fails_streams_when_the_engine_fails() -> None:
+    engine = LLMEngine.from_args(tiny_model(), "nondeterministic", max_model_len=256)
+    loop = EngineLoop(engine, "test")
+
+    def broken() -> list[RequestOutput]:
+        raise RuntimeError("boom")
+
+    engine.step = broken  # type: ignore[method-assign]
+    got: list[DecodeChunk] = []
+    loop.start()
+    loop.submit(DecodeRequest("x", (1, 2), SamplingParams()), got.append)
+    deadline = time.monotonic() + 10
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert got and got[0].error_type == "server_error" and "boom" in (got[0].error or "")
+    assert not loop.healthy
+    loop.submit(DecodeRequest("y", (1, 2), SamplingParams()), got.append)
+    assert got[-1].request_id == "y" and got[-1].is_error
+
+
+def test_engine_loop_refuses_invalid_requests_with_an_error_chunk() -> None:
+    loop = EngineLoop(LLMEngine.from_args(tiny_model(), "llm42", max_model_len=256,
+                                          verify_window=8, verify_group=4), "test")
+    loop.start()
+    got: list[DecodeChunk] = []
+    loop.submit(DecodeRequest("x", (10**6,), SamplingParams()), got.append)
+    deadline = time.monotonic() + 10
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loop.stop()
+    assert got[0].error_type == "invalid_request" and loop.healthy
+
+
+# ---- router bookkeeping ---------------------------------------------------------------
+def test_ledger_ranks_by_outstanding_tokens_and_prefers_prefix_holder() -> None:
+    ledger = TokenLedger(affinity_slack_tokens=100)
+    ledger.routed("r1", "A", 500)
+    assert ledger.rank(["A", "B"])[0] == "B"
+    keys = prefix_keys(list(range(40)))
+    ledger.routed("r2", "B", 450, keys)
+    assert ledger.rank(["A", "B"], keys)[0] == "B"      # within the slack: affinity wins
+    ledger.routed("r3", "B", 200)
+    assert ledger.rank(["A", "B"], keys)[0] == "A"      # too loaded: least tokens wins
+    ledger.completed("r3")
+    ledger.completed("r1")
+    ledger.check_integrity()
+    assert (ledger.load("A"), ledger.load("B")) == (0, 450)
+    ledger.forget("B")
+    assert ledger.rank(["A", "C"], keys) in (["A", "C"], ["C", "A"])
+    ledger.check_integrity()
+
+
+def test_sent_state_drops_replayed_prefix_and_detects_divergence() -> None:
+    sent = SentState()
+    sent.new_part(DecodeChunk("r", "d0", text="hel", token_ids=(1, 2)))
+    sent.restart()
+    part = sent.new_part(DecodeChunk("r", "d1", text="hello", token_ids=(1, 2, 3),
+                                     logprobs=(TokenLogprob(1, 0.0), TokenLogprob(2, 0.0),
+                                               TokenLogprob(3, -1.0))))
+    assert (part.text, part.token_ids, part.logprobs) == ("lo", (3,), (TokenLogprob(3, -1.0),))
+    sent.restart()
+    with pytest.raises(ReplayDiverged):
+        sent.new_part(DecodeChunk("r", "d2", text="hex", token_ids=(1, 9)))
+
+
+def test_admission_sheds_above_the_bound() -> None:
+    adm = Admission(3, retry_after_s=2)
+    slot = adm.acquire(2)
+    with pytest.raises(APIError) as info:
+        adm.acquire(2)
+    assert info.value.status == 429 and info.value.headers == {"Retry-After": "2"}
+    slot.release()
+    slot.release()  # idempotent
+    adm.acquire(3)
+    assert adm.active == 3 and adm.shed == 1
+
+
+# ---- request preparation --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ctx() -> ModelContext:
+    return ModelContext.load(tiny_model(), max_model_len=64)
+
+
+def _completion(**kw: Any) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": tiny_model(), "prompt": "hi", **kw})
+
+
+def test_completion_choices_cover_prompts_times_n(ctx: ModelContext) -> None:
+    limits = ServingLimits(max_model_len=64)
+    job = prepare_completion(_completion(prompt=["a", "b"], n=2, seed=5, temperature=0.5),
+                             ctx, limits)
+    assert len(job.choices) == 4 and job.n == 2
+    assert [c.params.seed for c in job.choices] == [5, 6, 5, 6]
+    assert job.prompt_tokens == sum(len(c.prompt_token_ids) for c in job.choices[::2])
+    assert job.choices[0].prompt_token_ids == tuple(ctx.tokenizer.encode("a", True))
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"max_tokens": 64}, "max_tokens"),          # prompt + max_tokens > context
+    ({"prompt": [[1], [2]], "n": 3}, "n"),       # more choices than allowed
+    ({"echo": True}, "echo"),
+    ({"prompt": []}, "prompt"),
+    ({"top_k": -2}, "top_k"),
+])
+def test_completion_refusals_name_the_field(ctx: ModelContext, fields: dict[str, Any],
+                                            param: str) -> None:
+    limits = ServingLimits(max_model_len=64, max_choices=4, max_n=4, max_prompts=2)
+    with pytest.raises(APIError) as info:
+        prepare_completion(_completion(**fields), ctx, limits)
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_chat_defaults_max_tokens_to_the_remaining_context(ctx: ModelContext) -> None:
+    req = ChatCompletionRequest.model_validate(
+        {"model": tiny_model(), "messages": [{"role": "user", "content": "hi"}],
+         "logprobs": True, "top_logprobs": 2})
+    job = prepare_chat(req, ctx, ServingLimits(max_model_len=64))
+    (choice,) = job.choices
+    assert len(choice.prompt_token_ids) + choice.params.max_tokens == 64
+    assert job.top_logprobs == 2 and choice.params.logprobs == 2
+
+
+# ---- serve config ---------------------------------------------------------------------
+def test_fastpath_perturbation_is_an_optional_validated_arg() -> None:
+    assert "fastpath_perturbation" not in default_serve_config()["applications"][0]["args"]
+    args = default_serve_config(fastpath_perturbation=0.25)["applications"][0]["args"]
+    assert args["fastpath_perturbation"] == 0.25 and list(args)[:-1] == list(DEFAULT_ARGS)
+    for bad in (-0.1, 1.5, "x"):
+        with pytest.raises(ValueError, match="fastpath_perturbation"):
+            default_serve_config(fastpath_perturbation=bad)
+
+
+def test_serve_command_builds_the_shared_config() -> None:
+    from detserve.cli import build_parser
+    from services.cli import serve_config_from
+
+    a = build_parser().parse_args(["serve", "--num-decoders", "2", "-W", "16", "-G", "4",
+                                   "--fastpath-perturbation", "0.1", "--port", "8080"])
+    config = serve_config_from(a, "redis://127.0.0.1:1/0")
+    args = config["applications"][0]["args"]
+    assert (args["num_decoders"], args["verify_window"], args["verify_group"]) == (2, 16, 4)
+    assert args["fastpath_perturbation"] == 0.1 and args["redis_url"] == "redis://127.0.0.1:1/0"
+    assert config["http_options"]["port"] == 8080 == args["http_port"]
+    assert config == default_serve_config(http_host="0.0.0.0", **args)
