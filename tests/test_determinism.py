@@ -143,3 +143,14 @@ def test_nondeterministic_mode_ignores_flag(model: str) -> None:
     outs, stats, _ = run_engine(model, [Req(TARGET, GREEDY)], mode="nondeterministic")
     assert stats["verify_passes"] == 0
     assert not outs[0].is_deterministic
+
+
+def test_threaded_lane_verifier_equals_oracle(model: str) -> None:
+    """Lane passes on a worker thread (asynchronous decisions) change nothing in the output."""
+    reqs = [Req(TARGET, SAMPLED)] + _others(6, det=True, seed=14)
+    oracle, _, _ = run_engine(model, reqs, mode="lane_only")
+    outs, stats, engine = run_engine(model, reqs, perturbation=0.2, lane_threaded=True)
+    engine.close()
+    assert stats["rollbacks"] > 0
+    for a, b in zip(oracle, outs, strict=True):
+        assert signature(a) == signature(b)

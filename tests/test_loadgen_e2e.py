@@ -84,8 +84,8 @@ def _server(model: str, mode: str) -> Iterator[str]:
 
     port = _free_port()
     cmd = [sys.executable, "-m", "detserve.cli", "serve", "--model", model, "--mode", mode,
-           "--host", "127.0.0.1", "--port", str(port), "--verify-window", "8",
-           "--verify-group", "4"]
+           "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(_free_port()),
+           "--verify-window", "8", "--verify-group", "4"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
