@@ -12,6 +12,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 class CacheConfig:
     block_size: int = 16
     num_blocks: int = 1024  # block 0 is reserved as the padding rows' scratch block
+    enable_prefix_caching: bool = True  # share lane-computed prompt blocks (lane seqs only)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -106,7 +107,8 @@ class EngineConfig:
     def create(cls, model: str, mode: str = "llm42", *, verify_window: int = 64,
                verify_group: int = 8, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                max_model_len: int = 2048, lane_max_wait_steps: int = 8, block_size: int = 16,
-               num_blocks: int | None = None, **kw: object) -> EngineConfig:
+               num_blocks: int | None = None, enable_prefix_caching: bool = True,
+               **kw: object) -> EngineConfig:
         """Flat keyword constructor used by the offline API and the CLI."""
         sched = SchedulerConfig(mode=mode, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
@@ -115,5 +117,6 @@ class EngineConfig:
         if num_blocks is None:
             # enough for a full lane of long sequences plus headroom
             num_blocks = max(1024, 2 * max_model_len // block_size + 1)
-        cache = CacheConfig(block_size=block_size, num_blocks=num_blocks)
+        cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                            enable_prefix_caching=enable_prefix_caching)
         return cls(model=model, mode=mode, scheduler=sched, cache=cache, **kw)  # type: ignore[arg-type]

@@ -63,7 +63,7 @@ class LLMEngine:
                            mc.head_dim, dtype, config.device, storage=storage)
         self.blocks = BlockManager(cc.num_blocks, cc.block_size)
         eos = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
-        self.scheduler = Scheduler(sc, self.blocks, eos)
+        self.scheduler = Scheduler(sc, self.blocks, eos, prefix_caching=cc.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.pool, sc.lane_rows, sc.verify_window,
                                   config.batch_invariant_rows)
         if verifier_factory is None:
@@ -289,6 +289,7 @@ class LLMEngine:
             "lane_prefill_rows", "committed_tokens", "preemptions", "perturbed_tokens",
             "finished_requests")}
         out["recomputed_tokens"] = c["tokens_rolled_back"] + c["preempted_tokens"]
+        out["prefix_cache_hit_tokens"] = self.scheduler.prefix_hit_tokens
         out["lane_padding_fraction"] = c["lane_padding_rows"] / c["lane_rows"] if c["lane_rows"] else 0.0
         out["lane_seconds"] = c["lane_seconds_us"] / 1e6
         out["running_requests"] = len(self.scheduler.running)

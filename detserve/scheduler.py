@@ -73,13 +73,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager,
-                 eos_token_ids: Iterable[int] = ()) -> None:
+                 eos_token_ids: Iterable[int] = (), prefix_caching: bool = True) -> None:
         self.cfg = cfg
         self.blocks = blocks
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.step_count = 0
+        self.prefix_caching = prefix_caching
+        self.prefix_hit_tokens = 0
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -118,13 +120,42 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
+            cached = self._match_prefix(seq)
             # the whole committed prefix (+1 for the next token) must fit now, so prefill
             # chunks never need to allocate later
             if not self.blocks.grow(seq.block_table, seq.num_tokens + 1):
+                if cached:
+                    self.blocks.free(seq.block_table)
+                    seq.reset_for_recompute()
                 break
+            if cached:
+                seq.num_lane_kv = seq.num_computed = cached * self.blocks.block_size
+                self.prefix_hit_tokens += seq.num_lane_kv
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
+
+    def _match_prefix(self, seq: Sequence) -> int:
+        """Share lane-computed blocks of an earlier request with the same prefix (lane
+        sequences only; the last committed token is always recomputed). Returns blocks."""
+        if not (self.prefix_caching and seq.uses_lane) or seq.block_table:
+            return 0
+        full = (seq.num_committed - 1) // self.blocks.block_size
+        digests = self.blocks.chain_digests(seq.token_ids, full)
+        seq.block_table = self.blocks.match(digests)
+        seq.block_digests = digests[:len(seq.block_table)]
+        return len(seq.block_table)
+
+    def _register_lane_blocks(self, seq: Sequence) -> None:
+        if not self.prefix_caching:
+            return
+        full = seq.num_lane_kv // self.blocks.block_size
+        done = len(seq.block_digests)
+        if full <= done:
+            return
+        seq.block_digests = self.blocks.chain_digests(seq.token_ids, full, seq.block_digests)
+        for i in range(done, full):
+            self.blocks.register(seq.block_table[i], seq.block_digests[i])
 
     def candidate_cap(self, seq: Sequence) -> int:
         """How many fast-path candidates this lane sequence's next window may hold."""
@@ -162,19 +193,22 @@ class Scheduler:
             n = s.num_candidates + 1
             if n > rows_left:
                 continue
-            if not self._grow(s, s.num_tokens, out):
-                continue
+            if s.status is not Status.RUNNING or not self._grow(s, s.num_tokens, out):
+                continue  # preempted, by an earlier window's growth or by its own
             items.append(LaneItem(s, "window", s.num_committed - 1, s.num_tokens,
                                   tuple(s.token_ids[s.num_committed:])))
+            s.in_lane = True  # from now on no later allocation may preempt it
             rows_left -= n
         for s in sorted(prefills, key=lambda s: s.arrival):
             if rows_left == 0:
                 break
+            if s.status is not Status.RUNNING:
+                continue
             end = min(s.num_committed, s.num_lane_kv + rows_left)
             items.append(LaneItem(s, "prefill", s.num_lane_kv, end, ()))
+            s.in_lane = True
             rows_left -= end - s.num_lane_kv
         for it in items:
-            it.seq.in_lane = True
             it.seq.ready_step = None
         return items
 
@@ -259,6 +293,7 @@ class Scheduler:
                 assert len(tokens) == 1 and item.end == seq.num_committed
                 seq.token_ids.append(tokens[0])
                 seq.num_committed += 1
+            self._register_lane_blocks(seq)
             return 0
         c = seq.num_committed
         assert item.start == c - 1 and tokens, "window out of sync with its sequence"
@@ -274,6 +309,7 @@ class Scheduler:
             seq.stats.rollbacks += 1
             seq.stats.tokens_rolled_back += rejected
         self.blocks.shrink(seq.block_table, seq.num_tokens + 1)
+        self._register_lane_blocks(seq)
         return rejected
 
     def check_integrity(self) -> None:

@@ -43,6 +43,7 @@ class Sequence:
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     spec: SamplingSpec = field(default_factory=SamplingSpec)
+    block_digests: list[bytes] = field(default_factory=list)  # prefix-cache keys, registered
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -91,5 +92,6 @@ class Sequence:
         self.num_computed = 0
         self.num_lane_kv = 0
         self.block_table = []
+        self.block_digests = []
         self.in_lane = False
         self.ready_step = None

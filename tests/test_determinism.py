@@ -154,3 +154,59 @@ def test_threaded_lane_verifier_equals_oracle(model: str) -> None:
     assert stats["rollbacks"] > 0
     for a, b in zip(oracle, outs, strict=True):
         assert signature(a) == signature(b)
+
+
+def test_prefix_cache_reuses_lane_blocks_without_changing_outputs(model: str) -> None:
+    """Deterministic requests sharing a prompt prefix reuse lane-written KV blocks; the
+    outputs are those of an engine with the cache switched off, bit for bit."""
+    long_prefix = random_prompts(1, [70], seed=31)[0]
+    prompts = random_prompts(6, [5, 19, 33], seed=32, prefix=long_prefix)
+    reqs = [Req(p, GREEDY if i % 2 else SAMPLED, arrival=3 * i) for i, p in enumerate(prompts)]
+    reqs.append(Req(prompts[0], SAMPLED, arrival=40))  # the same request again, later
+    cold, cold_stats, _ = run_engine(model, reqs, perturbation=0.2,
+                                     enable_prefix_caching=False)
+    warm, warm_stats, _ = run_engine(model, reqs, perturbation=0.2)
+    assert cold_stats["prefix_cache_hit_tokens"] == 0
+    assert warm_stats["prefix_cache_hit_tokens"] >= 4 * 64, "later requests must hit"
+    assert warm_stats["lane_prefill_rows"] < cold_stats["lane_prefill_rows"]
+    for a, b in zip(cold, warm, strict=True):
+        assert signature(a) == signature(b)
+    assert signature(warm[0]) == signature(warm[-1])
+
+
+def test_prefix_cache_with_preemption(model: str) -> None:
+    prefix = random_prompts(1, [48], seed=33)[0]
+    reqs = [Req(p, GREEDY, arrival=i) for i, p in
+            enumerate(random_prompts(8, [4, 20], seed=34, prefix=prefix))]
+    cold, _, _ = run_engine(model, reqs, enable_prefix_caching=False)
+    warm, stats, _ = run_engine(model, reqs, perturbation=0.1, num_blocks=20,
+                                max_model_len=256)
+    assert stats["preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    for a, b in zip(cold, warm, strict=True):
+        assert signature(a) == signature(b)
+
+
+def test_block_manager_prefix_cache_bookkeeping() -> None:
+    from detserve.block_manager import BlockManager
+
+    bm = BlockManager(6, 4)
+    tokens = list(range(10, 22))
+    digests = bm.chain_digests(tokens, 3)
+    assert bm.chain_digests(tokens, 3, digests[:1]) == digests
+    assert bm.chain_digests(tokens[:4] + [0] * 8, 3)[0] == digests[0]
+    assert bm.chain_digests([0] + tokens[1:], 3)[1] != digests[1], "chained on the prefix"
+    table = bm.allocate(3)
+    assert table is not None
+    for b, d in zip(table, digests, strict=True):
+        bm.register(b, d)
+    shared = bm.match(digests[:2])
+    assert shared == table[:2]
+    bm.check_integrity([table, shared])
+    bm.free(table)
+    bm.free(shared)
+    bm.check_integrity([])
+    assert bm.match(digests) == table, "freed registered blocks stay findable"
+    bm.free(table)
+    assert bm.allocate(5) is not None  # evicts them
+    assert bm.match(digests) == []
+    bm.check_integrity([[1, 2, 3, 4, 5]])
