@@ -146,9 +146,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._inflight)
 
-    def get_output(self, request_id: str) -> RequestOutput:
-        return self._output(self._seqs[request_id], 0)
-
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         before = {rid: s.num_committed for rid, s in self._seqs.items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from detserve.engine import LLMEngine
@@ -31,8 +32,17 @@ def run_engine(model: str, reqs: list[Req], mode: str = "llm42", *, window: int 
     kw.setdefault("max_model_len", 512)
     engine = LLMEngine.from_args(model, mode, verify_window=window, verify_group=group,
                                  fastpath_perturbation=perturbation, seed=seed, **kw)
+    outs = drive(engine, reqs)
+    assert engine.blocks.num_free == engine.blocks.num_blocks - 1, "blocks leaked"
+    return outs, engine.stats(), engine
+
+
+def drive(engine: LLMEngine, reqs: list[Req],
+          on_output: Callable[[int, RequestOutput], None] | None = None) -> list[RequestOutput]:
+    """Add request i as ``r{i}`` at its arrival step, step to the end checking integrity
+    every step, and return the final outputs in request order."""
     order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival)
-    done: dict[str, RequestOutput] = {}
+    done: dict[int, RequestOutput] = {}
     step = 0
     while order or engine.has_unfinished_requests():
         while order and reqs[order[0]].arrival <= step:
@@ -40,13 +50,15 @@ def run_engine(model: str, reqs: list[Req], mode: str = "llm42", *, window: int 
             engine.add_request(f"r{i}", None, reqs[i].params, prompt_token_ids=reqs[i].prompt)
         for out in engine.step():
             assert out.num_new_tokens >= 0
+            i = int(out.request_id[1:])
+            if on_output is not None:
+                on_output(i, out)
             if out.finished:
-                done[out.request_id] = out
+                done[i] = out
         engine.check_integrity()
         step += 1
         assert step < 10_000, "engine made no progress"
-    assert engine.blocks.num_free == engine.blocks.num_blocks - 1, "blocks leaked"
-    return [done[f"r{i}"] for i in range(len(reqs))], engine.stats(), engine
+    return [done[i] for i in range(len(reqs))]
 
 
 def random_prompts(n: int, lengths: list[int], vocab: int = 512, seed: int = 0,

@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 import pytest
-from engine_utils import Req, random_prompts, run_engine, signature, tiny_model
+from engine_utils import Req, drive, random_prompts, run_engine, signature, tiny_model
 
 from detserve.config import EngineConfig
 from detserve.engine import LLMEngine
@@ -140,26 +140,6 @@ def make_engine(model: str, redis_url: str, prefix: str, decoder_id: str,
     factory = make_verifier_factory(redis_url, decoder_id, exporter, loaded[2].weights_hash,
                                     prefix=prefix, connect=connect, **options)
     return LLMEngine(config, loaded=loaded, kv_storage=exporter, verifier_factory=factory), exporter
-
-
-def drive(engine: LLMEngine, reqs: list[Req],
-          on_output: Callable[[int, RequestOutput], None]) -> list[RequestOutput]:
-    order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival)
-    done: dict[int, RequestOutput] = {}
-    step = 0
-    while order or engine.has_unfinished_requests():
-        while order and reqs[order[0]].arrival <= step:
-            i = order.pop(0)
-            engine.add_request(f"r{i}", None, reqs[i].params, prompt_token_ids=reqs[i].prompt)
-        for out in engine.step():
-            i = int(out.request_id[1:])
-            on_output(i, out)
-            if out.finished:
-                done[i] = out
-        engine.check_integrity()
-        step += 1
-        assert step < 5000, "no progress"
-    return [done[i] for i in range(len(reqs))]
 
 
 def oracle_prefix_checker(oracle: list[tuple]) -> Callable[[int, RequestOutput], None]:

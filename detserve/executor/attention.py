@@ -35,7 +35,8 @@ class RowBatch:
     input_ids: Tensor   # [N] long
     positions: Tensor   # [N] long
     slots: Tensor       # [N] long; -1 for padding rows
-    row_tables: Tensor  # [N, T] long; padding rows point at the scratch block
+    seg_tables: Tensor  # [S + 1, T] long: each segment's block table, then a scratch row
+    row_seg: Tensor     # [N] long: segment of each row; padding rows -> the scratch row S
     segments: list[RowSegment]
     seg_offsets: list[int]  # first row of each segment
     num_real: int           # rows before the padding (padding rows are always last)
@@ -44,15 +45,20 @@ class RowBatch:
     def num_rows(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def row_tables(self) -> Tensor:
+        """[N, T] block table of every row (padding rows: the scratch block)."""
+        return self.seg_tables[self.row_seg]
+
 
 def build_rows(segments: list[RowSegment], block_size: int, device: torch.device | str,
                pad_to: int | None = None) -> RowBatch:
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
-    tables: list[tuple[int, ...]] = []
+    row_seg: list[int] = []
     offsets: list[int] = []
-    for seg in segments:
+    for i, seg in enumerate(segments):
         offsets.append(len(ids))
         n = len(seg.input_ids)
         if seg.start + n > len(seg.block_table) * block_size:
@@ -61,7 +67,7 @@ def build_rows(segments: list[RowSegment], block_size: int, device: torch.device
         for p in range(seg.start, seg.start + n):
             pos.append(p)
             slots.append(seg.block_table[p // block_size] * block_size + p % block_size)
-        tables.extend([seg.block_table] * n)
+        row_seg.extend([i] * n)
     n_real = len(ids)
     if pad_to is not None:
         if n_real > pad_to:
@@ -70,16 +76,17 @@ def build_rows(segments: list[RowSegment], block_size: int, device: torch.device
         ids += [0] * pad
         pos += [0] * pad
         slots += [-1] * pad
-        tables += [(SCRATCH_BLOCK,)] * pad
-    width = max((len(t) for t in tables), default=1)
-    table_t = torch.full((len(tables), width), SCRATCH_BLOCK, dtype=torch.long)
-    for i, t in enumerate(tables):
-        table_t[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+        row_seg += [len(segments)] * pad
+    width = max((len(s.block_table) for s in segments), default=1)
+    tables = torch.full((len(segments) + 1, width), SCRATCH_BLOCK, dtype=torch.long)
+    for i, seg in enumerate(segments):
+        tables[i, :len(seg.block_table)] = torch.tensor(seg.block_table, dtype=torch.long)
+
     def as_long(xs: list[int]) -> Tensor:
         return torch.tensor(xs, dtype=torch.long, device=device)
 
-    return RowBatch(as_long(ids), as_long(pos), as_long(slots), table_t.to(device),
-                    list(segments), offsets, n_real)
+    return RowBatch(as_long(ids), as_long(pos), as_long(slots), tables.to(device),
+                    as_long(row_seg), list(segments), offsets, n_real)
 
 
 def write_kv(pool: KVPool, layer: int, k: Tensor, v: Tensor, batch: RowBatch) -> None:
@@ -104,7 +111,7 @@ def fast_attention(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,
         pos = batch.positions[rows]
         length = int(pos.max()) + 1
         nb = -(-length // pool.block_size)
-        tab = batch.row_tables[rows, :nb]
+        tab = batch.seg_tables[torch.tensor(decode, device=q.device), :nb]
         kk = pool.k(layer)[tab].flatten(1, 2)[:, :length].transpose(1, 2)  # [B, Hkv, L, D]
         vv = pool.v(layer)[tab].flatten(1, 2)[:, :length].transpose(1, 2)
         mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]

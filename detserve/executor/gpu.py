@@ -44,9 +44,9 @@ class TritonBatchInvariantOps:
 
 @dataclass
 class GpuMeta:
-    seg_tables: Tensor      # int32 [S, T]
+    seg_tables: Tensor      # int32 [S + 1, T] (last row: scratch, for padding rows)
     context_lens: Tensor    # int32 [S]: start + rows of each segment
-    row_seg: Tensor         # int32 [N]: segment of each row
+    row_seg: Tensor         # int32 [N]: segment of each row (padding: S)
     lane_pos: Tensor        # int32 [N]: position, -1 for padding rows
     decode_rows: Tensor     # long: rows of one-row segments
     decode_segs: Tensor     # long: their segments
@@ -59,16 +59,10 @@ class GpuMeta:
 
     @classmethod
     def build(cls, batch: RowBatch) -> GpuMeta:
+        """Kernel metadata from the batch's segment tables (built once, in ``build_rows``)."""
         dev = batch.input_ids.device
         segs = batch.segments
-        width = max(len(s.block_table) for s in segs) if segs else 1
-        tables = torch.zeros((max(1, len(segs)), width), dtype=torch.int32)
-        for i, s in enumerate(segs):
-            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
         lens = [s.start + len(s.input_ids) for s in segs]
-        n = batch.num_rows
-        row_seg = [0] * n
-        lane_pos = [-1] * n
         dec_rows: list[int] = []
         dec_segs: list[int] = []
         pre_rows: list[int] = []
@@ -76,9 +70,6 @@ class GpuMeta:
         cu = [0]
         for i, (s, off) in enumerate(zip(segs, batch.seg_offsets, strict=True)):
             m = len(s.input_ids)
-            for r in range(m):
-                row_seg[off + r] = i
-                lane_pos[off + r] = s.start + r
             if m == 1:
                 dec_rows.append(off)
                 dec_segs.append(i)
@@ -90,12 +81,14 @@ class GpuMeta:
         def t(x: list[int], dtype: torch.dtype = torch.long) -> Tensor:
             return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
 
-        return cls(tables.to(dev, non_blocking=True), t(lens, torch.int32),
-                   t(row_seg, torch.int32), t(lane_pos, torch.int32), t(dec_rows), t(dec_segs),
+        real = torch.arange(batch.num_rows, device=dev) < batch.num_real
+        lane_pos = torch.where(real, batch.positions, -1).to(torch.int32)
+        return cls(batch.seg_tables.to(torch.int32), t(lens, torch.int32),
+                   batch.row_seg.to(torch.int32), lane_pos, t(dec_rows), t(dec_segs),
                    max((lens[i] for i in dec_segs), default=0), t(pre_rows), t(pre_segs),
                    t(cu, torch.int32),
                    max((len(segs[i].input_ids) for i in pre_segs), default=0),
-                   all_decode=len(dec_rows) == n == len(segs))
+                   all_decode=len(dec_rows) == batch.num_rows == len(segs))
 
 
 def fast_attention_gpu(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,

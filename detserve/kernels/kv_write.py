@@ -16,6 +16,7 @@ from torch import Tensor
 
 from detserve.kernels._utils import expect, expect_int_vector, expect_paged_cache, next_pow2
 from detserve.kernels.config import TABLE, KvWriteConfig
+from detserve.model.llama import apply_rope
 
 
 @triton.jit
@@ -147,13 +148,8 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, q_out: Tensor, positions: Tensor, c
     )
 
 
-def apply_rope_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE exactly as the model does it. x: [N, heads, D]; cos/sin: [N, D/2]."""
-    half = x.shape[-1] // 2
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+# The reference is the model's own RoPE: the kernel must match it bit for bit.
+apply_rope_ref = apply_rope
 
 
 def rope_kv_write_ref(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos: Tensor,
