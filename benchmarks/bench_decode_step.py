@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,32,64,128")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (launch-bound baseline)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     loaded = random_model(a.model.split(":", 1)[1], torch.bfloat16, a.device)
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = EngineConfig.create(a.model, "nondeterministic", device=a.device, dtype="bfloat16",
                                   max_num_seqs=bsz, max_model_len=a.context + a.steps + 8,
                                   num_blocks=bsz * (a.context + a.steps + 32) // 16 + 64,
-                                  max_num_batched_tokens=max(2048, a.context))
+                                  max_num_batched_tokens=max(2048, a.context),
+                                  cuda_graphs=not a.eager)
         eng = LLMEngine(cfg, loaded=loaded)
         for i in range(bsz):
             eng.add_request(str(i), None, SamplingParams(max_tokens=a.steps + 4, ignore_eos=True),
@@ -78,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                      "ratio_to_roofline": step_ms / roof_ms})
         print(f"batch {bsz:>4}: {step_ms:7.2f} ms/step  roofline {roof_ms:6.2f} ms  "
               f"({step_ms / roof_ms:.2f}x)", flush=True)
+        eng.close()
         del eng
         torch.cuda.empty_cache()
     report = {"meta": {"date": dt.date.today().isoformat(), "hardware": hardware(a.device),

@@ -60,8 +60,25 @@ def hardware(device: str) -> str:
     return f"{model} ({torch.get_num_threads()} threads)"
 
 
+def trace_prompts(path: str, tokenizer: Any, max_model_len: int
+                  ) -> list[tuple[list[int], int]]:
+    """(prompt ids, output length) of a loadgen trace (``detserve bench trace``), each
+    clipped to fit ``max_model_len``."""
+    from loadgen.trace import load_trace
+
+    out = []
+    for r in load_trace(path).requests:
+        ids = list(r.prompt_token_ids) if r.prompt_token_ids else tokenizer.encode(
+            r.prompt, add_special_tokens=True)
+        ids = ids[: max_model_len // 2]
+        out.append((ids, max(1, min(r.output_len, max_model_len - len(ids) - 1))))
+    return out
+
+
 def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
-            shapes: list[tuple[int, int]]) -> dict[str, Any]:
+            shapes: list[tuple[int, int]],
+            prompts: list[tuple[list[int], int]] | None = None) -> dict[str, Any]:
+    """One engine run. Prompts are random tokens of ``shapes``' lengths, or ``prompts``."""
     cfg = EngineConfig.create(args.model, mode, device=args.device, dtype=args.dtype,
                               verify_window=args.verify_window, verify_group=args.verify_group,
                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -74,7 +91,10 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     det_flags = [True] * n_det + [False] * (len(shapes) - n_det)
     rng.shuffle(det_flags)
     for i, ((n_in, n_out), det) in enumerate(zip(shapes, det_flags, strict=True)):
-        prompt = [rng.randrange(3, vocab) for _ in range(n_in)]
+        if prompts is not None:
+            prompt, n_out = prompts[i]
+        else:
+            prompt = [rng.randrange(3, vocab) for _ in range(n_in)]
         engine.add_request(f"b{i}", None, SamplingParams(
             max_tokens=n_out, ignore_eos=True, is_deterministic=det), prompt_token_ids=prompt)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
@@ -91,10 +111,11 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     del engine
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    in_tokens = sum(s[0] for s in shapes)
+    in_tokens = sum(len(p) for p, _ in prompts) if prompts else sum(s[0] for s in shapes)
     decoded = stats["fast_tokens"] + stats["windows"]
     return {
         "mode": mode, "deterministic_ratio": ratio, "num_requests": len(shapes),
+        "verify_window": args.verify_window, "verify_group": args.verify_group,
         "duration_s": elapsed,
         "request_throughput": len(shapes) / elapsed,
         "output_throughput": out_tokens / elapsed,
@@ -127,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", default=None,
+                   help="loadgen JSONL trace (real prompts, e.g. ShareGPT); overrides --lengths")
+    p.add_argument("--sweep", default=None,
+                   help="llm42 W x G grid at the largest ratio, e.g. 16,32,64,128x1,4,8,16")
     p.add_argument("--out", default=None, help="JSON path (markdown written beside it)")
     args = p.parse_args(argv)
     dtype = resolve_dtype(args.dtype)
@@ -134,19 +159,37 @@ def main(argv: list[str] | None = None) -> int:
         loaded = random_model(args.model.split(":", 1)[1], dtype, args.device, args.seed)
     else:
         loaded = load_model(args.model, dtype, args.device)
-    shapes = lengths(args.lengths, args.num_requests, args.input_len, args.output_len, args.seed)
-    runs = []
+    prompts = None
+    if args.trace:
+        prompts = trace_prompts(args.trace, loaded[1], args.max_model_len)[: args.num_requests]
+        shapes = [(len(p), n) for p, n in prompts]
+    else:
+        shapes = lengths(args.lengths, args.num_requests, args.input_len, args.output_len,
+                         args.seed)
+    runs: list[dict[str, Any]] = []
     run_one(loaded, args, "nondeterministic", 0.0, shapes[: min(4, len(shapes))])  # warm-up
+
+    def record(r: dict[str, Any]) -> None:
+        runs.append(r)
+        geo = f"W={r['verify_window']:<3} G={r['verify_group']:<2}" if r["mode"] == "llm42" else " " * 11
+        print(f"{r['mode']:>16} det={r['deterministic_ratio']:>4.0%} {geo} "
+              f"{r['output_throughput']:9.1f} out tok/s  "
+              f"{r['total_token_throughput']:9.1f} tot tok/s  rollbacks={r['rollbacks']:>4} "
+              f"recomputed={r['recomputed_pct_of_decoded']:5.2f}%  "
+              f"lane padding={r['lane_padding_fraction']:.1%}", flush=True)
+        _save(args, runs)  # after every run: a cut-off job still leaves its figures
+
     for mode in args.modes.split(","):
         ratios = [float(r) for r in args.ratios.split(",")] if mode == "llm42" else [1.0 if mode in ("batch_invariant", "lane_only") else 0.0]
         for ratio in ratios:
-            r = run_one(loaded, args, mode, ratio, shapes)
-            runs.append(r)
-            print(f"{mode:>16} det={ratio:>4.0%}  {r['output_throughput']:9.1f} out tok/s  "
-                  f"{r['total_token_throughput']:9.1f} tot tok/s  rollbacks={r['rollbacks']:>4} "
-                  f"recomputed={r['recomputed_pct_of_decoded']:5.2f}%  "
-                  f"lane padding={r['lane_padding_fraction']:.1%}", flush=True)
-            _save(args, runs)  # after every run: a cut-off job still leaves its figures
+            record(run_one(loaded, args, mode, ratio, shapes, prompts))
+    if args.sweep:
+        ws, gs = (tuple(int(x) for x in part.split(",")) for part in args.sweep.split("x"))
+        ratio = max(float(r) for r in args.ratios.split(","))
+        for w in ws:
+            for g in gs:
+                sub = argparse.Namespace(**{**vars(args), "verify_window": w, "verify_group": g})
+                record(run_one(loaded, sub, "llm42", ratio, shapes, prompts))
     return 0
 
 
@@ -170,12 +213,13 @@ def markdown(report: dict[str, Any], base: dict[str, Any] | None) -> str:
              f"G={a['verify_group']}, {a['num_requests']} requests, lengths={a['lengths']} "
              f"(input {a['input_len']}, output {a['output_len']} when fixed).", "",
              f"Command: `python -m benchmarks.bench_offline {' '.join(_argv(a))}`", "",
-             "| mode | det. ratio | output tok/s | total tok/s | vs nondet | rollbacks | "
+             "| mode | det. ratio | W x G | output tok/s | total tok/s | vs nondet | rollbacks | "
              "recomputed % of decoded | lane padding |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         rel = f"{r['output_throughput'] / base['output_throughput']:.3f}x" if base else "-"
-        lines.append(f"| {r['mode']} | {r['deterministic_ratio']:.0%} | "
+        geo = f"{r['verify_window']} x {r['verify_group']}" if r["mode"] == "llm42" else "-"
+        lines.append(f"| {r['mode']} | {r['deterministic_ratio']:.0%} | {geo} | "
                      f"{r['output_throughput']:.1f} | {r['total_token_throughput']:.1f} | {rel} | "
                      f"{r['rollbacks']} | {r['recomputed_pct_of_decoded']:.2f} | "
                      f"{r['lane_padding_fraction']:.1%} |")

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Everything the GPU issue measures, in stages that each fit one device call.
-#   benchmarks/gpu_suite.sh smoke   # GPU tests (kernels + engine), kernel benchmark
+#   benchmarks/gpu_suite.sh smoke   # GPU tests (kernels + engine), decode step vs roofline
+#   benchmarks/gpu_suite.sh kernels # kernel benchmark
 #   benchmarks/gpu_suite.sh audit   # determinism audits: SmolLM2 (real weights) and 8B shape
-#   benchmarks/gpu_suite.sh perf    # offline throughput + decode step vs roofline
+#   benchmarks/gpu_suite.sh perf    # offline throughput, 8B shape (Figure 10 analogue)
+#   benchmarks/gpu_suite.sh table4  # SmolLM2 rollbacks per ratio, W x G sweep (needs $TRACE)
 # Results go to ${OUT:-results/gpu}; the SmolLM2 GGUF path comes from $SMOLLM2 (default:
 # the local cache, fetched once).
 set -uo pipefail
@@ -13,7 +15,11 @@ smol=${SMOLLM2:-smollm2}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 case "${1:-}" in
   smoke)
-    python -m pytest -q -m gpu tests/test_gpu_engine.py tests/test_kernels_*.py -x 2>&1 | tee "$out/gpu_tests.log" | tail -25
+    python -m pytest -q -m gpu tests/test_gpu_engine.py tests/test_kernels_*.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
+    python -m benchmarks.bench_decode_step --out "$out/decode-step.json" 2>&1 | tail -6
+    python -m benchmarks.bench_decode_step --eager --batches 1,64 --steps 10 \
+      --out "$out/decode-step-eager.json" 2>&1 | tail -3 ;;
+  kernels)
     timeout 240 python -m benchmarks.bench_kernels --out "$out/kernels.json" 2>&1 | tail -40 ;;
   audit)
     python -m benchmarks.determinism_audit --model "$smol" --device cuda --dtype bfloat16 \
@@ -21,9 +27,13 @@ case "${1:-}" in
     python -m benchmarks.determinism_audit --model random:llama3-8b --device cuda \
       --dtype bfloat16 --runs 100 --max-tokens 32 --out "$out/audit-llama8b.json" 2>&1 | tail -8 ;;
   perf)
-    python -m benchmarks.bench_decode_step --out "$out/decode-step.json" 2>&1 | tail -12
     python -m benchmarks.bench_offline --model random:llama3-8b --device cuda --dtype bfloat16 \
       --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
       --ratios 0.02,0.05,0.1,0.2,0.5,1.0 --out "$out/offline-llama8b.json" 2>&1 | tail -12 ;;
-  *) sed -n 2,7p "$0"; exit 2 ;;
+  table4)
+    python -m benchmarks.bench_offline --model "$smol" --device cuda --dtype bfloat16 \
+      --trace "${TRACE:?a loadgen ShareGPT trace}" --num-requests "${NREQ:-512}" --max-num-seqs 128 \
+      --modes nondeterministic,llm42 --ratios 0.02,0.05,0.1,0.2,0.5,1.0 \
+      --sweep 16,32,64,128x1,4,8,16 --out "$out/table4-smollm2.json" 2>&1 | tail -30 ;;
+  *) sed -n 2,9p "$0"; exit 2 ;;
 esac

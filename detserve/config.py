@@ -79,6 +79,8 @@ class EngineConfig:
     batch_invariant_rows: int = 32  # fixed row-chunk of batch_invariant mode (CPU reference)
     lane_threaded: bool = False     # run lane passes on a worker thread (always on CUDA)
     lane_sms: int | None = None     # CUDA: SMs of the lane's green context (None: shared)
+    cuda_graphs: bool = True        # CUDA: graphs for decode batches and the lane pass
+    cuda_graph_max_batch: int = 256  # largest decode batch captured (bigger ones run eagerly)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
@@ -95,6 +97,8 @@ class EngineConfig:
             raise ValueError("fastpath_perturbation must be in [0, 1]")
         if self.lane_sms is not None and self.lane_sms <= 0:
             raise ValueError("lane_sms must be positive")
+        if self.cuda_graph_max_batch <= 0:
+            raise ValueError("cuda_graph_max_batch must be positive")
         if self.batch_invariant_rows <= 0:
             raise ValueError("batch_invariant_rows must be positive")
         if self.scheduler.max_model_len > self.cache.num_tokens:

@@ -66,6 +66,13 @@ class LLMEngine:
         self.scheduler = Scheduler(sc, self.blocks, eos, prefix_caching=cc.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.pool, sc.lane_rows, sc.verify_window,
                                   config.batch_invariant_rows)
+        if config.device.startswith("cuda") and config.cuda_graphs:
+            mode = config.mode
+            decode = {"llm42": "fast", "nondeterministic": "fast", "batch_invariant": "bi"}.get(mode)
+            self.runner.enable_cuda_graphs(
+                decode, lane=mode in ("llm42", "lane_only"),
+                max_batch=min(sc.max_num_seqs, config.cuda_graph_max_batch),
+                max_blocks=-(-sc.max_model_len // cc.block_size))
         if verifier_factory is None:
             verifier_factory = self._default_verifier_factory(config)
         self.verifier: Verifier = verifier_factory(self.runner)
@@ -316,6 +323,8 @@ class LLMEngine:
         }
         if self.config.mode == "batch_invariant":
             prof["batch_invariant_rows"] = self.config.batch_invariant_rows
+        if dev.startswith("cuda"):
+            prof["cuda_graphs"] = self.config.cuda_graphs  # the lane's GEMMs replayed or eager
         blob = json.dumps(prof, sort_keys=True).encode()
         prof["fingerprint"] = hashlib.sha256(blob).hexdigest()[:16]
         return prof

@@ -6,6 +6,8 @@ Same contracts as the plain-torch paths in ``attention.py`` and ``ops.py``:
 - lane and batch-invariant mode: ``lane_attention`` (tiles aligned to absolute positions,
   no split), and for batch-invariant mode a persistent no-split-K matmul and one-row-per-
   program RMSNorm, so every row's bits are independent of the batch.
+Every path rotates q/k and writes the K/V with one fused kernel (``rope_kv_write``, bitwise
+equal to the model's RoPE), and normalises with the one-row-per-program RMSNorm.
 Metadata tensors are built once per forward (``GpuMeta``), not once per layer.
 """
 
@@ -14,19 +16,50 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from detserve.executor.attention import RowBatch, write_kv
+from detserve.executor.attention import RowBatch
 from detserve.executor.kv_pool import KVPool
-from detserve.executor.ops import _silu_mul
+from detserve.executor.ops import _silu_mul, run_in_row_chunks
 from detserve.kernels.batch_invariant import matmul_bi, rmsnorm_bi
 from detserve.kernels.config import KERNEL_VERSION
 from detserve.kernels.decode_attention import decode_attention
+from detserve.kernels.kv_write import rope_kv_write
 from detserve.kernels.lane_attention import lane_attention
 from detserve.kernels.prefill_attention import prefill_attention
 
-__all__ = ["KERNEL_VERSION", "GpuMeta", "TritonBatchInvariantOps", "fast_attention_gpu",
-           "lane_attention_gpu"]
+__all__ = ["KERNEL_VERSION", "GpuFastOps", "GpuLaneOps", "GpuMeta", "Rope",
+           "TritonBatchInvariantOps", "fast_attention_gpu", "lane_attention_gpu", "rope_write"]
+
+Rope = tuple[Tensor, Tensor]  # the model's fp32 cos/sin tables, indexed by position
+
+
+class GpuFastOps:
+    """Fast path: cuBLAS for products (any reduction order), one kernel per RMSNorm."""
+
+    name = "cublas+rmsnorm-row"
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        return F.linear(x, weight, bias)
+
+    def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return rmsnorm_bi(x, weight, eps)
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        return _silu_mul(gate_up)
+
+
+class GpuLaneOps(GpuFastOps):
+    """The lane: cuBLAS products on exactly ``rows`` rows (a fixed shape, so a fixed
+    reduction order) and row-wise RMSNorm."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.name = f"cublas-fixed{rows}+rmsnorm-row"
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        return run_in_row_chunks(lambda c: F.linear(c, weight, bias), x, self.rows)
 
 
 class TritonBatchInvariantOps:
@@ -91,9 +124,16 @@ class GpuMeta:
                    all_decode=len(dec_rows) == batch.num_rows == len(segs))
 
 
+def rope_write(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
+               slots: Tensor, rope: Rope) -> Tensor:
+    """RoPE on q (in place) and k, K/V into the cache (slots < 0 skipped); returns q."""
+    return rope_kv_write(q, k, v, positions, rope[0], rope[1], pool.k(layer), pool.v(layer),
+                         slots)
+
+
 def fast_attention_gpu(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,
-                       batch: RowBatch, meta: GpuMeta) -> Tensor:
-    write_kv(pool, layer, k, v, batch)
+                       batch: RowBatch, meta: GpuMeta, rope: Rope) -> Tensor:
+    q = rope_write(pool, layer, q, k, v, batch.positions, batch.slots, rope)
     kc, vc = pool.k(layer), pool.v(layer)
     out = torch.empty_like(q)
     if meta.all_decode:  # the common case: no gather/scatter of q
@@ -111,7 +151,7 @@ def fast_attention_gpu(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor
 
 
 def lane_attention_gpu(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,
-                       batch: RowBatch, meta: GpuMeta) -> Tensor:
-    write_kv(pool, layer, k, v, batch)
+                       batch: RowBatch, meta: GpuMeta, rope: Rope) -> Tensor:
+    q = rope_write(pool, layer, q, k, v, batch.positions, batch.slots, rope)
     return lane_attention(q.contiguous(), pool.k(layer), pool.v(layer), meta.seg_tables,
                           meta.row_seg, meta.lane_pos)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
@@ -23,6 +25,15 @@ from detserve.model.llama import LlamaModel, Ops
 from detserve.outputs import TokenLogprob
 from detserve.sampler import SamplingSpec, sample_row, sample_rows
 
+if TYPE_CHECKING:
+    from detserve.executor.graphs import DecodeGraphs, LaneGraph
+
+log = logging.getLogger(__name__)
+
+
+class GraphCaptureError(RuntimeError):
+    """A CUDA graph could not be captured (nothing was replayed from it)."""
+
 
 class ModelRunner:
     """Owns the model and the KV pool tensors.
@@ -38,17 +49,38 @@ class ModelRunner:
         self.device = model.embed_tokens.device
         self.cuda = self.device.type == "cuda"
         self.lane_rows = lane_rows
-        self.fast_ops = TorchOps()
-        self.lane_ops = FixedShapeOps(lane_rows)
+        self.fast_ops: Ops = TorchOps()
+        self.lane_ops: Ops = FixedShapeOps(lane_rows)
         self.lane_logit_ops = FixedShapeOps(window)
         self.bi_ops: Ops = FixedShapeOps(batch_invariant_rows)
         self.bi_rows = batch_invariant_rows
         self.kernel_set = "torch-ref-1"
+        self.decode_graphs: DecodeGraphs | None = None
+        self.lane_graph: LaneGraph | None = None
         if self.cuda:
             from detserve.executor import gpu
 
+            self.fast_ops = gpu.GpuFastOps()
+            self.lane_ops = gpu.GpuLaneOps(lane_rows)
             self.bi_ops = gpu.TritonBatchInvariantOps()
             self.kernel_set = gpu.KERNEL_VERSION
+
+    def enable_cuda_graphs(self, decode: str | None, lane: bool, max_batch: int,
+                           max_blocks: int) -> None:
+        """Capture decode graphs now ("fast" or "bi", up to ``max_batch`` sequences) and
+        prepare the lane graph (captured by the lane's thread on its first pass)."""
+        from detserve.executor.graphs import DecodeGraphs, LaneGraph
+
+        if not self.cuda:
+            raise ValueError("CUDA graphs need a CUDA device")
+        if decode is not None:
+            ops = self.bi_ops if decode == "bi" else self.fast_ops
+            self.decode_graphs = DecodeGraphs(self.model, self.pool, ops, decode, max_batch,
+                                              max_blocks)
+            self.decode_graphs.capture()
+        if lane:
+            self.lane_graph = LaneGraph(self.model, self.pool, self.lane_ops, self.lane_rows,
+                                        max_blocks)
 
     def _forward(self, batch: RowBatch, ops: Ops, kind: str) -> Tensor:
         """kind: "fast" (any reduction order), "lane" (fixed M rows), "bi" (batch-invariant)."""
@@ -58,30 +90,38 @@ class ModelRunner:
 
             meta = gpu.GpuMeta.build(batch)
             fn = gpu.fast_attention_gpu if kind == "fast" else gpu.lane_attention_gpu
-            attn = partial(fn, self.pool, batch=batch, meta=meta)
+            rope = cast(gpu.Rope, (self.model.rope_cos, self.model.rope_sin))
+            attn = partial(fn, self.pool, batch=batch, meta=meta, rope=rope)
         elif kind == "fast":
             attn = partial(fast_attention, self.pool, batch=batch)
         else:
             rows = self.lane_rows if kind == "lane" else self.bi_rows
             attn = partial(tiled_attention, self.pool, batch=batch, chunk_rows=rows)
         return self.model(batch.input_ids, batch.positions,
-                          lambda i, q, k, v: attn(i, q, k, v), ops)
+                          lambda i, q, k, v: attn(i, q, k, v), ops, rope_in_attention=self.cuda)
 
     @torch.inference_mode()
     def run_batch(self, segments: list[RowSegment], sample_specs: list[SamplingSpec | None],
                   batch_invariant: bool = False) -> list[tuple[int, TokenLogprob | None] | None]:
         """One fast-path (or batch-invariant) forward; samples the last row of each segment
         whose spec is not None. Returns one (token, logprob) or None per segment."""
-        batch = build_rows(segments, self.pool.block_size, self.device)
-        ops = self.bi_ops if batch_invariant else self.fast_ops
-        hidden = self._forward(batch, ops, "bi" if batch_invariant else "fast")
         want = [i for i, s in enumerate(sample_specs) if s is not None]
         results: list[tuple[int, TokenLogprob | None] | None] = [None] * len(segments)
-        if not want:
-            return results
-        last = torch.tensor([batch.seg_offsets[i] + len(segments[i].input_ids) - 1 for i in want],
-                            device=self.device)
-        logits = self.model.logits(hidden[last], ops)
+        ops = self.bi_ops if batch_invariant else self.fast_ops
+        graphs = self.decode_graphs
+        if (graphs is not None and want and len(segments) <= graphs.max_batch
+                and all(len(s.input_ids) == 1 for s in segments)):
+            logits = graphs.run(segments)
+            if len(want) < len(segments):
+                logits = logits[torch.tensor(want, device=self.device)]
+        else:
+            batch = build_rows(segments, self.pool.block_size, self.device)
+            hidden = self._forward(batch, ops, "bi" if batch_invariant else "fast")
+            if not want:
+                return results
+            last = torch.tensor([batch.seg_offsets[i] + len(segments[i].input_ids) - 1
+                                 for i in want], device=self.device)
+            logits = self.model.logits(hidden[last], ops)
         specs = [s for s in sample_specs if s is not None]
         positions = [segments[i].start + len(segments[i].input_ids) for i in want]
         if batch_invariant:  # sample row by row: nothing may depend on the batch
@@ -101,7 +141,15 @@ class ModelRunner:
             raise ValueError(f"lane pass has {lane_pass.rows} rows, lane is {self.lane_rows}")
         segs = [RowSegment(s.input_ids, s.start, s.block_table) for s in lane_pass.segments]
         batch = build_rows(segs, self.pool.block_size, self.device, pad_to=self.lane_rows)
-        hidden = self._forward(batch, self.lane_ops, "lane")
+        hidden = None
+        if self.lane_graph is not None:
+            try:
+                hidden = self.lane_graph.run(batch)
+            except GraphCaptureError as e:  # before any pass used it: the lane stays eager
+                log.warning("lane graph not captured (%s); the lane runs eagerly", e.__cause__)
+                self.lane_graph = None
+        if hidden is None:
+            hidden = self._forward(batch, self.lane_ops, "lane")
         rows = [batch.seg_offsets[i] + r for i, s in enumerate(lane_pass.segments)
                 for r in s.sample_rows]
         logits = (self.model.logits(hidden[torch.tensor(rows, device=self.device)],

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # Bump whenever a *bits* constant or the arithmetic of lane_attention / batch_invariant changes.
-KERNEL_VERSION = "kernels-1"
+KERNEL_VERSION = "kernels-2"
 
 
 def _check_pow2(owner: object, **values: int) -> None:

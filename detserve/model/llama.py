@@ -30,7 +30,9 @@ class Ops(Protocol):
 
 
 # (layer index, q [N, H, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, H, D].
-# The callable writes k/v into the cache for the rows' positions before attending.
+# The callable writes k/v into the cache for the rows' positions before attending. With
+# ``rope_in_attention`` the model hands it q and k before RoPE and it rotates them itself
+# (a fused kernel must be bitwise equal to ``apply_rope``).
 AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
@@ -91,19 +93,23 @@ class LlamaModel(nn.Module):
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
     @torch.inference_mode()
-    def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionFn, ops: Ops) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionFn, ops: Ops,
+                rope_in_attention: bool = False) -> Tensor:
         """Rows are independent tokens (flattened batch). Returns final-normed hidden [N, hidden]."""
         c = self.config
         h = self.embed_tokens[input_ids]
-        cos = cast(Tensor, self.rope_cos)[positions]
-        sin = cast(Tensor, self.rope_sin)[positions]
+        if not rope_in_attention:
+            cos = cast(Tensor, self.rope_cos)[positions]
+            sin = cast(Tensor, self.rope_sin)[positions]
         n = h.shape[0]
         for i, layer in enumerate(self.layer_list):
             x = ops.rmsnorm(h, layer.input_norm, c.rms_norm_eps)
             qkv = ops.linear(x, layer.qkv_proj, layer.qkv_bias)
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-            q = apply_rope(q.reshape(n, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope(k.reshape(n, c.num_kv_heads, c.head_dim), cos, sin)
+            q = q.reshape(n, c.num_heads, c.head_dim)
+            k = k.reshape(n, c.num_kv_heads, c.head_dim)
+            if not rope_in_attention:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             v = v.reshape(n, c.num_kv_heads, c.head_dim)
             o = attention(i, q, k, v).reshape(n, c.q_size)
             h = h + ops.linear(o, layer.o_proj)

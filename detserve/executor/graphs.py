@@ -1,0 +1,217 @@
+"""CUDA graphs: one captured forward per fixed row count, replayed with new inputs.
+
+A decoding step of an 8B model launches ~15 kernels per layer; run eagerly from Python that
+costs more than the kernels themselves. Graphs remove the launch cost:
+
+- ``DecodeGraphs``: fast-path (or batch-invariant) batches of one new token per sequence,
+  padded up to the next captured size. Padding rows write no K/V (slot -1) and attend to
+  nothing. For the fast path the padded shape may change cuBLAS's reduction order, which
+  the fast path allows; batch-invariant kernels give a row the same bits at any size, so
+  replaying a bigger graph changes nothing there.
+- ``LaneGraph``: the lane pass, always exactly G*W rows. Every lane pass of the engine
+  runs through the same graph, so ``lane_only`` and DVR keep sharing one arithmetic.
+
+Inputs live in static tensors that are overwritten before each replay; outputs are static
+tensors the caller reads before the next replay (the engine and the lane thread each own
+their graphs and never replay them concurrently with themselves). Each owner captures
+into its own memory pool so the decode and lane graphs may run at the same time on
+different streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from detserve.block_manager import SCRATCH_BLOCK
+from detserve.executor.attention import RowBatch, RowSegment
+from detserve.executor.gpu import Rope, rope_write
+from detserve.executor.kv_pool import KVPool
+from detserve.kernels._utils import num_sms
+from detserve.kernels.decode_attention import choose_num_splits, decode_attention
+from detserve.kernels.lane_attention import lane_attention
+from detserve.model.llama import LlamaModel, Ops
+
+__all__ = ["DecodeGraphs", "LaneGraph", "decode_buckets"]
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """Captured batch sizes: 1, 2, 4, 8, then steps of 8 to 64, of 16 to 128, of 32 beyond."""
+    sizes = [1, 2, 4, 8, *range(16, 65, 8), *range(80, 129, 16), *range(160, 1025, 32)]
+    out = [s for s in sizes if s < max_batch]
+    return [*out, max_batch]
+
+
+def _capture(fn: Callable[[], Tensor], pool: Any) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+    """Warm ``fn`` up (compiles kernels, creates library handles), then capture it.
+
+    Capture is thread-local so that another thread's host syncs (the engine sampling while
+    the lane thread captures, or the reverse) do not invalidate it.
+    """
+    cur = torch.cuda.current_stream()
+    side = cur if cur != torch.cuda.default_stream(cur.device) else torch.cuda.Stream(cur.device)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        fn()
+    side.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+        out = fn()
+    cur.wait_stream(side)
+    return graph, out
+
+
+class DecodeGraphs:
+    """Graphs of single-token decode forwards (plus the lm_head) at ``decode_buckets`` sizes.
+
+    ``kind``: "fast" (split-KV decode attention, any reduction order) or "bi" (batch-invariant
+    ops and position-aligned lane attention).
+    """
+
+    def __init__(self, model: LlamaModel, pool: KVPool, ops: Ops, kind: str, max_batch: int,
+                 max_blocks: int) -> None:
+        if kind not in ("fast", "bi"):
+            raise ValueError(f"unknown decode graph kind {kind!r}")
+        dev = model.embed_tokens.device
+        self.model, self.pool, self.ops, self.kind = model, pool, ops, kind
+        self.block_size = pool.block_size
+        self.max_batch = max_batch
+        self.max_blocks = max_blocks
+        self.buckets = decode_buckets(max_batch)
+        self.rope: Rope = (model.rope_cos, model.rope_sin)  # type: ignore[assignment]
+        self.longs = torch.zeros((3, max_batch), dtype=torch.long, device=dev)   # ids, pos, slots
+        self.ints = torch.zeros((2, max_batch), dtype=torch.int32, device=dev)   # ctx, lane pos
+        self.tables = torch.full((max_batch, max_blocks), SCRATCH_BLOCK, dtype=torch.int32,
+                                 device=dev)
+        self.row_seq = torch.arange(max_batch, dtype=torch.int32, device=dev)
+        self._mempool = torch.cuda.graph_pool_handle()
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        hkv = model.config.num_kv_heads
+        max_ctx = max_blocks * self.block_size
+        self._splits = {b: choose_num_splits(b, hkv, max_ctx, num_sms(dev)) for b in self.buckets}
+
+    def _forward(self, b: int) -> Tensor:
+        ids, pos, slots = self.longs[0, :b], self.longs[1, :b], self.longs[2, :b]
+        ctx, lane_pos, tables = self.ints[0, :b], self.ints[1, :b], self.tables[:b]
+        row_seq, splits = self.row_seq[:b], self._splits[b]
+        pool, rope, fast = self.pool, self.rope, self.kind == "fast"
+
+        def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            q = rope_write(pool, layer, q, k, v, pos, slots, rope)
+            kc, vc = pool.k(layer), pool.v(layer)
+            if fast:
+                return decode_attention(q, kc, vc, tables, ctx, num_splits=splits)
+            return lane_attention(q.contiguous(), kc, vc, tables, row_seq, lane_pos)
+
+        hidden = self.model(ids, pos, attn, self.ops, rope_in_attention=True)
+        return self.model.logits(hidden, self.ops)
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first (smaller ones reuse its pool memory)."""
+        self.longs.zero_()
+        self.longs[2].fill_(-1)  # warm-up rows write no K/V ...
+        self.ints[0].zero_()     # ... and attend to nothing
+        self.ints[1].fill_(-1)
+        for b in reversed(self.buckets):
+            self._graphs[b] = _capture(partial(self._forward, b), self._mempool)
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def _fill(self, segments: list[RowSegment]) -> int:
+        n = len(segments)
+        b = self.bucket(max(n, 1)) or self.max_batch
+        bs = self.block_size
+        ids, pos, slots, ctx, lane = [], [], [], [], []
+        for s in segments:
+            p = s.start
+            ids.append(s.input_ids[0])
+            pos.append(p)
+            slots.append(s.block_table[p // bs] * bs + p % bs)
+            ctx.append(p + 1)
+            lane.append(p)
+        pad = b - n
+        longs = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad],
+                             dtype=torch.long)
+        ints = torch.tensor([ctx + [0] * pad, lane + [-1] * pad], dtype=torch.int32)
+        self.longs[:, :b].copy_(longs, non_blocking=True)
+        self.ints[:, :b].copy_(ints, non_blocking=True)
+        if n:
+            width = max(len(s.block_table) for s in segments)
+            rows = [list(s.block_table) + [SCRATCH_BLOCK] * (width - len(s.block_table))
+                    for s in segments]
+            self.tables[:n, :width].copy_(torch.tensor(rows, dtype=torch.int32),
+                                          non_blocking=True)
+        return b
+
+    def run(self, segments: list[RowSegment]) -> Tensor:
+        """fp32 logits [n, vocab] of the segments' next tokens (a view of a static buffer)."""
+        n = len(segments)
+        if not 0 < n <= self.max_batch or any(len(s.input_ids) != 1 for s in segments):
+            raise ValueError("decode graphs take 1..max_batch single-token segments")
+        if any(len(s.block_table) > self.max_blocks for s in segments):
+            raise ValueError("block table longer than the graphs' max_blocks")
+        b = self._fill(segments)
+        graph, logits = self._graphs[b]
+        graph.replay()
+        return logits[:n]
+
+
+class LaneGraph:
+    """The lane pass (exactly ``rows`` rows) as one graph, captured on its first use on the
+    lane's own stream (inside its green context when it has one)."""
+
+    def __init__(self, model: LlamaModel, pool: KVPool, ops: Ops, rows: int,
+                 max_blocks: int) -> None:
+        dev = model.embed_tokens.device
+        self.model, self.pool, self.ops, self.rows = model, pool, ops, rows
+        self.max_blocks = max_blocks
+        self.rope: Rope = (model.rope_cos, model.rope_sin)  # type: ignore[assignment]
+        self.longs = torch.zeros((3, rows), dtype=torch.long, device=dev)   # ids, pos, slots
+        self.ints = torch.zeros((2, rows), dtype=torch.int32, device=dev)   # row seg, lane pos
+        # a pass has at most ``rows`` segments, plus the scratch row for padding
+        self.tables = torch.full((rows + 1, max_blocks), SCRATCH_BLOCK, dtype=torch.int32,
+                                 device=dev)
+        self._mempool = torch.cuda.graph_pool_handle()
+        self._graph: tuple[torch.cuda.CUDAGraph, Tensor] | None = None
+
+    def _forward(self) -> Tensor:
+        ids, pos, slots = self.longs[0], self.longs[1], self.longs[2]
+        row_seg, lane_pos = self.ints[0], self.ints[1]
+        pool, rope, tables = self.pool, self.rope, self.tables
+
+        def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            q = rope_write(pool, layer, q, k, v, pos, slots, rope)
+            return lane_attention(q.contiguous(), pool.k(layer), pool.v(layer), tables,
+                                  row_seg, lane_pos)
+
+        return self.model(ids, pos, attn, self.ops, rope_in_attention=True)
+
+    def run(self, batch: RowBatch) -> Tensor:
+        """Final-normed hidden states [rows, hidden] of the pass (a static buffer)."""
+        if batch.num_rows != self.rows:
+            raise ValueError(f"lane pass has {batch.num_rows} rows, graph has {self.rows}")
+        segs, width = batch.seg_tables.shape
+        if width > self.max_blocks:
+            raise ValueError("block table longer than the lane graph's max_blocks")
+        real = torch.arange(self.rows, device=batch.positions.device) < batch.num_real
+        self.longs[0].copy_(batch.input_ids)
+        self.longs[1].copy_(batch.positions)
+        self.longs[2].copy_(batch.slots)
+        self.ints[0].copy_(batch.row_seg)
+        self.ints[1].copy_(torch.where(real, batch.positions, -1))
+        self.tables[:segs, :width].copy_(batch.seg_tables)
+        if self._graph is None:
+            try:
+                self._graph = _capture(self._forward, self._mempool)
+            except RuntimeError as e:
+                from detserve.executor.runner import GraphCaptureError
+
+                raise GraphCaptureError("lane graph capture failed") from e
+        graph, hidden = self._graph
+        graph.replay()
+        return hidden
