@@ -259,8 +259,26 @@ class LLMEngine:
         return min(hits) if hits else None
 
     def _raw_text(self, seq: Sequence) -> str:
-        return self.tokenizer.decode(seq.committed_output,
-                                     skip_special_tokens=seq.params.skip_special_tokens)
+        """The committed output as text. While the request runs, text is decoded
+        incrementally (a few tokens a step, not the whole output) and a trailing incomplete
+        UTF-8 sequence is held back until its last byte arrives; once it has finished, the
+        text is one decode of the whole output."""
+        ids = seq.committed_output
+        skip = seq.params.skip_special_tokens
+        if seq.finished:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip)
+        text, prefix, read = seq.detok or ("", 0, 0)
+        if read > len(ids):  # output shortened (a stop token cut it): start over
+            text, prefix, read = "", 0, 0
+        if read == len(ids):
+            return text
+        # decode from the previous read offset so leading spaces/merges come out as in context
+        before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=skip)
+        after = self.tokenizer.decode(ids[prefix:], skip_special_tokens=skip)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            text += after[len(before):]
+            seq.detok = (text, read, len(ids))
+        return text
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

@@ -44,6 +44,8 @@ class Sequence:
     stats: RequestStats = field(default_factory=RequestStats)
     spec: SamplingSpec = field(default_factory=SamplingSpec)
     block_digests: list[bytes] = field(default_factory=list)  # prefix-cache keys, registered
+    # incremental detokenization: (text of output[:read], prefix offset, read offset)
+    detok: tuple[str, int, int] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
