@@ -9,8 +9,17 @@ Offline = ``LLMEngine`` stepped in this process; served = ``services.app`` on a 
 Serve with the embedded Redis (``llm42`` adds one verifier replica: the lane then runs in
 another process and the decoder reaches it over gRPC), streamed through HTTP.
 
+On a GPU (``--device cuda``) the decoder replica is a Ray actor holding the GPU; with
+``llm42`` the verifier replica shares it (``num_gpus`` of ``--verifier-gpu-fraction`` for
+the verifier, the rest for the decoder; the verifier's lane kernels get that fraction of the
+SMs: an MPS thread percentage when the MPS daemon runs, else a green context). The model
+must be a path or alias that ``detserve.model.loader`` loads (``random:<shape>`` models
+exist in offline benchmarks only); benchmarks/gpu_serving.sh runs it on the GPU machine.
+
     python -m benchmarks.bench_serving_overhead --model smollm2 \
         --out docs/benchmarks/serving_overhead_cpu
+    python -m benchmarks.bench_serving_overhead --model /path/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --device cuda --dtype bfloat16 --out results/serving_overhead_gpu
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import gc
 import json
 import os
 import random
@@ -32,7 +42,10 @@ import torch
 
 from benchmarks.bench_offline import hardware
 from detserve.engine import LLMEngine
+from detserve.model.loader import load_model
 from detserve.params import SamplingParams
+
+MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"  # as services.verifier.deployment.mps_running reads it
 
 
 @dataclass(frozen=True)
@@ -40,6 +53,7 @@ class Workload:
     prompts: list[list[int]]
     output_len: int
     deterministic: bool
+    warmup_load: bool = False  # warm up with the whole load (every prompt at once), not one
 
 
 @dataclass(frozen=True)
@@ -78,10 +92,15 @@ def run_offline(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
                 idle_requests: int) -> Result:
     torch.set_num_threads(1)
     engine = LLMEngine.from_args(model, mode, **engine_kw)
-    _offline_run(engine, w.prompts[:1], w, "warmup")
+    _offline_run(engine, w.prompts if w.warmup_load else w.prompts[:1], w, "warmup")
     idle = [_offline_run(engine, [p], w, f"idle{i}")[0][0]
             for i, p in enumerate(w.prompts[:idle_requests])]
     ttfts, wall = _offline_run(engine, w.prompts, w, "load")
+    engine.verifier.close()  # stop the lane thread (CUDA) before the served run starts
+    del engine
+    gc.collect()
+    if str(engine_kw.get("device", "cpu")).startswith("cuda"):
+        torch.cuda.empty_cache()  # leave the GPU's memory to the served replicas
     return Result("offline", mode, 1e3 * statistics.median(idle),
                   1e3 * statistics.median(ttfts), wall, len(w.prompts) * w.output_len / wall)
 
@@ -105,7 +124,8 @@ async def _stream(client: httpx.AsyncClient, model: str, ids: list[int], w: Work
 async def _served_phases(url: str, model: str, w: Workload, idle_requests: int
                          ) -> tuple[list[float], list[float], float]:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        await _stream(client, model, w.prompts[0], w)  # warm-up
+        await asyncio.gather(*(_stream(client, model, p, w)  # warm-up
+                               for p in (w.prompts if w.warmup_load else w.prompts[:1])))
         idle = [await _stream(client, model, p, w) for p in w.prompts[:idle_requests]]
         start = time.perf_counter()
         ttfts = await asyncio.gather(*(_stream(client, model, p, w) for p in w.prompts))
@@ -113,7 +133,7 @@ async def _served_phases(url: str, model: str, w: Workload, idle_requests: int
 
 
 def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
-               idle_requests: int) -> Result:
+               idle_requests: int, verifier_gpu_fraction: float = 0.5) -> Result:
     import ray
     from ray import serve
 
@@ -122,15 +142,25 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
     from services.app import compose
 
     port, grpc_port = 18000, 19000
+    cuda = str(engine_kw.get("device", "cpu")).startswith("cuda")
+    num_verifiers = int(mode == "llm42")
+    # CPU: as before (Ray detects no GPU). CUDA: one GPU; the decoder replica takes all of it,
+    # or 1 - f of it beside an llm42 verifier taking f (services.app places both).
+    placement: dict[str, Any] = (
+        {"verifier_gpu_fraction": verifier_gpu_fraction if num_verifiers else 0.0}
+        if cuda else {})
     with EmbeddedRedis() as redis:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=max(4, min(8, os.cpu_count() or 4)) if cuda else 4,
+                 num_gpus=1 if cuda else None,  # None: Ray's own detection, as before
+                 include_dashboard=False, log_to_driver=False)
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": port},
                         grpc_options={"port": grpc_port,
                                       "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS)})
             config = default_serve_config(
-                model=model, mode=mode, num_decoders=1, num_verifiers=int(mode == "llm42"),
-                redis_url=redis.url, http_port=port, grpc_port=grpc_port, **engine_kw)
+                model=model, mode=mode, num_decoders=1, num_verifiers=num_verifiers,
+                redis_url=redis.url, http_port=port, grpc_port=grpc_port, **engine_kw,
+                **placement)
             args = config["applications"][0]["args"]
             serve.run(compose(args, replica_cpus=1.0), name="detserve", route_prefix="/")
             idle, ttfts, wall = asyncio.run(_served_phases(f"http://127.0.0.1:{port}", model,
@@ -149,10 +179,24 @@ NOTE = ("Served = HTTP client -> Ray Serve proxy -> Router replica -> Decoder re
         "served requests reach the engine one by one rather than all at t=0. In `llm42` the "
         "offline engine verifies in-process, the served decoder sends its lane passes to a "
         "verifier replica over gRPC (KV shared through shared memory).")
+NOTE_GPU = ("Served = HTTP client -> Ray Serve proxy -> Router replica -> Decoder replica (a Ray "
+            "actor holding the GPU, one CPU) and back, per committed chunk; served requests "
+            "reach the engine one by one rather than all at t=0. In `llm42` the offline engine "
+            "verifies on a lane thread of its own process (all SMs), the served decoder holds "
+            "1-f of the GPU and sends its lane passes over gRPC to a verifier replica holding f "
+            "of it, whose lane kernels are confined to that fraction of the SMs (MPS thread "
+            "percentage when the MPS daemon runs, else a green context; without MPS the two "
+            "processes' kernels time-slice); KV shared through CUDA IPC. Targets (issue): "
+            "served throughput >= 0.95 x offline, idle TTFT <= offline + 10 ms.")
 
 def markdown(results: list[Result], meta: dict[str, Any]) -> str:
-    lines = [f"# Serving overhead on CPU ({meta['date']})", "",
-             f"Machine: {meta['machine']}; torch {meta['torch']}. Command: `{meta['command']}`",
+    gpu = str(meta.get("device", "cpu")).startswith("cuda")
+    setup = (f"; device {meta['device']}, dtype {meta['dtype']}, verifier GPU fraction "
+             f"f={meta['verifier_gpu_fraction']}, MPS {'on' if meta['mps'] else 'off'}"
+             if gpu else "")
+    lines = [f"# Serving overhead on {'GPU' if gpu else 'CPU'} ({meta['date']})", "",
+             f"Machine: {meta['machine']}; torch {meta['torch']}{setup}. "
+             f"Command: `{meta['command']}`",
              "", f"Workload: {meta['requests']} requests, prompt {meta['prompt_len']} tokens, "
              f"output {meta['output_len']} tokens (ignore EOS, greedy), model "
              f"`{meta['model']}`, W={meta['verify_window']}, G={meta['verify_group']}; "
@@ -166,10 +210,14 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
     for mode in dict.fromkeys(r.mode for r in results):
         off, srv = (next(r for r in results if r.mode == mode and r.path.startswith(p))
                     for p in ("offline", "served"))
+        ratio, added = srv.output_tok_s / off.output_tok_s, srv.idle_ttft_ms - off.idle_ttft_ms
+        verdict = ""
+        if gpu:
+            ok = ratio >= 0.95 and added <= 10.0
+            verdict = f" ({'meets' if ok else 'misses'} the targets x>=0.95, <=+10 ms)"
         lines.append(f"- {mode}: idle TTFT x{srv.idle_ttft_ms / off.idle_ttft_ms:.2f} "
-                     f"(+{srv.idle_ttft_ms - off.idle_ttft_ms:.1f} ms), throughput "
-                     f"x{srv.output_tok_s / off.output_tok_s:.2f}")
-    lines += ["", NOTE]
+                     f"(+{added:.1f} ms), throughput x{ratio:.2f}{verdict}")
+    lines += ["", NOTE_GPU if gpu else NOTE]
     return "\n".join(lines) + "\n"
 
 
@@ -184,20 +232,49 @@ def main() -> None:
     ap.add_argument("--verify-window", "-W", type=int, default=16)
     ap.add_argument("--verify-group", "-G", type=int, default=4)
     ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the offline engine and the served replicas on GPU 0")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    ap.add_argument("--verifier-gpu-fraction", type=float, default=0.5,
+                    help="cuda + llm42: the verifier replica's share of the GPU (and of its "
+                         "SMs), the decoder takes the rest")
+    ap.add_argument("--warmup", choices=("one", "load"), default="one",
+                    help="warm each path up with one request, or with the whole load once "
+                         "(compiles every kernel shape the measured load meets: GPU)")
     ap.add_argument("--out", type=Path, default=None, help="write <out>.json and <out>.md")
     a = ap.parse_args()
-    kw = dict(verify_window=a.verify_window, verify_group=a.verify_group,
-              max_model_len=a.max_model_len)
-    vocab = LLMEngine.from_args(a.model, "nondeterministic", **kw).model.config.vocab_size
+    if a.model.startswith("random:"):
+        ap.error("random:<shape> models load in offline benchmarks only; the served replicas "
+                 "load --model through detserve.model.loader (a GGUF file, an HF folder or "
+                 "an alias)")
+    gpu = a.device == "cuda"
+    if gpu and not torch.cuda.is_available():
+        ap.error("--device cuda but torch sees no CUDA device")
+    if gpu and not 0.0 < a.verifier_gpu_fraction < 1.0:
+        ap.error("--verifier-gpu-fraction must be in (0, 1): decoder and verifier share one GPU")
+    kw: dict[str, Any] = dict(verify_window=a.verify_window, verify_group=a.verify_group,
+                              max_model_len=a.max_model_len, device=a.device, dtype=a.dtype)
+    vocab = load_model(a.model)[0].config.vocab_size  # on CPU: only the vocabulary is needed
     results = []
     for mode in a.modes.split(","):
         w = Workload(make_prompts(a.requests, a.prompt_len, vocab, 0), a.output_len,
-                     mode in ("llm42", "lane_only"))
-        for run in (run_offline, run_served):
-            results.append(run(a.model, mode, kw, w, a.idle_requests))
-            print(results[-1], flush=True)
+                     mode in ("llm42", "lane_only"), warmup_load=a.warmup == "load")
+        results.append(run_offline(a.model, mode, kw, w, a.idle_requests))
+        print(results[-1], flush=True)
+        results.append(run_served(a.model, mode, kw, w, a.idle_requests,
+                                  a.verifier_gpu_fraction))
+        print(results[-1], flush=True)
+    cpu = f"{hardware('cpu')}, {os.cpu_count()} cores"
+    machine = cpu
+    if gpu:
+        props = torch.cuda.get_device_properties(0)
+        machine = (f"{hardware('cuda')} ({props.multi_processor_count} SMs, "
+                   f"{props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}); {cpu}")
+    mps_pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", MPS_PIPE_DEFAULT)
     meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": f"{hardware('cpu')}, {os.cpu_count()} cores", "torch": torch.__version__, "model": a.model,
+            "machine": machine, "torch": torch.__version__, "model": a.model,
+            "verifier_gpu_fraction": a.verifier_gpu_fraction if gpu else 0.0,
+            "mps": gpu and os.path.exists(mps_pipe),
             "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
             **kw, "command": "python -m benchmarks.bench_serving_overhead " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v is not None)}

