@@ -108,10 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.model.startswith("random:"):
         rng0 = random.Random(a.seed)
         targets = [[rng0.randrange(3, loaded[0].config.vocab_size) for _ in range(n)]
-                   for n in (12, 45, 90, 150)]
+                   for n in (12, 45, 90, 150, 600)]
     else:
+        # the last target is long (~700 tokens) so that the fast path's split-KV decode
+        # attention changes its split count with the batch size: drift the control must show
+        texts = [*TEXT_PROMPTS, "Summarise these notes in one paragraph:\n"
+                 + "\n".join(TEXT_PROMPTS * 12)]
         targets = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]))
-                   for t in TEXT_PROMPTS]
+                   for t in texts]
 
     def engine(mode: str) -> LLMEngine:
         cfg = EngineConfig.create(a.model, mode, device=a.device, dtype=a.dtype,
