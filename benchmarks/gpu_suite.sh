@@ -32,7 +32,7 @@ case "${1:-}" in
       --ratios 0.02,0.05,0.1,0.2,0.5,1.0 --out "$out/offline-llama8b.json" 2>&1 | tail -12 ;;
   table4)
     python -m benchmarks.bench_offline --model "$smol" --device cuda --dtype bfloat16 \
-      --trace "${TRACE:?a loadgen ShareGPT trace}" --num-requests "${NREQ:-512}" --max-num-seqs 128 \
+      --trace "${TRACE:?a loadgen ShareGPT trace}" --num-requests "${NREQ:-512}" --max-num-seqs 128 --num-blocks 16384 \
       --modes nondeterministic,llm42 --ratios 0.02,0.05,0.1,0.2,0.5,1.0 \
       --sweep 16,32,64,128x1,4,8,16 --out "$out/table4-smollm2.json" 2>&1 | tail -30 ;;
   *) sed -n 2,9p "$0"; exit 2 ;;
