@@ -21,7 +21,7 @@ from torch import Tensor
 
 from detserve.executor.attention import RowBatch
 from detserve.executor.kv_pool import KVPool
-from detserve.executor.ops import _silu_mul, run_in_row_chunks
+from detserve.executor.ops import TorchOps, _silu_mul, run_in_row_chunks
 from detserve.kernels.batch_invariant import matmul_bi, rmsnorm_bi
 from detserve.kernels.config import KERNEL_VERSION
 from detserve.kernels.decode_attention import decode_attention
@@ -35,19 +35,13 @@ __all__ = ["KERNEL_VERSION", "GpuFastOps", "GpuLaneOps", "GpuMeta", "Rope",
 Rope = tuple[Tensor, Tensor]  # the model's fp32 cos/sin tables, indexed by position
 
 
-class GpuFastOps:
+class GpuFastOps(TorchOps):
     """Fast path: cuBLAS for products (any reduction order), one kernel per RMSNorm."""
 
     name = "cublas+rmsnorm-row"
 
-    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        return F.linear(x, weight, bias)
-
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return rmsnorm_bi(x, weight, eps)
-
-    def silu_mul(self, gate_up: Tensor) -> Tensor:
-        return _silu_mul(gate_up)
 
 
 class GpuLaneOps(GpuFastOps):
