@@ -46,6 +46,12 @@ class RowBatch:
         return int(self.input_ids.shape[0])
 
     @property
+    def lane_positions(self) -> Tensor:
+        """[N] position of every row, -1 for padding rows (the lane kernel's row_pos)."""
+        real = torch.arange(self.num_rows, device=self.positions.device) < self.num_real
+        return torch.where(real, self.positions, -1)
+
+    @property
     def row_tables(self) -> Tensor:
         """[N, T] block table of every row (padding rows: the scratch block)."""
         return self.seg_tables[self.row_seg]

@@ -108,8 +108,7 @@ class GpuMeta:
         def t(x: list[int], dtype: torch.dtype = torch.long) -> Tensor:
             return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
 
-        real = torch.arange(batch.num_rows, device=dev) < batch.num_real
-        lane_pos = torch.where(real, batch.positions, -1).to(torch.int32)
+        lane_pos = batch.lane_positions.to(torch.int32)
         return cls(batch.seg_tables.to(torch.int32), t(lens, torch.int32),
                    batch.row_seg.to(torch.int32), lane_pos, t(dec_rows), t(dec_segs),
                    max((lens[i] for i in dec_segs), default=0), t(pre_rows), t(pre_segs),

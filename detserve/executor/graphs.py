@@ -126,18 +126,17 @@ class DecodeGraphs:
         n = len(segments)
         b = self.bucket(max(n, 1)) or self.max_batch
         bs = self.block_size
-        ids, pos, slots, ctx, lane = [], [], [], [], []
+        ids, pos, slots = [], [], []
         for s in segments:
             p = s.start
             ids.append(s.input_ids[0])
             pos.append(p)
             slots.append(s.block_table[p // bs] * bs + p % bs)
-            ctx.append(p + 1)
-            lane.append(p)
         pad = b - n
         longs = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad],
                              dtype=torch.long)
-        ints = torch.tensor([ctx + [0] * pad, lane + [-1] * pad], dtype=torch.int32)
+        ints = torch.tensor([[p + 1 for p in pos] + [0] * pad, pos + [-1] * pad],
+                            dtype=torch.int32)
         self.longs[:, :b].copy_(longs, non_blocking=True)
         self.ints[:, :b].copy_(ints, non_blocking=True)
         if n:
@@ -198,12 +197,11 @@ class LaneGraph:
         segs, width = batch.seg_tables.shape
         if width > self.max_blocks:
             raise ValueError("block table longer than the lane graph's max_blocks")
-        real = torch.arange(self.rows, device=batch.positions.device) < batch.num_real
         self.longs[0].copy_(batch.input_ids)
         self.longs[1].copy_(batch.positions)
         self.longs[2].copy_(batch.slots)
         self.ints[0].copy_(batch.row_seg)
-        self.ints[1].copy_(torch.where(real, batch.positions, -1))
+        self.ints[1].copy_(batch.lane_positions)
         self.tables[:segs, :width].copy_(batch.seg_tables)
         if self._graph is None:
             try:
