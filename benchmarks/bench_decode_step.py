@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (launch-bound baseline)")
+    p.add_argument("--no-align", action="store_true",
+                   help="split-KV decode attention for every context (no lane-kernel decode)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     loaded = random_model(a.model.split(":", 1)[1], torch.bfloat16, a.device)
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                                   max_num_seqs=bsz, max_model_len=a.context + a.steps + 8,
                                   num_blocks=bsz * (a.context + a.steps + 32) // 16 + 64,
                                   max_num_batched_tokens=max(2048, a.context),
-                                  cuda_graphs=not a.eager)
+                                  cuda_graphs=not a.eager, align_fast_path=not a.no_align)
         eng = LLMEngine(cfg, loaded=loaded)
         for i in range(bsz):
             eng.add_request(str(i), None, SamplingParams(max_tokens=a.steps + 4, ignore_eos=True),

@@ -83,7 +83,9 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               verify_window=args.verify_window, verify_group=args.verify_group,
                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               max_num_batched_tokens=args.max_num_batched_tokens,
-                              num_blocks=args.num_blocks, seed=args.seed)
+                              num_blocks=args.num_blocks, seed=args.seed,
+                              align_fast_path=not args.no_align,
+                              lane_gemm_rows=args.lane_gemm_rows)
     engine = LLMEngine(cfg, loaded=loaded)
     vocab = engine.model.config.vocab_size
     rng = random.Random(args.seed)
@@ -107,6 +109,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     sync()
     elapsed = time.perf_counter() - t0
     stats = engine.stats()
+    gemm_rows = engine.lane_gemm_rows
     engine.close()
     del engine
     if args.device.startswith("cuda"):
@@ -116,6 +119,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     return {
         "mode": mode, "deterministic_ratio": ratio, "num_requests": len(shapes),
         "verify_window": args.verify_window, "verify_group": args.verify_group,
+        "align_fast_path": not args.no_align, "lane_gemm_rows": gemm_rows,
         "duration_s": elapsed,
         "request_throughput": len(shapes) / elapsed,
         "output_throughput": out_tokens / elapsed,
@@ -150,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-align", action="store_true",
+                   help="CUDA: no fast-path/lane alignment (split-KV decode, whole-pass lane GEMMs)")
+    p.add_argument("--lane-gemm-rows", type=int, default=0,
+                   help="CUDA: the lane's GEMM row chunk (0: chosen by probing cuBLAS)")
     p.add_argument("--trace", default=None,
                    help="loadgen JSONL trace (real prompts, e.g. ShareGPT); overrides --lengths")
     p.add_argument("--sweep", default=None,

@@ -5,6 +5,10 @@
 #   benchmarks/gpu_suite.sh audit   # determinism audits: SmolLM2 (real weights) and 8B shape
 #   benchmarks/gpu_suite.sh perf    # offline throughput, 8B shape (Figure 10 analogue)
 #   benchmarks/gpu_suite.sh table4  # SmolLM2 rollbacks per ratio, W x G sweep (needs $TRACE)
+#   benchmarks/gpu_suite.sh align   # fast-path/lane alignment: cuBLAS row classes (8B), GPU engine tests
+#   benchmarks/gpu_suite.sh align-step # decode step aligned vs split-KV, contexts 512 and 2048
+#   benchmarks/gpu_suite.sh align-smol # SmolLM2 rollbacks aligned vs not, per ratio (needs $TRACE;
+#                                      # $SWEEP, e.g. 16,32,64,128x1,4,8,16, adds a W x G sweep)
 # Results go to ${OUT:-results/gpu}; the SmolLM2 GGUF path comes from $SMOLLM2 (default:
 # the local cache, fetched once).
 set -uo pipefail
@@ -35,5 +39,22 @@ case "${1:-}" in
       --trace "${TRACE:?a loadgen ShareGPT trace}" --num-requests "${NREQ:-512}" --max-num-seqs 128 --num-blocks 16384 \
       --modes nondeterministic,llm42 --ratios 0.02,0.05,0.1,0.2,0.5,1.0 \
       --sweep 16,32,64,128x1,4,8,16 --out "$out/table4-smollm2.json" 2>&1 | tail -30 ;;
-  *) sed -n 2,9p "$0"; exit 2 ;;
+  align)
+    python -m benchmarks.probe_gemm_classes --model random:llama3-8b --out "$out/gemm-classes-llama8b.json" 2>&1 | tail -8
+    python -m pytest -q -m gpu tests/test_gpu_engine.py 2>&1 | tee "$out/gpu_engine_tests.log" | tail -8 ;;
+  align-step)
+    python -m benchmarks.bench_decode_step --out "$out/decode-step.json" 2>&1 | tail -6
+    python -m benchmarks.bench_decode_step --no-align --batches 1,64 --out "$out/decode-step-split.json" 2>&1 | tail -3
+    python -m benchmarks.bench_decode_step --context 2048 --batches 1,8,64 --out "$out/decode-step-ctx2048.json" 2>&1 | tail -4 ;;
+  align-smol)
+    python -m benchmarks.probe_gemm_classes --model "$smol" --out "$out/gemm-classes-smollm2.json" 2>&1 | tail -8
+    common=(--model "$smol" --device cuda --dtype bfloat16 --trace "${TRACE:?a loadgen ShareGPT trace}"
+            --num-requests "${NREQ:-512}" --max-num-seqs 128 --num-blocks 16384)
+    python -m benchmarks.bench_offline "${common[@]}" --modes llm42 --ratios 1.0 --no-align \
+      --out "$out/table4-smollm2-unaligned.json" 2>&1 | tail -3
+    python -m benchmarks.bench_offline "${common[@]}" --modes nondeterministic,llm42 \
+      --ratios 0.02,0.05,0.1,0.2,0.5,1.0 --out "$out/table4-smollm2.json" 2>&1 | tail -9
+    [ -z "${SWEEP:-}" ] || python -m benchmarks.bench_offline "${common[@]}" --num-requests 256 \
+      --modes nondeterministic --ratios 1.0 --sweep "$SWEEP" --out "$out/sweep-smollm2.json" 2>&1 | tail -18 ;;
+  *) sed -n 2,12p "$0"; exit 2 ;;
 esac

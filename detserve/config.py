@@ -81,6 +81,13 @@ class EngineConfig:
     lane_sms: int | None = None     # CUDA: SMs of the lane's green context (None: shared)
     cuda_graphs: bool = True        # CUDA: graphs for decode batches and the lane pass
     cuda_graph_max_batch: int = 256  # largest decode batch captured (bigger ones run eagerly)
+    # CUDA: make the fast path and the lane agree bit for bit as often as possible, so that
+    # few windows roll back. Fast-path decode batches whose attention needs no split run the
+    # lane's attention kernel, and the lane runs its products in chunks of
+    # ``lane_gemm_rows`` rows (0: the smallest chunk with cuBLAS's bits at the fast path's
+    # full decode batch, found by probing; see executor/gemm_classes.py).
+    align_fast_path: bool = True
+    lane_gemm_rows: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
@@ -99,6 +106,8 @@ class EngineConfig:
             raise ValueError("lane_sms must be positive")
         if self.cuda_graph_max_batch <= 0:
             raise ValueError("cuda_graph_max_batch must be positive")
+        if self.lane_gemm_rows < 0:
+            raise ValueError("lane_gemm_rows must be >= 0 (0: chosen automatically)")
         if self.batch_invariant_rows <= 0:
             raise ValueError("batch_invariant_rows must be positive")
         if self.scheduler.max_model_len > self.cache.num_tokens:

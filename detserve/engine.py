@@ -64,9 +64,12 @@ class LLMEngine:
         self.blocks = BlockManager(cc.num_blocks, cc.block_size)
         eos = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
         self.scheduler = Scheduler(sc, self.blocks, eos, prefix_caching=cc.enable_prefix_caching)
+        cuda = config.device.startswith("cuda")
+        self.lane_gemm_rows = self._lane_gemm_rows() if cuda and sc.uses_lane else 0
         self.runner = ModelRunner(self.model, self.pool, sc.lane_rows, sc.verify_window,
-                                  config.batch_invariant_rows)
-        if config.device.startswith("cuda") and config.cuda_graphs:
+                                  config.batch_invariant_rows, self.lane_gemm_rows,
+                                  align_fast_path=cuda and config.align_fast_path)
+        if cuda and config.cuda_graphs:
             mode = config.mode
             decode = {"llm42": "fast", "nondeterministic": "fast", "batch_invariant": "bi"}.get(mode)
             self.runner.enable_cuda_graphs(
@@ -86,6 +89,20 @@ class LLMEngine:
         # fault injection models fast-path drift: it hits every fast-path token (lane-verified
         # candidates and final non-deterministic tokens alike), never lane or batch-invariant math
         self._perturbs_fast_path = config.mode in ("llm42", "nondeterministic")
+
+    def _lane_gemm_rows(self) -> int:
+        """Row chunk of the lane's products on CUDA (0: the whole pass, unaligned)."""
+        c, sc = self.config, self.config.scheduler
+        if c.lane_gemm_rows or not c.align_fast_path:
+            return c.lane_gemm_rows
+        from detserve.executor.gemm_classes import choose_lane_gemm_rows
+        from detserve.executor.graphs import decode_buckets
+
+        full = min(sc.max_num_seqs, c.cuda_graph_max_batch)
+        # decode batches run padded to captured sizes (eagerly: at any size up to full)
+        buckets = decode_buckets(full) if c.cuda_graphs else list(range(1, full + 1))
+        extra = [m for m in decode_buckets(sc.lane_rows) if m > full]
+        return choose_lane_gemm_rows(self.model.gemm_weights(), buckets, sc.lane_rows, extra)
 
     @staticmethod
     def _default_verifier_factory(config: EngineConfig) -> Callable[[ModelRunner], Verifier]:
@@ -343,6 +360,8 @@ class LLMEngine:
             prof["batch_invariant_rows"] = self.config.batch_invariant_rows
         if dev.startswith("cuda"):
             prof["cuda_graphs"] = self.config.cuda_graphs  # the lane's GEMMs replayed or eager
+            if self.lane_gemm_rows:
+                prof["lane_gemm_rows"] = self.lane_gemm_rows
         blob = json.dumps(prof, sort_keys=True).encode()
         prof["fingerprint"] = hashlib.sha256(blob).hexdigest()[:16]
         return prof

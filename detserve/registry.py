@@ -47,9 +47,12 @@ class LaneGeometry:
     window: int
     batch_invariant_rows: int
     block_size: int
+    lane_gemm_rows: int = 0  # CUDA: row chunk of the lane's products (0: the whole pass)
 
     def __post_init__(self) -> None:
         if min(self.lane_rows, self.window, self.batch_invariant_rows, self.block_size) <= 0:
+            raise ValueError(f"bad lane geometry {self}")
+        if self.lane_gemm_rows < 0:
             raise ValueError(f"bad lane geometry {self}")
         if self.lane_rows % self.window:
             raise ValueError("lane_rows must be a multiple of the window")

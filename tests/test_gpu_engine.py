@@ -92,3 +92,37 @@ def test_lane_graph_dvr_equals_lane_only_with_and_without_graphs(model: str) -> 
         assert signature(a) == signature(b)
     eng.close()
     o.close()
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_aligned_fast_path_alone_verifies_every_window(model: str, graphs: bool) -> None:
+    """A deterministic request decoding alone: the fast path runs batch 1 with the lane's
+    attention kernel, and the lane's GEMM chunk is in batch 1's cuBLAS class, so every
+    window matches bit for bit (no rollback) and equals lane_only. Control: perturbing the
+    fast path on the same engine configuration does roll windows back."""
+    req = [Req(random_prompts(1, [40], seed=9)[0],
+               SamplingParams(max_tokens=120, is_deterministic=True, logprobs=1,
+                              ignore_eos=True))]
+    kw = {"max_num_seqs": 1, "cuda_graphs": graphs, **CUDA}
+    oracle, _, o = run_engine(model, req, mode="lane_only", window=16, group=1, **kw)
+    dvr, stats, eng = run_engine(model, req, window=16, group=1, **kw)
+    assert eng.lane_gemm_rows > 0 and eng.determinism_profile()["lane_gemm_rows"] == \
+        eng.lane_gemm_rows
+    assert stats["windows"] >= 7 and stats["rollbacks"] == 0
+    assert signature(dvr[0]) == signature(oracle[0])
+    _, perturbed, p = run_engine(model, req, window=16, group=1, perturbation=0.2, **kw)
+    assert perturbed["rollbacks"] > 0
+    for e in (o, eng, p):
+        e.close()
+
+
+def test_unaligned_fast_path_still_deterministic(model: str) -> None:
+    """align_fast_path=False (split-KV decode, whole-pass lane GEMMs) keeps DVR == lane_only."""
+    reqs = _reqs(det=True)
+    oracle, _, o = run_engine(model, reqs, mode="lane_only", align_fast_path=False, **CUDA)
+    dvr, _, eng = run_engine(model, reqs, perturbation=0.2, align_fast_path=False, **CUDA)
+    assert eng.lane_gemm_rows == 0 and "lane_gemm_rows" not in eng.determinism_profile()
+    for a, b in zip(oracle, dvr, strict=True):
+        assert signature(a) == signature(b)
+    o.close()
+    eng.close()

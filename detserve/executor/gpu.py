@@ -22,15 +22,17 @@ from torch import Tensor
 from detserve.executor.attention import RowBatch
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.ops import TorchOps, _silu_mul, run_in_row_chunks
+from detserve.kernels._utils import num_sms
 from detserve.kernels.batch_invariant import matmul_bi, rmsnorm_bi
-from detserve.kernels.config import KERNEL_VERSION
-from detserve.kernels.decode_attention import decode_attention
+from detserve.kernels.config import KERNEL_VERSION, TABLE
+from detserve.kernels.decode_attention import choose_num_splits, decode_attention
 from detserve.kernels.kv_write import rope_kv_write
 from detserve.kernels.lane_attention import lane_attention
 from detserve.kernels.prefill_attention import prefill_attention
 
 __all__ = ["KERNEL_VERSION", "GpuFastOps", "GpuLaneOps", "GpuMeta", "Rope",
-           "TritonBatchInvariantOps", "fast_attention_gpu", "lane_attention_gpu", "rope_write"]
+           "TritonBatchInvariantOps", "fast_attention_gpu", "fast_decode_attention",
+           "lane_attention_gpu", "rope_write"]
 
 Rope = tuple[Tensor, Tensor]  # the model's fp32 cos/sin tables, indexed by position
 
@@ -45,10 +47,13 @@ class GpuFastOps(TorchOps):
 
 
 class GpuLaneOps(GpuFastOps):
-    """The lane: cuBLAS products on exactly ``rows`` rows (a fixed shape, so a fixed
-    reduction order) and row-wise RMSNorm."""
+    """The lane: cuBLAS products on chunks of exactly ``rows`` rows (a fixed shape, so a
+    fixed reduction order) and row-wise RMSNorm. ``rows`` is the whole pass, or a chunk
+    whose cuBLAS bits equal the fast path's at its full decode batch (``gemm_classes``)."""
 
     def __init__(self, rows: int) -> None:
+        if rows <= 0:
+            raise ValueError("rows must be positive")
         self.rows = rows
         self.name = f"cublas-fixed{rows}+rmsnorm-row"
 
@@ -124,18 +129,46 @@ def rope_write(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor, positi
                          slots)
 
 
+def fast_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor,
+                          context_lens: Tensor, row_seq: Tensor, row_pos: Tensor,
+                          num_splits: int, aligned: bool) -> Tensor:
+    """Fast-path decode attention, one token per row (row i: sequence ``row_seq[i]`` at
+    position ``row_pos[i]`` = context length - 1, or -1 for a padding row).
+
+    With ``aligned``, every row whose context is at most ``aligned_min_tokens_per_split``
+    goes through the lane's own kernel (one row per program). The lane kernel's bits do not
+    depend on the rows around a row, so the token gets exactly the attention the lane will
+    recompute for it, and its window can verify. Longer rows in batches too small to fill
+    the GPU take split-KV (``num_splits`` > 1) instead. Graph-safe: no host sync.
+    """
+    if not aligned:
+        return decode_attention(q, k_cache, v_cache, tables, context_lens, num_splits=num_splits)
+    if num_splits == 1:
+        return lane_attention(q, k_cache, v_cache, tables, row_seq, row_pos, rows_per_program=1)
+    short = context_lens <= TABLE.decode.aligned_min_tokens_per_split
+    near = lane_attention(q, k_cache, v_cache, tables, row_seq, torch.where(short, row_pos, -1),
+                          rows_per_program=1)
+    far = decode_attention(q, k_cache, v_cache, tables, torch.where(short, 0, context_lens),
+                           num_splits=num_splits)
+    return torch.where(short[:, None, None], near, far)
+
+
 def fast_attention_gpu(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,
-                       batch: RowBatch, meta: GpuMeta, rope: Rope) -> Tensor:
+                       batch: RowBatch, meta: GpuMeta, rope: Rope, aligned: bool = True) -> Tensor:
     q = rope_write(pool, layer, q, k, v, batch.positions, batch.slots, rope)
     kc, vc = pool.k(layer), pool.v(layer)
     out = torch.empty_like(q)
-    if meta.all_decode:  # the common case: no gather/scatter of q
-        return decode_attention(q, kc, vc, meta.seg_tables, meta.context_lens,
-                                max_context_len=meta.max_decode_ctx)
     if meta.decode_rows.numel():
-        out[meta.decode_rows] = decode_attention(
-            q[meta.decode_rows], kc, vc, meta.seg_tables[meta.decode_segs],
-            meta.context_lens[meta.decode_segs], max_context_len=meta.max_decode_ctx)
+        rows, segs = meta.decode_rows, meta.decode_segs
+        splits = choose_num_splits(len(rows), kc.shape[2], meta.max_decode_ctx, num_sms(q.device),
+                                   aligned=aligned)
+        if meta.all_decode:  # the common case: no gather/scatter of q
+            return fast_decode_attention(q, kc, vc, meta.seg_tables, meta.context_lens,
+                                         meta.row_seg, meta.lane_pos, splits, aligned)
+        seq = torch.arange(len(rows), dtype=torch.int32, device=q.device)
+        out[rows] = fast_decode_attention(q[rows], kc, vc, meta.seg_tables[segs],
+                                          meta.context_lens[segs], seq, meta.lane_pos[rows],
+                                          splits, aligned)
     if meta.prefill_rows.numel():
         out[meta.prefill_rows] = prefill_attention(
             q[meta.prefill_rows], kc, vc, meta.seg_tables[meta.prefill_segs], meta.cu_seqlens,

@@ -29,10 +29,10 @@ from torch import Tensor
 
 from detserve.block_manager import SCRATCH_BLOCK
 from detserve.executor.attention import RowBatch, RowSegment
-from detserve.executor.gpu import Rope, rope_write
+from detserve.executor.gpu import Rope, fast_decode_attention, rope_write
 from detserve.executor.kv_pool import KVPool
 from detserve.kernels._utils import num_sms
-from detserve.kernels.decode_attention import choose_num_splits, decode_attention
+from detserve.kernels.decode_attention import choose_num_splits
 from detserve.kernels.lane_attention import lane_attention
 from detserve.model.llama import LlamaModel, Ops
 
@@ -68,16 +68,18 @@ def _capture(fn: Callable[[], Tensor], pool: Any) -> tuple[torch.cuda.CUDAGraph,
 class DecodeGraphs:
     """Graphs of single-token decode forwards (plus the lm_head) at ``decode_buckets`` sizes.
 
-    ``kind``: "fast" (split-KV decode attention, any reduction order) or "bi" (batch-invariant
-    ops and position-aligned lane attention).
+    ``kind``: "fast" (``fast_decode_attention``: the lane's kernel where one split suffices
+    if ``aligned``, else split-KV) or "bi" (batch-invariant ops and position-aligned lane
+    attention).
     """
 
     def __init__(self, model: LlamaModel, pool: KVPool, ops: Ops, kind: str, max_batch: int,
-                 max_blocks: int) -> None:
+                 max_blocks: int, aligned: bool = True) -> None:
         if kind not in ("fast", "bi"):
             raise ValueError(f"unknown decode graph kind {kind!r}")
         dev = model.embed_tokens.device
         self.model, self.pool, self.ops, self.kind = model, pool, ops, kind
+        self.aligned = aligned
         self.block_size = pool.block_size
         self.max_batch = max_batch
         self.max_blocks = max_blocks
@@ -89,22 +91,27 @@ class DecodeGraphs:
                                  device=dev)
         self.row_seq = torch.arange(max_batch, dtype=torch.int32, device=dev)
         self._mempool = torch.cuda.graph_pool_handle()
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
-        hkv = model.config.num_kv_heads
+        # (bucket, splits) -> graph. A fast bucket whose longest context needs split-KV also
+        # gets a one-split graph, replayed while every context is short enough for one.
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._hkv, self._sms = model.config.num_kv_heads, num_sms(dev)
         max_ctx = max_blocks * self.block_size
-        self._splits = {b: choose_num_splits(b, hkv, max_ctx, num_sms(dev)) for b in self.buckets}
+        self._splits = {b: choose_num_splits(b, self._hkv, max_ctx, self._sms)
+                        for b in self.buckets}
+        self._max_ctx = 0  # longest context of the batch being filled
 
-    def _forward(self, b: int) -> Tensor:
+    def _forward(self, b: int, splits: int) -> Tensor:
         ids, pos, slots = self.longs[0, :b], self.longs[1, :b], self.longs[2, :b]
         ctx, lane_pos, tables = self.ints[0, :b], self.ints[1, :b], self.tables[:b]
-        row_seq, splits = self.row_seq[:b], self._splits[b]
+        row_seq = self.row_seq[:b]
         pool, rope, fast = self.pool, self.rope, self.kind == "fast"
 
         def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             q = rope_write(pool, layer, q, k, v, pos, slots, rope)
             kc, vc = pool.k(layer), pool.v(layer)
             if fast:
-                return decode_attention(q, kc, vc, tables, ctx, num_splits=splits)
+                return fast_decode_attention(q, kc, vc, tables, ctx, row_seq, lane_pos, splits,
+                                             self.aligned)
             return lane_attention(q.contiguous(), kc, vc, tables, row_seq, lane_pos)
 
         hidden = self.model(ids, pos, attn, self.ops, rope_in_attention=True)
@@ -117,7 +124,10 @@ class DecodeGraphs:
         self.ints[0].zero_()     # ... and attend to nothing
         self.ints[1].fill_(-1)
         for b in reversed(self.buckets):
-            self._graphs[b] = _capture(partial(self._forward, b), self._mempool)
+            variants = {self._splits[b], 1} if self.kind == "fast" else {1}
+            for splits in sorted(variants, reverse=True):
+                self._graphs[(b, splits)] = _capture(partial(self._forward, b, splits),
+                                                     self._mempool)
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -132,6 +142,7 @@ class DecodeGraphs:
             ids.append(s.input_ids[0])
             pos.append(p)
             slots.append(s.block_table[p // bs] * bs + p % bs)
+        self._max_ctx = max(pos, default=-1) + 1
         pad = b - n
         longs = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad],
                              dtype=torch.long)
@@ -155,7 +166,12 @@ class DecodeGraphs:
         if any(len(s.block_table) > self.max_blocks for s in segments):
             raise ValueError("block table longer than the graphs' max_blocks")
         b = self._fill(segments)
-        graph, logits = self._graphs[b]
+        splits = 1
+        if self.kind == "fast" and self._splits[b] > 1:
+            need = choose_num_splits(b, self._hkv, self._max_ctx, self._sms,
+                                     aligned=self.aligned)
+            splits = 1 if need == 1 else self._splits[b]
+        graph, logits = self._graphs[(b, splits)]
         graph.replay()
         return logits[:n]
 

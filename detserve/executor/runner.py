@@ -39,11 +39,15 @@ class ModelRunner:
     """Owns the model and the KV pool tensors.
 
     ``lane_rows`` (G*W) is the lane's fixed pass size and ``window`` (W) its fixed chunk for
-    the lm_head, so a row's logits never depend on the pass's other rows.
+    the lm_head, so a row's logits never depend on the pass's other rows. On CUDA,
+    ``lane_gemm_rows`` (when > 0) replaces both as the row chunk of every lane product
+    (see ``gemm_classes``); ``align_fast_path`` makes one-split decode attention use the
+    lane's kernel.
     """
 
     def __init__(self, model: LlamaModel, pool: KVPool, lane_rows: int, window: int,
-                 batch_invariant_rows: int) -> None:
+                 batch_invariant_rows: int, lane_gemm_rows: int = 0,
+                 align_fast_path: bool = False) -> None:
         self.model = model
         self.pool = pool
         self.device = model.embed_tokens.device
@@ -51,9 +55,12 @@ class ModelRunner:
         self.lane_rows = lane_rows
         self.fast_ops: Ops = TorchOps()
         self.lane_ops: Ops = FixedShapeOps(lane_rows)
-        self.lane_logit_ops = FixedShapeOps(window)
+        self.window = window
+        self.lane_logit_ops: Ops = FixedShapeOps(window)
         self.bi_ops: Ops = FixedShapeOps(batch_invariant_rows)
         self.bi_rows = batch_invariant_rows
+        self.lane_gemm_rows = lane_gemm_rows
+        self.align_fast_path = align_fast_path
         self.kernel_set = "torch-ref-1"
         self.decode_graphs: DecodeGraphs | None = None
         self.lane_graph: LaneGraph | None = None
@@ -61,7 +68,9 @@ class ModelRunner:
             from detserve.executor import gpu
 
             self.fast_ops = gpu.GpuFastOps()
-            self.lane_ops = gpu.GpuLaneOps(lane_rows)
+            self.lane_ops = gpu.GpuLaneOps(lane_gemm_rows or lane_rows)
+            if lane_gemm_rows:
+                self.lane_logit_ops = gpu.GpuLaneOps(lane_gemm_rows)
             self.bi_ops = gpu.TritonBatchInvariantOps()
             self.kernel_set = gpu.KERNEL_VERSION
 
@@ -76,7 +85,7 @@ class ModelRunner:
         if decode is not None:
             ops = self.bi_ops if decode == "bi" else self.fast_ops
             self.decode_graphs = DecodeGraphs(self.model, self.pool, ops, decode, max_batch,
-                                              max_blocks)
+                                              max_blocks, aligned=self.align_fast_path)
             self.decode_graphs.capture()
         if lane:
             self.lane_graph = LaneGraph(self.model, self.pool, self.lane_ops, self.lane_rows,
@@ -92,6 +101,8 @@ class ModelRunner:
             fn = gpu.fast_attention_gpu if kind == "fast" else gpu.lane_attention_gpu
             rope = cast(gpu.Rope, (self.model.rope_cos, self.model.rope_sin))
             attn = partial(fn, self.pool, batch=batch, meta=meta, rope=rope)
+            if kind == "fast":
+                attn = partial(attn, aligned=self.align_fast_path)
         elif kind == "fast":
             attn = partial(fast_attention, self.pool, batch=batch)
         else:

@@ -57,6 +57,9 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     min_tokens_per_split: int = 256  # never split finer than this
+    # With an aligned fast path (EngineConfig.align_fast_path) rows whose context is at most
+    # this long take no split, so their attention has the lane's bits and windows verify.
+    aligned_min_tokens_per_split: int = 2048
     max_splits: int = 32
     programs_per_sm: int = 2  # stop splitting once batch * kv_heads * splits reaches this * SMs
     reduce_num_warps: int = 4

@@ -117,6 +117,12 @@ class LlamaModel(nn.Module):
             h = h + ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up_proj)), layer.down_proj)
         return ops.rmsnorm(h, self.norm, c.rms_norm_eps)
 
+    def gemm_weights(self) -> list[Tensor]:
+        """One weight of every matrix-product shape the forward and the lm_head use."""
+        first = self.layer_list[0]
+        return [first.qkv_proj, first.o_proj, first.gate_up_proj, first.down_proj,
+                self.lm_head_weight]
+
     @torch.inference_mode()
     def logits(self, hidden: Tensor, ops: Ops) -> Tensor:
         return ops.linear(hidden, self.lm_head_weight).float()

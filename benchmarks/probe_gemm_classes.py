@@ -1,0 +1,66 @@
+"""Which row counts M give cuBLAS the same bits for a model's matrix products (GPU).
+
+    python -m benchmarks.probe_gemm_classes --model random:llama3-8b [--max-rows 512] [--out F]
+
+For every product shape of the model (qkv, o, gate_up, down, lm_head) prints the classes of
+M (decode bucket sizes plus 256..max-rows) whose first rows come out bit-identical, and the
+lane GEMM chunk the engine would choose for a full decode batch of each bucket. This is
+what decides how often the fast path and the lane agree (see
+``detserve/executor/gemm_classes.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_offline import hardware
+from detserve.executor.gemm_classes import choose_lane_gemm_rows, row_classes
+from detserve.executor.graphs import decode_buckets
+from detserve.model.loader import load_model, resolve_dtype
+from detserve.model.random_init import random_model
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="random:llama3-8b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-rows", type=int, default=512)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    dtype = resolve_dtype(a.dtype)
+    if a.model.startswith("random:"):
+        model = random_model(a.model.split(":", 1)[1], dtype, a.device)[0]
+    else:
+        model = load_model(a.model, dtype, a.device)[0]
+    sizes = sorted(set(decode_buckets(a.max_rows)))
+    names = ["qkv", "o", "gate_up", "down", "lm_head"]
+    shapes: dict[str, object] = {}
+    for name, w in zip(names, model.gemm_weights(), strict=True):
+        classes = row_classes(w, sizes)
+        shapes[name] = {"n_k": list(w.shape), "classes": classes}
+        print(f"{name:>8} {tuple(w.shape)}: {len(classes)} classes: "
+              + "  ".join(f"[{c[0]}..{c[-1]}]({len(c)})" for c in classes), flush=True)
+    chunks = {}
+    for full in (16, 32, 64, 128, 256):
+        for lane_rows in (64, 256, 512):
+            extra = [m for m in decode_buckets(lane_rows) if m > full]
+            chunks[f"{full}/{lane_rows}"] = choose_lane_gemm_rows(
+                model.gemm_weights(), decode_buckets(full), lane_rows, extra)
+    print("lane GEMM chunk for (full decode batch / lane rows):", chunks)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({
+            "meta": {"date": dt.date.today().isoformat(), "hardware": hardware(a.device),
+                     "torch": torch.__version__, "args": vars(a)},
+            "sizes": sizes, "shapes": shapes, "chunks": chunks}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

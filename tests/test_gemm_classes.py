@@ -1,0 +1,65 @@
+"""Row-count classes of matrix products and the lane's GEMM chunk (CPU, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from detserve.executor.gemm_classes import choose_lane_gemm_rows, row_classes
+
+
+def test_row_classes_partition_the_sizes() -> None:
+    w = torch.randn(96, 80)
+    sizes = [2, 4, 8, 16, 32, 64]
+    classes = row_classes(w, sizes)
+    assert sorted(m for c in classes for m in c) == sizes
+    # members of one class really give identical first rows
+    x = torch.randn(64, 80, generator=torch.Generator().manual_seed(0))
+    for c in classes:
+        ref = torch.nn.functional.linear(x[:c[0]], w)[:2]
+        for m in c[1:]:
+            assert torch.equal(torch.nn.functional.linear(x[:m], w)[:2], ref)
+
+
+def test_row_classes_separate_different_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A product whose bits change above 64 rows (as when cuBLAS switches algorithm) splits
+    the sizes there, and the lane chunk stays in the reference's class."""
+    import detserve.executor.gemm_classes as gc
+
+    real = gc.F.linear
+
+    def fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = real(x, w)
+        return out + 1e-3 if x.shape[0] > 64 else out  # "another algorithm" above 64 rows
+
+    monkeypatch.setattr(gc.F, "linear", fake)
+    w = torch.randn(32, 16)
+    assert row_classes(w, [16, 32, 64, 128, 256]) == [[16, 32, 64], [128, 256]]
+    # most buckets are <= 64: the chunk covers 512 lane rows in the fewest calls of that class
+    assert choose_lane_gemm_rows([w], [1, 2, 4, 8, 16, 32, 64, 128], 512) == 64
+    assert choose_lane_gemm_rows([w], [1, 2, 4, 8, 16, 32, 64, 128], 512, [256, 512]) == 64
+    # most buckets above 64: a 512-row chunk (one call) from the extra sizes
+    assert choose_lane_gemm_rows([w], [32, 96, 128, 160], 512, [512]) == 512
+
+
+def test_lane_chunk_from_joint_classes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two weights with different switch points: only sizes in one class for both count."""
+    import detserve.executor.gemm_classes as gc
+
+    real = gc.F.linear
+
+    def fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        limit = 16 if w.shape[0] == 8 else 48
+        out = real(x, w)
+        return out + 1e-3 if x.shape[0] > limit else out
+
+    monkeypatch.setattr(gc.F, "linear", fake)
+    a, b = torch.randn(8, 4), torch.randn(12, 4)
+    # joint classes: {8, 16}, {24, 32, 40, 48}, {56, 64}; the middle one holds most buckets,
+    # and 48 covers 96 lane rows in 2 calls
+    assert choose_lane_gemm_rows([a, b], [8, 16, 24, 32, 40, 48, 56, 64], 96) == 48
+
+
+def test_row_classes_rejects_tiny_sizes() -> None:
+    with pytest.raises(ValueError):
+        row_classes(torch.randn(4, 4), [0, 2])
