@@ -63,3 +63,19 @@ def test_lane_chunk_from_joint_classes(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_row_classes_rejects_tiny_sizes() -> None:
     with pytest.raises(ValueError):
         row_classes(torch.randn(4, 4), [0, 2])
+
+
+def test_lane_gemm_rows_travels_in_the_verifier_geometry() -> None:
+    """A remote verifier must run the decoder's lane chunk: the geometry carries it."""
+    from detserve.registry import LaneGeometry
+    from services.verifier import codec, verifier_pb2
+
+    g = LaneGeometry(512, 64, 32, 16, lane_gemm_rows=224)
+    pb = verifier_pb2.LaneGeometry(lane_rows=g.lane_rows, window=g.window,
+                                   batch_invariant_rows=g.batch_invariant_rows,
+                                   block_size=g.block_size, lane_gemm_rows=g.lane_gemm_rows)
+    assert codec.decode_geometry(pb) == g
+    assert codec.decode_geometry(verifier_pb2.LaneGeometry(
+        lane_rows=512, window=64, batch_invariant_rows=32, block_size=16)).lane_gemm_rows == 0
+    with pytest.raises(ValueError):
+        LaneGeometry(512, 64, 32, 16, lane_gemm_rows=-1)
