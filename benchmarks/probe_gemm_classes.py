@@ -3,8 +3,8 @@
     python -m benchmarks.probe_gemm_classes --model random:llama3-8b [--max-rows 512] [--out F]
 
 For every product shape of the model (qkv, o, gate_up, down, lm_head) prints the classes of
-M (decode bucket sizes plus 256..max-rows) whose first rows come out bit-identical, and the
-lane GEMM chunk the engine would choose for a full decode batch of each bucket. This is
+M (the decode bucket sizes up to max-rows) whose first row comes out bit-identical, and
+the lane GEMM chunk the engine would choose for several full decode batches and lane sizes. This is
 what decides how often the fast path and the lane agree (see
 ``detserve/executor/gemm_classes.py``).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_offline import hardware
-from detserve.executor.gemm_classes import choose_lane_gemm_rows, row_classes
+from detserve.executor.gemm_classes import auto_lane_gemm_rows, row_classes
 from detserve.executor.graphs import decode_buckets
 from detserve.model.loader import load_model, resolve_dtype
 from detserve.model.random_init import random_model
@@ -49,9 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     chunks = {}
     for full in (16, 32, 64, 128, 256):
         for lane_rows in (64, 256, 512):
-            extra = [m for m in decode_buckets(lane_rows) if m > full]
-            chunks[f"{full}/{lane_rows}"] = choose_lane_gemm_rows(
-                model.gemm_weights(), decode_buckets(full), lane_rows, extra)
+            chunks[f"{full}/{lane_rows}"] = auto_lane_gemm_rows(model.gemm_weights(), full,
+                                                                lane_rows, cuda_graphs=True)
     print("lane GEMM chunk for (full decode batch / lane rows):", chunks)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -82,10 +82,10 @@ class EngineConfig:
     cuda_graphs: bool = True        # CUDA: graphs for decode batches and the lane pass
     cuda_graph_max_batch: int = 256  # largest decode batch captured (bigger ones run eagerly)
     # CUDA: make the fast path and the lane agree bit for bit as often as possible, so that
-    # few windows roll back. Fast-path decode batches whose attention needs no split run the
+    # few windows roll back. Fast-path decode rows whose context needs no split run the
     # lane's attention kernel, and the lane runs its products in chunks of
-    # ``lane_gemm_rows`` rows (0: the smallest chunk with cuBLAS's bits at the fast path's
-    # full decode batch, found by probing; see executor/gemm_classes.py).
+    # ``lane_gemm_rows`` rows (0: a chunk in the cuBLAS class of most of the fast path's
+    # decode batch sizes, found by probing; see executor/gemm_classes.py).
     align_fast_path: bool = True
     lane_gemm_rows: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

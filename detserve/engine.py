@@ -95,14 +95,10 @@ class LLMEngine:
         c, sc = self.config, self.config.scheduler
         if c.lane_gemm_rows or not c.align_fast_path:
             return c.lane_gemm_rows
-        from detserve.executor.gemm_classes import choose_lane_gemm_rows
-        from detserve.executor.graphs import decode_buckets
+        from detserve.executor.gemm_classes import auto_lane_gemm_rows
 
         full = min(sc.max_num_seqs, c.cuda_graph_max_batch)
-        # decode batches run padded to captured sizes (eagerly: at any size up to full)
-        buckets = decode_buckets(full) if c.cuda_graphs else list(range(1, full + 1))
-        extra = [m for m in decode_buckets(sc.lane_rows) if m > full]
-        return choose_lane_gemm_rows(self.model.gemm_weights(), buckets, sc.lane_rows, extra)
+        return auto_lane_gemm_rows(self.model.gemm_weights(), full, sc.lane_rows, c.cuda_graphs)
 
     @staticmethod
     def _default_verifier_factory(config: EngineConfig) -> Callable[[ModelRunner], Verifier]:

@@ -79,3 +79,21 @@ def test_lane_gemm_rows_travels_in_the_verifier_geometry() -> None:
         lane_rows=512, window=64, batch_invariant_rows=32, block_size=16)).lane_gemm_rows == 0
     with pytest.raises(ValueError):
         LaneGeometry(512, 64, 32, 16, lane_gemm_rows=-1)
+
+
+def test_auto_chunk_follows_the_graph_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With CUDA graphs the fast path decodes at the captured sizes, eagerly at any size;
+    both pick the chunk from the class that holds most of those sizes."""
+    import detserve.executor.gemm_classes as gc
+
+    def fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = x[:, :1] * w[:, 0]  # elementwise: exact at every M (CPU BLAS is not, at M=2)
+        return out + 1e-3 if x.shape[0] > 8 else out  # "another algorithm" above 8 rows
+
+    monkeypatch.setattr(gc.F, "linear", fake)
+    w = torch.randn(16, 8)
+    # graphs: buckets 1, 2, 4, 8, 16, 24, 32 -> the class above 8 holds 3 of 7, the one up
+    # to 8 holds 4: chunk 8 (8 calls for 64 rows)
+    assert gc.auto_lane_gemm_rows([w], 32, 64, cuda_graphs=True) == 8
+    # eager: sizes 1..32 -> above 8 holds 24 of them: a 64-row chunk (one call, extra size)
+    assert gc.auto_lane_gemm_rows([w], 32, 64, cuda_graphs=False) == 64

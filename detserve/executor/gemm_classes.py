@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["choose_lane_gemm_rows", "row_classes"]
+__all__ = ["auto_lane_gemm_rows", "choose_lane_gemm_rows", "row_classes"]
 
 
 
@@ -63,7 +63,22 @@ def choose_lane_gemm_rows(weights: Iterable[Tensor], buckets: Sequence[int], lan
     for m in sizes:
         joint.setdefault(tuple(keys[m]), []).append(m)
     bucket_set = set(buckets)
-    best = max(joint.values(),
-               key=lambda ms: (sum(m in bucket_set for m in ms), max(m for m in ms if m in bucket_set)
-                               if any(m in bucket_set for m in ms) else 0))
+
+    def score(members: list[int]) -> tuple[int, int]:
+        held = [m for m in members if m in bucket_set]
+        return len(held), max(held, default=0)
+
+    best = max(joint.values(), key=score)
     return min(best, key=lambda c: (-(-lane_rows // c), -(-lane_rows // c) * c))
+
+
+def auto_lane_gemm_rows(weights: Iterable[Tensor], full_batch: int, lane_rows: int,
+                        cuda_graphs: bool) -> int:
+    """``choose_lane_gemm_rows`` for a fast path decoding up to ``full_batch`` sequences:
+    padded to the captured sizes with CUDA graphs, at any size without; larger captured
+    sizes up to ``lane_rows`` are extra chunk candidates."""
+    from detserve.executor.graphs import decode_buckets
+
+    buckets = decode_buckets(full_batch) if cuda_graphs else list(range(1, full_batch + 1))
+    extra = [m for m in decode_buckets(lane_rows) if m > full_batch]
+    return choose_lane_gemm_rows(weights, buckets, lane_rows, extra)

@@ -98,7 +98,6 @@ class DecodeGraphs:
         max_ctx = max_blocks * self.block_size
         self._splits = {b: choose_num_splits(b, self._hkv, max_ctx, self._sms)
                         for b in self.buckets}
-        self._max_ctx = 0  # longest context of the batch being filled
 
     def _forward(self, b: int, splits: int) -> Tensor:
         ids, pos, slots = self.longs[0, :b], self.longs[1, :b], self.longs[2, :b]
@@ -142,7 +141,6 @@ class DecodeGraphs:
             ids.append(s.input_ids[0])
             pos.append(p)
             slots.append(s.block_table[p // bs] * bs + p % bs)
-        self._max_ctx = max(pos, default=-1) + 1
         pad = b - n
         longs = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad],
                              dtype=torch.long)
@@ -168,8 +166,8 @@ class DecodeGraphs:
         b = self._fill(segments)
         splits = 1
         if self.kind == "fast" and self._splits[b] > 1:
-            need = choose_num_splits(b, self._hkv, self._max_ctx, self._sms,
-                                     aligned=self.aligned)
+            max_ctx = max(s.start for s in segments) + 1
+            need = choose_num_splits(b, self._hkv, max_ctx, self._sms, aligned=self.aligned)
             splits = 1 if need == 1 else self._splits[b]
         graph, logits = self._graphs[(b, splits)]
         graph.replay()

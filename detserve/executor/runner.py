@@ -41,8 +41,8 @@ class ModelRunner:
     ``lane_rows`` (G*W) is the lane's fixed pass size and ``window`` (W) its fixed chunk for
     the lm_head, so a row's logits never depend on the pass's other rows. On CUDA,
     ``lane_gemm_rows`` (when > 0) replaces both as the row chunk of every lane product
-    (see ``gemm_classes``); ``align_fast_path`` makes one-split decode attention use the
-    lane's kernel.
+    (see ``gemm_classes``); with ``align_fast_path`` decode rows that need no split use the
+    lane's attention kernel (``gpu.fast_decode_attention``).
     """
 
     def __init__(self, model: LlamaModel, pool: KVPool, lane_rows: int, window: int,
