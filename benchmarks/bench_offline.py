@@ -110,6 +110,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     elapsed = time.perf_counter() - t0
     stats = engine.stats()
     gemm_rows = engine.lane_gemm_rows
+    buckets = engine.alignment.buckets if engine.alignment else None
     engine.close()
     del engine
     if args.device.startswith("cuda"):
@@ -133,6 +134,8 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "verify_passes": stats["verify_passes"],
         "lane_padding_fraction": stats["lane_padding_fraction"],
         "lane_seconds": stats["lane_seconds"],
+        "lane_rows_computed_per_pass": stats["lane_computed_rows"] / max(1, stats["verify_passes"]),
+        "decode_buckets": list(buckets) if buckets else None,
     }
 
 

@@ -3,10 +3,10 @@
     python -m benchmarks.probe_gemm_classes --model random:llama3-8b [--max-rows 512] [--out F]
 
 For every product shape of the model (qkv, o, gate_up, down, lm_head) prints the classes of
-M (the decode bucket sizes up to max-rows) whose first row comes out bit-identical, and
-the lane GEMM chunk the engine would choose for several full decode batches and lane sizes. This is
-what decides how often the fast path and the lane agree (see
-``detserve/executor/gemm_classes.py``).
+M (1..16, then multiples of 8 up to max-rows) whose first row comes out bit-identical, the
+joint classes over all products, and the lane GEMM chunk and decode buckets the engine
+would choose for several full decode batches and lane sizes. This is what decides how
+often the fast path and the lane agree (see ``detserve/executor/gemm_classes.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_offline import hardware
-from detserve.executor.gemm_classes import auto_lane_gemm_rows, row_classes
+from detserve.executor.gemm_classes import joint_classes, plan_alignment, probe_sizes, row_classes
 from detserve.executor.graphs import decode_buckets
 from detserve.model.loader import load_model, resolve_dtype
 from detserve.model.random_init import random_model
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         model = random_model(a.model.split(":", 1)[1], dtype, a.device)[0]
     else:
         model = load_model(a.model, dtype, a.device)[0]
-    sizes = sorted(set(decode_buckets(a.max_rows)))
+    sizes = probe_sizes(a.max_rows, a.max_rows)
     names = ["qkv", "o", "gate_up", "down", "lm_head"]
     shapes: dict[str, object] = {}
     for name, w in zip(names, model.gemm_weights(), strict=True):
@@ -46,18 +46,22 @@ def main(argv: list[str] | None = None) -> int:
         shapes[name] = {"n_k": list(w.shape), "classes": classes}
         print(f"{name:>8} {tuple(w.shape)}: {len(classes)} classes: "
               + "  ".join(f"[{c[0]}..{c[-1]}]({len(c)})" for c in classes), flush=True)
+    joint = joint_classes(model.gemm_weights(), sizes)
+    print("joint classes:", "  ".join(f"[{c[0]}..{c[-1]}]({len(c)})" for c in joint))
     chunks = {}
     for full in (16, 32, 64, 128, 256):
         for lane_rows in (64, 256, 512):
-            chunks[f"{full}/{lane_rows}"] = auto_lane_gemm_rows(model.gemm_weights(), full,
-                                                                lane_rows, cuda_graphs=True)
-    print("lane GEMM chunk for (full decode batch / lane rows):", chunks)
+            al = plan_alignment(joint, full, lane_rows, decode_buckets(full))
+            chunks[f"{full}/{lane_rows}"] = {"chunk": al.chunk, "buckets": list(al.buckets)}
+    print("lane GEMM chunk and decode buckets for (full decode batch / lane rows):")
+    for k, v in chunks.items():
+        print(f"  {k:>8}: chunk {v['chunk']:>4}, buckets {v['buckets']}")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps({
             "meta": {"date": dt.date.today().isoformat(), "hardware": hardware(a.device),
                      "torch": torch.__version__, "args": vars(a)},
-            "sizes": sizes, "shapes": shapes, "chunks": chunks}, indent=2))
+            "sizes": sizes, "shapes": shapes, "joint": joint, "chunks": chunks}, indent=2))
     return 0
 
 

@@ -23,6 +23,7 @@ import torch
 from detserve.block_manager import BlockManager
 from detserve.config import EngineConfig
 from detserve.executor.attention import RowSegment
+from detserve.executor.gemm_classes import Alignment, auto_alignment
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import ModelRunner
 from detserve.lane import LanePass, LaneResult, LaneSegment
@@ -65,10 +66,13 @@ class LLMEngine:
         eos = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
         self.scheduler = Scheduler(sc, self.blocks, eos, prefix_caching=cc.enable_prefix_caching)
         cuda = config.device.startswith("cuda")
-        self.lane_gemm_rows = self._lane_gemm_rows() if cuda and sc.uses_lane else 0
+        self.alignment = self._alignment() if cuda and sc.uses_lane else None
+        self.lane_gemm_rows = (self.alignment.chunk if self.alignment else
+                               config.lane_gemm_rows if cuda and sc.uses_lane else 0)
         self.runner = ModelRunner(self.model, self.pool, sc.lane_rows, sc.verify_window,
                                   config.batch_invariant_rows, self.lane_gemm_rows,
-                                  align_fast_path=cuda and config.align_fast_path)
+                                  align_fast_path=cuda and config.align_fast_path,
+                                  decode_buckets=self.alignment.buckets if self.alignment else None)
         if cuda and config.cuda_graphs:
             mode = config.mode
             decode = {"llm42": "fast", "nondeterministic": "fast", "batch_invariant": "bi"}.get(mode)
@@ -90,15 +94,14 @@ class LLMEngine:
         # candidates and final non-deterministic tokens alike), never lane or batch-invariant math
         self._perturbs_fast_path = config.mode in ("llm42", "nondeterministic")
 
-    def _lane_gemm_rows(self) -> int:
-        """Row chunk of the lane's products on CUDA (0: the whole pass, unaligned)."""
+    def _alignment(self) -> Alignment | None:
+        """On CUDA with ``align_fast_path``: the lane's GEMM chunk and the fast path's decode
+        sizes, from this GPU's cuBLAS row classes (``gemm_classes``)."""
         c, sc = self.config, self.config.scheduler
-        if c.lane_gemm_rows or not c.align_fast_path:
-            return c.lane_gemm_rows
-        from detserve.executor.gemm_classes import auto_lane_gemm_rows
-
-        full = min(sc.max_num_seqs, c.cuda_graph_max_batch)
-        return auto_lane_gemm_rows(self.model.gemm_weights(), full, sc.lane_rows, c.cuda_graphs)
+        if not c.align_fast_path:
+            return None
+        full = min(sc.max_num_seqs, c.cuda_graph_max_batch) if c.cuda_graphs else sc.max_num_seqs
+        return auto_alignment(self.model.gemm_weights(), full, sc.lane_rows, c.lane_gemm_rows)
 
     @staticmethod
     def _default_verifier_factory(config: EngineConfig) -> Callable[[ModelRunner], Verifier]:
@@ -226,6 +229,7 @@ class LLMEngine:
         c["verify_passes"] += 1
         c["lane_rows"] += lane_pass.rows
         c["lane_padding_rows"] += lane_pass.padding_rows
+        c["lane_computed_rows"] += self.runner.lane_run_rows(lane_pass.used_rows)
         c["lane_prefill_rows"] += sum(it.rows for it in items if it.kind == "prefill")
         c["windows"] += sum(it.kind == "window" for it in items)
         self.verifier.submit(lane_pass)
@@ -320,7 +324,7 @@ class LLMEngine:
         c = self.counters
         out: dict[str, float] = {k: c[k] for k in (
             "steps", "fast_passes", "fast_rows", "fast_tokens", "verify_passes", "windows",
-            "rollbacks", "tokens_rolled_back", "lane_rows", "lane_padding_rows",
+            "rollbacks", "tokens_rolled_back", "lane_rows", "lane_padding_rows", "lane_computed_rows",
             "lane_prefill_rows", "committed_tokens", "preemptions", "perturbed_tokens",
             "finished_requests")}
         out["recomputed_tokens"] = c["tokens_rolled_back"] + c["preempted_tokens"]

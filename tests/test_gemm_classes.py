@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from detserve.executor.gemm_classes import choose_lane_gemm_rows, row_classes
+from detserve.executor.gemm_classes import (
+    Alignment,
+    auto_alignment,
+    joint_classes,
+    plan_alignment,
+    probe_sizes,
+    row_classes,
+)
+from detserve.executor.graphs import decode_buckets
 
 
 def test_row_classes_partition_the_sizes() -> None:
@@ -35,11 +43,6 @@ def test_row_classes_separate_different_arithmetic(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(gc.F, "linear", fake)
     w = torch.randn(32, 16)
     assert row_classes(w, [16, 32, 64, 128, 256]) == [[16, 32, 64], [128, 256]]
-    # most buckets are <= 64: the chunk covers 512 lane rows in the fewest calls of that class
-    assert choose_lane_gemm_rows([w], [1, 2, 4, 8, 16, 32, 64, 128], 512) == 64
-    assert choose_lane_gemm_rows([w], [1, 2, 4, 8, 16, 32, 64, 128], 512, [256, 512]) == 64
-    # most buckets above 64: a 512-row chunk (one call) from the extra sizes
-    assert choose_lane_gemm_rows([w], [32, 96, 128, 160], 512, [512]) == 512
 
 
 def test_lane_chunk_from_joint_classes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -55,9 +58,8 @@ def test_lane_chunk_from_joint_classes(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(gc.F, "linear", fake)
     a, b = torch.randn(8, 4), torch.randn(12, 4)
-    # joint classes: {8, 16}, {24, 32, 40, 48}, {56, 64}; the middle one holds most buckets,
-    # and 48 covers 96 lane rows in 2 calls
-    assert choose_lane_gemm_rows([a, b], [8, 16, 24, 32, 40, 48, 56, 64], 96) == 48
+    assert joint_classes([a, b], [8, 16, 24, 32, 40, 48, 56, 64]) == [
+        [8, 16], [24, 32, 40, 48], [56, 64]]
 
 
 def test_row_classes_rejects_tiny_sizes() -> None:
@@ -81,9 +83,56 @@ def test_lane_gemm_rows_travels_in_the_verifier_geometry() -> None:
         LaneGeometry(512, 64, 32, 16, lane_gemm_rows=-1)
 
 
-def test_auto_chunk_follows_the_graph_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With CUDA graphs the fast path decodes at the captured sizes, eagerly at any size;
-    both pick the chunk from the class that holds most of those sizes."""
+# Classes measured on an H100 for the Llama-3.1-8B shapes (o_proj splits at 24 rows, down_proj
+# has 128 alone and switches again from 192), as joint classes over the probe sizes.
+H100_8B = [[1], [2, 4, 8, 16], [24, 32, 40, 48, 56, 64, 80, 96, 112, 160, 224], [128],
+           [192, 256, 320, 384, 448, 512]]
+
+
+def test_alignment_pads_decode_batches_into_the_lane_chunk_class() -> None:
+    """Every decode bucket lands in the chunk's class: 1..16 pad to 24, 128 to 160; the
+    chunk covers 512 lane rows in the fewest calls of that class."""
+    al = plan_alignment(H100_8B, 128, 512, decode_buckets(128))
+    assert al.chunk == 224
+    assert al.buckets == (24, 32, 40, 48, 56, 64, 80, 96, 112, 160)
+    cls = set(H100_8B[2])
+    assert all(b in cls for b in al.buckets)
+    assert all(al.bucket(n) in cls for n in range(1, 129))
+    assert al.bucket(160) == 160 and al.bucket(161) is None
+
+
+def test_alignment_prefers_the_class_small_batches_fit() -> None:
+    """A class starting at 192 would take the lane in one call but pad a one-sequence
+    decode to 192 rows: the class starting at 24 wins while it still holds a full batch."""
+    assert plan_alignment(H100_8B, 64, 512, decode_buckets(64)).chunk == 224
+    # a full batch of 256 fits only the 192.. class
+    al = plan_alignment(H100_8B, 256, 512, decode_buckets(256))
+    assert al.chunk == 512 and al.buckets[0] == 192
+
+
+def test_alignment_with_one_class_keeps_the_plain_buckets() -> None:
+    sizes = probe_sizes(128, 512)
+    al = plan_alignment([sizes], 128, 512, decode_buckets(128))
+    assert al == Alignment(512, tuple(decode_buckets(128)))
+
+
+def test_alignment_with_a_given_chunk_and_without_a_full_class() -> None:
+    al = plan_alignment(H100_8B, 128, 512, decode_buckets(128), chunk=128)
+    assert al.chunk == 128 and al.buckets[-1] == 128  # 128's class is {128}: buckets pad to it
+    small = [[1], [2, 4, 8], [16, 24, 32]]  # nothing holds a batch of 64: largest class
+    al = plan_alignment(small, 64, 64, decode_buckets(64))
+    assert al.chunk == 32 and al.buckets[-1] == 64  # sizes past the class stay as they were
+
+
+def test_probe_sizes_cover_every_bucket_and_the_lane() -> None:
+    sizes = probe_sizes(128, 512)
+    assert set(decode_buckets(128)) <= set(sizes) and 512 in sizes and sizes[0] == 1
+    assert probe_sizes(100, 60)[-1] == 100
+
+
+def test_auto_alignment_probes_the_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end on CPU: a product whose bits change above 8 rows; every bucket lands in
+    the class above 8, and the chunk covers the lane in one call."""
     import detserve.executor.gemm_classes as gc
 
     def fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -91,9 +140,32 @@ def test_auto_chunk_follows_the_graph_buckets(monkeypatch: pytest.MonkeyPatch) -
         return out + 1e-3 if x.shape[0] > 8 else out  # "another algorithm" above 8 rows
 
     monkeypatch.setattr(gc.F, "linear", fake)
-    w = torch.randn(16, 8)
-    # graphs: buckets 1, 2, 4, 8, 16, 24, 32 -> the class above 8 holds 3 of 7, the one up
-    # to 8 holds 4: chunk 8 (8 calls for 64 rows)
-    assert gc.auto_lane_gemm_rows([w], 32, 64, cuda_graphs=True) == 8
-    # eager: sizes 1..32 -> above 8 holds 24 of them: a 64-row chunk (one call, extra size)
-    assert gc.auto_lane_gemm_rows([w], 32, 64, cuda_graphs=False) == 64
+    al = auto_alignment([torch.randn(16, 8)], 32, 64)
+    assert al.chunk == 64
+    assert al.buckets == (9, 16, 24, 32)
+    assert auto_alignment([torch.randn(16, 8)], 32, 64, chunk=8).buckets == (1, 2, 4, 8, 16, 24, 32)
+
+
+def test_head_padded_ops_split_the_decode_rows_from_the_rest() -> None:
+    """Eager fast steps: the leading decode rows' products run as one call of the padded
+    size, the prefill rows as another; the values are unchanged."""
+    from detserve.executor.ops import TorchOps
+    from detserve.executor.runner import HeadPaddedOps
+
+    calls: list[int] = []
+
+    class Recording(TorchOps):
+        def linear(self, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+            calls.append(x.shape[0])
+            return super().linear(x, weight, bias)
+
+    x, w = torch.randn(10, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+    out = HeadPaddedOps(Recording(), 3, 8).linear(x, w)
+    assert calls == [8, 7]
+    assert torch.allclose(out, x @ w.T)
+    calls.clear()
+    assert torch.allclose(HeadPaddedOps(Recording(), 3, 8).linear(x[:3], w), x[:3] @ w.T)
+    assert calls == [8]
+    with pytest.raises(ValueError):
+        HeadPaddedOps(TorchOps(), 4, 2)

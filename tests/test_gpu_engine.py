@@ -126,3 +126,43 @@ def test_unaligned_fast_path_still_deterministic(model: str) -> None:
         assert signature(a) == signature(b)
     o.close()
     eng.close()
+
+
+def test_lane_pass_runs_only_the_chunks_its_rows_fill(model: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lane pass runs the multiples of its GEMM chunk that its rows fill; a row's bits do
+    not depend on how many chunks ran, so the outputs equal those of passes always run at
+    full size (graphs of every size are captured and replayed)."""
+    from detserve.executor.runner import ModelRunner
+
+    reqs = _reqs(det=True)
+    kw = {"mode": "lane_only", "lane_gemm_rows": 16, **CUDA}
+    trimmed, stats, eng = run_engine(model, reqs, **kw)
+    assert eng.runner.lane_sizes() == [16, 32]
+    assert stats["lane_computed_rows"] < 32 * stats["verify_passes"]  # some passes trimmed
+    monkeypatch.setattr(ModelRunner, "lane_run_rows", lambda self, used: self.lane_sizes()[-1])
+    full, fstats, f = run_engine(model, reqs, **kw)
+    assert fstats["lane_computed_rows"] == 32 * fstats["verify_passes"]
+    for a, b in zip(trimmed, full, strict=True):
+        assert signature(a) == signature(b)
+    eng.close()
+    f.close()
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_aligned_decode_rows_verify_next_to_prefill_chunks(model: str, graphs: bool) -> None:
+    """Deterministic requests decode while later ones arrive and prefill: eager steps that
+    mix decode rows with prefill chunks pad the decode rows' products to their bucket, so
+    no window rolls back (the fast path computes what the lane computes)."""
+    prompts = random_prompts(6, [30, 200, 60, 150], seed=11)
+    reqs = [Req(p, SamplingParams(max_tokens=48, is_deterministic=i % 2 == 0, ignore_eos=True),
+                arrival=6 * i) for i, p in enumerate(prompts)]
+    outs, stats, eng = run_engine(model, reqs, window=16, group=2, cuda_graphs=graphs,
+                                  max_num_batched_tokens=96, **CUDA)
+    assert eng.alignment is not None and stats["windows"] >= 9
+    assert stats["rollbacks"] == 0
+    oracle, _, o = run_engine(model, reqs, mode="lane_only", window=16, group=2, **CUDA)
+    for i in range(0, 6, 2):
+        assert signature(outs[i]) == signature(oracle[i])
+    eng.close()
+    o.close()

@@ -13,13 +13,14 @@ still runs a fixed shape, and the chunk is part of the determinism profile.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["auto_lane_gemm_rows", "choose_lane_gemm_rows", "row_classes"]
-
+__all__ = ["Alignment", "auto_alignment", "joint_classes", "plan_alignment", "probe_sizes",
+           "row_classes"]
 
 
 def row_classes(weight: Tensor, sizes: Sequence[int], seed: int = 0) -> list[list[int]]:
@@ -42,18 +43,10 @@ def row_classes(weight: Tensor, sizes: Sequence[int], seed: int = 0) -> list[lis
     return [members for _, members in classes]
 
 
-def choose_lane_gemm_rows(weights: Iterable[Tensor], buckets: Sequence[int], lane_rows: int,
-                          extra: Sequence[int] = ()) -> int:
-    """The lane's GEMM chunk.
-
-    ``buckets`` are the row counts the fast path decodes at (its padded batch sizes).
-    Sizes are grouped into joint classes (same bits for every weight); the class holding
-    the most buckets wins (ties: the one holding the largest bucket), and the chunk is the
-    member of that class (buckets or ``extra`` sizes) that covers ``lane_rows`` rows in the
-    fewest calls, then with the least padding.
-    """
-    sizes = sorted(set(buckets) | set(extra))
-    weights = list(weights)
+def joint_classes(weights: Iterable[Tensor], sizes: Sequence[int]) -> list[list[int]]:
+    """Sizes grouped so that two sizes share a group iff they share a class for every
+    weight (the same bits for every product of the model). Groups in order of first size."""
+    sizes = sorted(set(sizes))
     keys: dict[int, list[int]] = {m: [] for m in sizes}
     for w in weights:
         for i, cls in enumerate(row_classes(w, sizes)):
@@ -62,23 +55,70 @@ def choose_lane_gemm_rows(weights: Iterable[Tensor], buckets: Sequence[int], lan
     joint: dict[tuple[int, ...], list[int]] = {}
     for m in sizes:
         joint.setdefault(tuple(keys[m]), []).append(m)
-    bucket_set = set(buckets)
-
-    def score(members: list[int]) -> tuple[int, int]:
-        held = [m for m in members if m in bucket_set]
-        return len(held), max(held, default=0)
-
-    best = max(joint.values(), key=score)
-    return min(best, key=lambda c: (-(-lane_rows // c), -(-lane_rows // c) * c))
+    return list(joint.values())
 
 
-def auto_lane_gemm_rows(weights: Iterable[Tensor], full_batch: int, lane_rows: int,
-                        cuda_graphs: bool) -> int:
-    """``choose_lane_gemm_rows`` for a fast path decoding up to ``full_batch`` sequences:
-    padded to the captured sizes with CUDA graphs, at any size without; larger captured
-    sizes up to ``lane_rows`` are extra chunk candidates."""
+def probe_sizes(full_batch: int, lane_rows: int) -> list[int]:
+    """Row counts probed: 1..16, then multiples of 8 up to the larger of the full decode
+    batch and the lane, and both of those."""
+    top = max(full_batch, lane_rows)
+    return sorted({*range(1, 17), *range(24, top + 1, 8), full_batch, lane_rows})
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """How the fast path and the lane agree on their products.
+
+    ``chunk``: the lane runs every product in calls of exactly this many rows.
+    ``buckets``: the row counts the fast path pads its decode rows to (graphs are captured
+    at these sizes, eager steps pad their decode rows' products to them); every bucket up to
+    the first one that holds a full decode batch is in ``chunk``'s class, so a decode row
+    gets the lane's bits from every product.
+    """
+
+    chunk: int
+    buckets: tuple[int, ...]
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+
+def plan_alignment(classes: Sequence[Sequence[int]], full_batch: int, lane_rows: int,
+                   base_buckets: Sequence[int], chunk: int = 0) -> Alignment:
+    """Choose the class (and in it the lane chunk) from the joint ``classes``.
+
+    A class must hold a size >= ``full_batch`` so every decode batch can be padded into it;
+    among those the one with the smallest member wins (small batches pad the least; a
+    decode step reads the weights once whatever its rows, so a few padded rows cost little),
+    ties: fewer lane calls. The chunk is the class member that covers ``lane_rows`` in the
+    fewest calls, then with the least padding. A given ``chunk`` fixes the class instead.
+    Buckets: each of ``base_buckets`` (the plain captured sizes) rounded up to a member of
+    the class, or kept where the class has none that large.
+    """
+    def calls(c: int) -> tuple[int, int]:
+        n = -(-lane_rows // c)
+        return n, n * c
+
+    if chunk:
+        cls = next((list(c) for c in classes if chunk in c), [chunk])
+    else:
+        feasible = [list(c) for c in classes if max(c) >= full_batch]
+        pool = feasible or [list(c) for c in classes]
+        cls = min(pool, key=lambda c: (min(c) if feasible else -len(c), calls(max(c))))
+        chunk = min(cls, key=calls)
+    members = sorted(cls)
+    buckets = sorted({next((m for m in members if m >= b), b) for b in base_buckets})
+    return Alignment(chunk, tuple(buckets))
+
+
+def auto_alignment(weights: Iterable[Tensor], full_batch: int, lane_rows: int,
+                   chunk: int = 0) -> Alignment:
+    """Probe the model's products on this GPU and plan the alignment for a fast path that
+    decodes up to ``full_batch`` sequences next to a lane of ``lane_rows`` rows."""
     from detserve.executor.graphs import decode_buckets
 
-    buckets = decode_buckets(full_batch) if cuda_graphs else list(range(1, full_batch + 1))
-    extra = [m for m in decode_buckets(lane_rows) if m > full_batch]
-    return choose_lane_gemm_rows(weights, buckets, lane_rows, extra)
+    sizes = probe_sizes(full_batch, lane_rows)
+    if chunk:
+        sizes = sorted({*sizes, chunk})
+    return plan_alignment(joint_classes(weights, sizes), full_batch, lane_rows,
+                          decode_buckets(full_batch), chunk)

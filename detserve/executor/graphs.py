@@ -20,7 +20,7 @@ different streams.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -74,7 +74,10 @@ class DecodeGraphs:
     """
 
     def __init__(self, model: LlamaModel, pool: KVPool, ops: Ops, kind: str, max_batch: int,
-                 max_blocks: int, aligned: bool = True) -> None:
+                 max_blocks: int, aligned: bool = True,
+                 buckets: Sequence[int] | None = None) -> None:
+        """``buckets``: captured sizes (default ``decode_buckets(max_batch)``); some must
+        hold ``max_batch`` sequences, and may be larger (an alignment's padded sizes)."""
         if kind not in ("fast", "bi"):
             raise ValueError(f"unknown decode graph kind {kind!r}")
         dev = model.embed_tokens.device
@@ -83,13 +86,16 @@ class DecodeGraphs:
         self.block_size = pool.block_size
         self.max_batch = max_batch
         self.max_blocks = max_blocks
-        self.buckets = decode_buckets(max_batch)
+        self.buckets = sorted(buckets) if buckets else decode_buckets(max_batch)
+        if self.buckets[-1] < max_batch:
+            raise ValueError(f"no captured size holds {max_batch} sequences")
+        size = self.buckets[-1]
         self.rope: Rope = (model.rope_cos, model.rope_sin)  # type: ignore[assignment]
-        self.longs = torch.zeros((3, max_batch), dtype=torch.long, device=dev)   # ids, pos, slots
-        self.ints = torch.zeros((2, max_batch), dtype=torch.int32, device=dev)   # ctx, lane pos
-        self.tables = torch.full((max_batch, max_blocks), SCRATCH_BLOCK, dtype=torch.int32,
+        self.longs = torch.zeros((3, size), dtype=torch.long, device=dev)   # ids, pos, slots
+        self.ints = torch.zeros((2, size), dtype=torch.int32, device=dev)   # ctx, lane pos
+        self.tables = torch.full((size, max_blocks), SCRATCH_BLOCK, dtype=torch.int32,
                                  device=dev)
-        self.row_seq = torch.arange(max_batch, dtype=torch.int32, device=dev)
+        self.row_seq = torch.arange(size, dtype=torch.int32, device=dev)
         self._mempool = torch.cuda.graph_pool_handle()
         # (bucket, splits) -> graph. A fast bucket whose longest context needs split-KV also
         # gets a one-split graph, replayed while every context is short enough for one.
@@ -175,13 +181,16 @@ class DecodeGraphs:
 
 
 class LaneGraph:
-    """The lane pass (exactly ``rows`` rows) as one graph, captured on its first use on the
+    """The lane pass as graphs, one per row count it runs at (``sizes``: the whole pass, or
+    each multiple of the lane's GEMM chunk up to it), each captured on its first use on the
     lane's own stream (inside its green context when it has one)."""
 
-    def __init__(self, model: LlamaModel, pool: KVPool, ops: Ops, rows: int,
+    def __init__(self, model: LlamaModel, pool: KVPool, ops: Ops, sizes: Sequence[int],
                  max_blocks: int) -> None:
         dev = model.embed_tokens.device
-        self.model, self.pool, self.ops, self.rows = model, pool, ops, rows
+        self.model, self.pool, self.ops = model, pool, ops
+        self.sizes = sorted(sizes)
+        rows = self.sizes[-1]
         self.max_blocks = max_blocks
         self.rope: Rope = (model.rope_cos, model.rope_sin)  # type: ignore[assignment]
         self.longs = torch.zeros((3, rows), dtype=torch.long, device=dev)   # ids, pos, slots
@@ -190,11 +199,11 @@ class LaneGraph:
         self.tables = torch.full((rows + 1, max_blocks), SCRATCH_BLOCK, dtype=torch.int32,
                                  device=dev)
         self._mempool = torch.cuda.graph_pool_handle()
-        self._graph: tuple[torch.cuda.CUDAGraph, Tensor] | None = None
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
 
-    def _forward(self) -> Tensor:
-        ids, pos, slots = self.longs[0], self.longs[1], self.longs[2]
-        row_seg, lane_pos = self.ints[0], self.ints[1]
+    def _forward(self, n: int) -> Tensor:
+        ids, pos, slots = self.longs[0, :n], self.longs[1, :n], self.longs[2, :n]
+        row_seg, lane_pos = self.ints[0, :n], self.ints[1, :n]
         pool, rope, tables = self.pool, self.rope, self.tables
 
         def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -206,24 +215,25 @@ class LaneGraph:
 
     def run(self, batch: RowBatch) -> Tensor:
         """Final-normed hidden states [rows, hidden] of the pass (a static buffer)."""
-        if batch.num_rows != self.rows:
-            raise ValueError(f"lane pass has {batch.num_rows} rows, graph has {self.rows}")
+        n = batch.num_rows
+        if n not in self.sizes:
+            raise ValueError(f"lane pass has {n} rows, graphs have {self.sizes}")
         segs, width = batch.seg_tables.shape
         if width > self.max_blocks:
             raise ValueError("block table longer than the lane graph's max_blocks")
-        self.longs[0].copy_(batch.input_ids)
-        self.longs[1].copy_(batch.positions)
-        self.longs[2].copy_(batch.slots)
-        self.ints[0].copy_(batch.row_seg)
-        self.ints[1].copy_(batch.lane_positions)
+        self.longs[0, :n].copy_(batch.input_ids)
+        self.longs[1, :n].copy_(batch.positions)
+        self.longs[2, :n].copy_(batch.slots)
+        self.ints[0, :n].copy_(batch.row_seg)
+        self.ints[1, :n].copy_(batch.lane_positions)
         self.tables[:segs, :width].copy_(batch.seg_tables)
-        if self._graph is None:
+        if n not in self._graphs:
             try:
-                self._graph = _capture(self._forward, self._mempool)
+                self._graphs[n] = _capture(partial(self._forward, n), self._mempool)
             except RuntimeError as e:
                 from detserve.executor.runner import GraphCaptureError
 
                 raise GraphCaptureError("lane graph capture failed") from e
-        graph, hidden = self._graph
+        graph, hidden = self._graphs[n]
         graph.replay()
         return hidden

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, cast
 
@@ -35,19 +35,49 @@ class GraphCaptureError(RuntimeError):
     """A CUDA graph could not be captured (nothing was replayed from it)."""
 
 
+class HeadPaddedOps:
+    """``base`` with each product of the first ``head`` rows run as a call of exactly
+    ``padded`` rows (zero rows appended), and the remaining rows as a call of their own."""
+
+    def __init__(self, base: Ops, head: int, padded: int) -> None:
+        if not 0 < head <= padded:
+            raise ValueError("need 0 < head <= padded")
+        self.base, self.head, self.padded = base, head, padded
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        h = self.head
+        top = x[:h]
+        if self.padded > h:
+            top = torch.cat([top, top.new_zeros((self.padded - h, *top.shape[1:]))])
+        out = self.base.linear(top, weight, bias)[:h]
+        if x.shape[0] == h:
+            return out
+        return torch.cat([out, self.base.linear(x[h:], weight, bias)])
+
+    def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return self.base.rmsnorm(x, weight, eps)
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        return self.base.silu_mul(gate_up)
+
+
 class ModelRunner:
     """Owns the model and the KV pool tensors.
 
     ``lane_rows`` (G*W) is the lane's fixed pass size and ``window`` (W) its fixed chunk for
     the lm_head, so a row's logits never depend on the pass's other rows. On CUDA,
     ``lane_gemm_rows`` (when > 0) replaces both as the row chunk of every lane product
-    (see ``gemm_classes``); with ``align_fast_path`` decode rows that need no split use the
-    lane's attention kernel (``gpu.fast_decode_attention``).
+    (see ``gemm_classes``), and a pass then runs only the chunks its rows fill (a row's
+    bits depend on the chunk size, not on how many chunks run); with ``align_fast_path``
+    decode rows that need no split use the lane's attention kernel
+    (``gpu.fast_decode_attention``). ``decode_buckets`` (an ``Alignment``'s) are the sizes
+    the fast path pads its decode rows' products to, in graphs and in eager steps alike.
     """
 
     def __init__(self, model: LlamaModel, pool: KVPool, lane_rows: int, window: int,
                  batch_invariant_rows: int, lane_gemm_rows: int = 0,
-                 align_fast_path: bool = False) -> None:
+                 align_fast_path: bool = False,
+                 decode_buckets: Sequence[int] | None = None) -> None:
         self.model = model
         self.pool = pool
         self.device = model.embed_tokens.device
@@ -61,6 +91,7 @@ class ModelRunner:
         self.bi_rows = batch_invariant_rows
         self.lane_gemm_rows = lane_gemm_rows
         self.align_fast_path = align_fast_path
+        self.decode_buckets = tuple(sorted(decode_buckets)) if decode_buckets else None
         self.kernel_set = "torch-ref-1"
         self.decode_graphs: DecodeGraphs | None = None
         self.lane_graph: LaneGraph | None = None
@@ -84,12 +115,26 @@ class ModelRunner:
             raise ValueError("CUDA graphs need a CUDA device")
         if decode is not None:
             ops = self.bi_ops if decode == "bi" else self.fast_ops
+            buckets = self.decode_buckets if decode == "fast" else None
             self.decode_graphs = DecodeGraphs(self.model, self.pool, ops, decode, max_batch,
-                                              max_blocks, aligned=self.align_fast_path)
+                                              max_blocks, aligned=self.align_fast_path,
+                                              buckets=buckets)
             self.decode_graphs.capture()
         if lane:
-            self.lane_graph = LaneGraph(self.model, self.pool, self.lane_ops, self.lane_rows,
-                                        max_blocks)
+            self.lane_graph = LaneGraph(self.model, self.pool, self.lane_ops,
+                                        self.lane_sizes(), max_blocks)
+
+    def lane_sizes(self) -> list[int]:
+        """Row counts a lane pass runs at: multiples of the GEMM chunk up to the pass (the
+        last one may pass it), or the whole pass."""
+        c = self.lane_gemm_rows
+        if not (self.cuda and c):
+            return [self.lane_rows]
+        return [k * c for k in range(1, -(-self.lane_rows // c) + 1)]
+
+    def lane_run_rows(self, used: int) -> int:
+        """Rows a lane pass with ``used`` rows runs: the smallest lane size that holds them."""
+        return next(n for n in self.lane_sizes() if n >= used)
 
     def _forward(self, batch: RowBatch, ops: Ops, kind: str) -> Tensor:
         """kind: "fast" (any reduction order), "lane" (fixed M rows), "bi" (batch-invariant)."""
@@ -127,12 +172,16 @@ class ModelRunner:
                 logits = logits[torch.tensor(want, device=self.device)]
         else:
             batch = build_rows(segments, self.pool.block_size, self.device)
-            hidden = self._forward(batch, ops, "bi" if batch_invariant else "fast")
+            head = next((i for i, s in enumerate(segments) if len(s.input_ids) != 1),
+                        len(segments))
+            hidden = self._forward(batch, self._padded(ops, head, batch_invariant),
+                                   "bi" if batch_invariant else "fast")
             if not want:
                 return results
             last = torch.tensor([batch.seg_offsets[i] + len(segments[i].input_ids) - 1
                                  for i in want], device=self.device)
-            logits = self.model.logits(hidden[last], ops)
+            logits = self.model.logits(hidden[last], self._padded(
+                ops, sum(i < head for i in want), batch_invariant))
         specs = [s for s in sample_specs if s is not None]
         positions = [segments[i].start + len(segments[i].input_ids) for i in want]
         if batch_invariant:  # sample row by row: nothing may depend on the batch
@@ -144,6 +193,16 @@ class ModelRunner:
             results[i] = res
         return results
 
+    def _padded(self, ops: Ops, head: int, batch_invariant: bool) -> Ops:
+        """Eager fast steps: the products of the leading ``head`` single-token rows run on
+        their own, padded to their decode bucket, so they get the bits a decode graph of
+        that bucket gives them (and with it the lane's); other rows (prefill chunks) run
+        separately."""
+        if batch_invariant or not self.decode_buckets or not head:
+            return ops
+        b = next((b for b in self.decode_buckets if b >= head), None)
+        return ops if b is None else HeadPaddedOps(ops, head, b)
+
     @torch.inference_mode()
     def run_lane(self, lane_pass: LanePass) -> LaneResult:
         """One fixed-shape pass of exactly ``lane_rows`` rows; decides every segment."""
@@ -151,7 +210,8 @@ class ModelRunner:
         if lane_pass.rows != self.lane_rows:
             raise ValueError(f"lane pass has {lane_pass.rows} rows, lane is {self.lane_rows}")
         segs = [RowSegment(s.input_ids, s.start, s.block_table) for s in lane_pass.segments]
-        batch = build_rows(segs, self.pool.block_size, self.device, pad_to=self.lane_rows)
+        batch = build_rows(segs, self.pool.block_size, self.device,
+                           pad_to=self.lane_run_rows(lane_pass.used_rows))
         hidden = None
         if self.lane_graph is not None:
             try:
