@@ -42,6 +42,9 @@ class SchedulerConfig:
     verify_window: int = 64
     verify_group: int = 8
     lane_max_wait_steps: int = 8
+    # while a window is in the lane, its sequence keeps decoding the next window on the
+    # fast path (kept if the lane commits the whole window and agrees on its next token)
+    overlap_windows: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -119,14 +122,16 @@ class EngineConfig:
     @classmethod
     def create(cls, model: str, mode: str = "llm42", *, verify_window: int = 64,
                verify_group: int = 8, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-               max_model_len: int = 2048, lane_max_wait_steps: int = 8, block_size: int = 16,
+               max_model_len: int = 2048, lane_max_wait_steps: int = 8,
+               overlap_windows: bool = True, block_size: int = 16,
                num_blocks: int | None = None, enable_prefix_caching: bool = True,
                **kw: object) -> EngineConfig:
         """Flat keyword constructor used by the offline API and the CLI."""
         sched = SchedulerConfig(mode=mode, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len, verify_window=verify_window,
-                                verify_group=verify_group, lane_max_wait_steps=lane_max_wait_steps)
+                                verify_group=verify_group, lane_max_wait_steps=lane_max_wait_steps,
+                                overlap_windows=overlap_windows)
         if num_blocks is None:
             # enough for a full lane of long sequences plus headroom
             num_blocks = max(1024, 2 * max_model_len // block_size + 1)

@@ -177,10 +177,13 @@ class LLMEngine:
         for seq in out.preempted:
             self.counters["preemptions"] += 1
             self.counters["preempted_tokens"] += seq.num_committed
-        if out.lane:
-            self._submit_lane(out.lane)
+        # fast first: a sequence whose window just left for the lane may decode past it in
+        # this step, writing its last candidate's K/V; the lane pass, queued behind this
+        # step's kernels, then overwrites that position with its own K/V
         if out.fast:
             self._run_fast(out.fast)
+        if out.lane:
+            self._submit_lane(out.lane)
         for result in self.verifier.poll(wait=not out.fast and self.verifier.in_flight() > 0):
             self._apply_lane(result)
         outputs = []

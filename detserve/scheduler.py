@@ -198,6 +198,7 @@ class Scheduler:
             items.append(LaneItem(s, "window", s.num_committed - 1, s.num_tokens,
                                   tuple(s.token_ids[s.num_committed:])))
             s.in_lane = True  # from now on no later allocation may preempt it
+            s.lane_end = s.num_tokens
             rows_left -= n
         for s in sorted(prefills, key=lambda s: s.arrival):
             if rows_left == 0:
@@ -212,10 +213,26 @@ class Scheduler:
             it.seq.ready_step = None
         return items
 
+    def overlap_cap(self, seq: Sequence) -> int:
+        """How many tokens a sequence whose window is in the lane may decode past it: the
+        lane's next token plus the next window's candidates, as if the window commits
+        whole (0 once the window or what follows it ends in a stop token)."""
+        if not (self.cfg.overlap_windows and self.cfg.max_candidates and seq.in_lane
+                and seq.lane_end):
+            return 0  # (lane_only: every token comes from the lane, none from the fast path)
+        if seq.token_ids[-1] in self.stop_ids(seq):
+            return 0
+        k = seq.lane_end - seq.num_committed  # candidates in the lane
+        remaining = seq.params.max_tokens - seq.num_output_committed - k - 1
+        room = self.cfg.max_model_len - seq.lane_end - 1
+        return 1 + max(0, min(self.cfg.max_candidates, remaining - 1, room - 1))
+
     def _fast_rows(self, seq: Sequence) -> int:
         """Rows this sequence wants on the fast path now (0: not eligible)."""
         if seq.in_lane:
-            return 0
+            past = seq.num_tokens - seq.lane_end
+            ok = seq.lane_end and seq.num_computed == seq.num_tokens - 1
+            return 1 if ok and past < self.overlap_cap(seq) else 0
         if seq.uses_lane:
             if seq.needs_lane_prefill() or self.window_ready(seq):
                 return 0
@@ -236,7 +253,10 @@ class Scheduler:
                 continue
             n = min(rows, budget)
             end = seq.num_computed + n
-            if not self._grow(seq, end, out, scheduled=items):
+            if seq.in_lane:  # decoding past its window: never worth a preemption
+                if not self.blocks.grow(seq.block_table, end):
+                    continue
+            elif not self._grow(seq, end, out, scheduled=items):
                 continue
             items.append(FastItem(seq, seq.num_computed, end, sample=end == seq.num_tokens))
             budget -= n
@@ -282,7 +302,8 @@ class Scheduler:
 
     def on_lane_result(self, item: LaneItem, tokens: list[int]) -> int:
         """Apply a lane decision. ``tokens`` are the newly committed tokens (for a window:
-        the accepted candidates plus the lane's next token). Returns rejected candidates."""
+        the accepted candidates plus the lane's next token). Returns the fast-path tokens
+        thrown away (rejected candidates and what was decoded past them)."""
         seq = item.seq
         seq.in_lane = False
         seq.stats.verify_passes += 1
@@ -300,10 +321,19 @@ class Scheduler:
         accepted = len(tokens) - 1
         assert list(item.candidates[:accepted]) == tokens[:accepted]
         rejected = len(item.candidates) - accepted
-        del seq.token_ids[c:]
-        seq.token_ids.extend(tokens)
-        seq.num_committed = c + accepted + 1
-        seq.num_lane_kv = seq.num_computed = c + accepted
+        seq.lane_end = 0
+        past = seq.token_ids[item.end:]  # decoded on the fast path while the window was away
+        if not rejected and past and past[0] == tokens[-1]:
+            # the whole window commits and the lane's next token is where the fast path
+            # went on from: keep those tokens (the next window's candidates)
+            seq.num_committed = item.end + 1
+            seq.num_lane_kv = item.end
+        else:
+            rejected += len(past)
+            del seq.token_ids[c:]
+            seq.token_ids.extend(tokens)
+            seq.num_committed = c + accepted + 1
+            seq.num_lane_kv = seq.num_computed = c + accepted
         seq.stats.windows += 1
         if rejected:
             seq.stats.rollbacks += 1

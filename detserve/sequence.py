@@ -4,7 +4,9 @@ Token positions: ``token_ids`` holds prompt + committed outputs + fast-path cand
 ``num_committed`` counts prompt and committed tokens; candidates are the rest.
 ``num_computed`` positions have K/V in the cache. For lane (deterministic) sequences
 ``num_lane_kv`` positions hold K/V written by the lane; between lane passes
-``num_lane_kv == num_committed - 1``: the last committed token is the next input.
+``num_lane_kv == num_committed - 1``: the last committed token is the next input. While a
+window is in the lane (positions < ``lane_end``) the fast path may append tokens past it:
+a speculative start of the next window.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     in_lane: bool = False
+    lane_end: int = 0                  # a window in the lane covers positions < lane_end
     ready_step: int | None = None      # step at which its lane work became ready
     logprobs: list[TokenLogprob] = field(default_factory=list)
     candidate_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -96,4 +99,5 @@ class Sequence:
         self.block_table = []
         self.block_digests = []
         self.in_lane = False
+        self.lane_end = 0
         self.ready_step = None

@@ -19,7 +19,7 @@ def _seq(i: int, n_prompt: int, det: bool, max_tokens: int = 20) -> Sequence:
                     uses_lane=det, deterministic=det, arrival=i)
 
 
-def _sched(mode: str = "llm42", blocks: int = 64, **kw: int) -> Scheduler:
+def _sched(mode: str = "llm42", blocks: int = 64, **kw: object) -> Scheduler:
     cfg = SchedulerConfig(mode=mode, verify_window=kw.pop("W", 4), verify_group=kw.pop("G", 2),
                           max_model_len=kw.pop("max_model_len", 128), **kw)
     return Scheduler(cfg, BlockManager(blocks, 4), eos_token_ids=[EOS])
@@ -76,7 +76,7 @@ def test_decode_rows_go_before_prefill() -> None:
 
 
 def test_lane_pass_has_fixed_rows_and_windows() -> None:
-    s = _sched(W=4, G=2)  # lane of 8 rows, 3 candidates per window
+    s = _sched(W=4, G=2, overlap_windows=False)  # lane of 8 rows, 3 candidates per window
     seq = _seq(0, 10, det=True)
     s.add(seq)
     out = s.schedule()
@@ -103,6 +103,77 @@ def test_lane_pass_has_fixed_rows_and_windows() -> None:
     assert seq.num_committed == 13 and seq.num_computed == seq.num_lane_kv == 12
     assert seq.stats.rollbacks == 1 and seq.stats.tokens_rolled_back == 2
     s.check_integrity()
+
+
+def _window_in_lane(s: Scheduler, seq: Sequence):  # type: ignore[no-untyped-def]
+    """Prefill ``seq`` (10-token prompt) through the lane, fill its first window with
+    candidates 20, 20, 20 and schedule it: returns that step's output."""
+    s.add(seq)
+    out = s.schedule()
+    s.on_lane_result(out.lane[0], [])
+    out = s.schedule()
+    s.on_lane_result(out.lane[0], [11])
+    for _ in range(3):
+        _fake_fast(s, s.schedule(), token=20)
+    return s.schedule()
+
+
+def test_sequence_decodes_past_its_window_while_the_lane_verifies() -> None:
+    """Overlap: the step that sends a window to the lane also decodes past it, up to the
+    lane's next token + one more window; those tokens stay when the lane commits the whole
+    window and its next token is the one the fast path went on from."""
+    s = _sched(W=4, G=2)
+    seq = _seq(0, 10, det=True, max_tokens=40)
+    out = _window_in_lane(s, seq)
+    (win,) = out.lane
+    assert (win.start, win.end) == (10, 14)
+    assert [(i.start, i.end) for i in out.fast] == [(13, 14)]  # the last candidate's row
+    _fake_fast(s, out, token=21)
+    assert s.overlap_cap(seq) == 4  # the lane's next token + 3 candidates of the next window
+    for _ in range(3):
+        out = s.schedule()
+        assert not out.lane and len(out.fast) == 1
+        _fake_fast(s, out, token=22)
+    assert not s.schedule().fast, "no further than one window past the lane"
+    assert seq.token_ids[10:] == [11, 20, 20, 20, 21, 22, 22, 22]
+    assert s.on_lane_result(win, [20, 20, 20, 21]) == 0
+    assert seq.num_committed == 15 and seq.num_lane_kv == 14 and seq.num_computed == 17
+    assert seq.num_candidates == 3 and s.window_ready(seq)
+    s.check_integrity()
+
+
+@pytest.mark.parametrize("lane_says", [[20, 20, 20, 9], [20, 9]])
+def test_tokens_past_a_window_go_when_the_lane_disagrees(lane_says: list[int]) -> None:
+    """The lane's next token differs from where the fast path went on (or a candidate is
+    rejected): everything past the commit point is thrown away and counted."""
+    s = _sched(W=4, G=2)
+    seq = _seq(0, 10, det=True, max_tokens=40)
+    out = _window_in_lane(s, seq)
+    (win,) = out.lane
+    _fake_fast(s, out, token=21)
+    _fake_fast(s, s.schedule(), token=22)
+    dropped = s.on_lane_result(win, lane_says)
+    accepted = len(lane_says) - 1
+    assert dropped == 3 - accepted + 2
+    assert seq.token_ids[11:] == lane_says
+    assert seq.num_committed == 11 + len(lane_says)
+    assert seq.num_computed == seq.num_lane_kv == seq.num_committed - 1
+    assert seq.stats.tokens_rolled_back == dropped
+    s.check_integrity()
+
+
+def test_no_decoding_past_a_window_that_ends_in_a_stop_token() -> None:
+    s = _sched(W=4, G=2)
+    seq = _seq(0, 10, det=True, max_tokens=40)
+    s.add(seq)
+    out = s.schedule()
+    s.on_lane_result(out.lane[0], [])
+    out = s.schedule()
+    s.on_lane_result(out.lane[0], [11])
+    _fake_fast(s, s.schedule(), token=EOS)
+    out = s.schedule()
+    assert out.lane and out.lane[0].candidates == (EOS,)
+    assert not out.fast and s.overlap_cap(seq) == 0
 
 
 def test_lane_waits_to_fill_group_then_times_out() -> None:
