@@ -100,7 +100,7 @@ def lane_thread(runner: ModelRunner, passes: list[LanePass], decode: list[RowSeg
             verifier.submit(p)
         if decode:
             decode_steps(runner, decode, steps)
-        got = []
+        got: list[Any] = []
         while len(got) < len(passes):
             got += verifier.poll(wait=True)
         torch.cuda.synchronize()

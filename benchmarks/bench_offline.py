@@ -85,7 +85,8 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               num_blocks=args.num_blocks, seed=args.seed,
                               align_fast_path=not args.no_align,
-                              lane_gemm_rows=args.lane_gemm_rows)
+                              lane_gemm_rows=args.lane_gemm_rows,
+                              lane_bound_fraction=getattr(args, "lane_bound_fraction", 0.5))
     engine = LLMEngine(cfg, loaded=loaded)
     vocab = engine.model.config.vocab_size
     rng = random.Random(args.seed)
@@ -136,6 +137,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "lane_seconds": stats["lane_seconds"],
         "lane_rows_computed_per_pass": stats["lane_computed_rows"] / max(1, stats["verify_passes"]),
         "decode_buckets": list(buckets) if buckets else None,
+        "lane_bound_waits": stats["lane_bound_waits"],
     }
 
 
@@ -161,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="CUDA: no fast-path/lane alignment (split-KV decode, whole-pass lane GEMMs)")
     p.add_argument("--lane-gemm-rows", type=int, default=0,
                    help="CUDA: the lane's GEMM row chunk (0: chosen by probing cuBLAS)")
+    p.add_argument("--lane-bound-fraction", type=float, default=0.5,
+                   help="wait for the lane when more than this share of sequences wait on it (1: never)")
     p.add_argument("--trace", default=None,
                    help="loadgen JSONL trace (real prompts, e.g. ShareGPT); overrides --lengths")
     p.add_argument("--sweep", default=None,

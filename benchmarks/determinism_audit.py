@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.mode == "llm42":
         ref = engine("lane_only")
         oracle = run_batch(ref, targets, 0, random.Random(1), a.max_tokens)  # targets alone
-    rows = []
+    rows: list[dict[str, Any]] = []
     for i in range(len(targets)):
         det, nd = seen[f"t{i}-d"], seen[f"t{i}-n"]
         rows.append({

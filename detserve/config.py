@@ -45,6 +45,10 @@ class SchedulerConfig:
     # while a window is in the lane, its sequence keeps decoding the next window on the
     # fast path (kept if the lane commits the whole window and agrees on its next token)
     overlap_windows: bool = True
+    # when more than this share of the running sequences can only move once the lane
+    # answers (prompt chunks or windows queued there), a step first waits for a lane pass
+    # instead of spending a whole decode step on the few others (1: never wait)
+    lane_bound_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -56,6 +60,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.lane_max_wait_steps < 0:
             raise ValueError("lane_max_wait_steps must be >= 0")
+        if not 0.0 <= self.lane_bound_fraction <= 1.0:
+            raise ValueError("lane_bound_fraction must be in [0, 1]")
 
     @property
     def lane_rows(self) -> int:
@@ -123,7 +129,8 @@ class EngineConfig:
     def create(cls, model: str, mode: str = "llm42", *, verify_window: int = 64,
                verify_group: int = 8, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                max_model_len: int = 2048, lane_max_wait_steps: int = 8,
-               overlap_windows: bool = True, block_size: int = 16,
+               overlap_windows: bool = True, lane_bound_fraction: float = 0.5,
+               block_size: int = 16,
                num_blocks: int | None = None, enable_prefix_caching: bool = True,
                **kw: object) -> EngineConfig:
         """Flat keyword constructor used by the offline API and the CLI."""
@@ -131,7 +138,8 @@ class EngineConfig:
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len, verify_window=verify_window,
                                 verify_group=verify_group, lane_max_wait_steps=lane_max_wait_steps,
-                                overlap_windows=overlap_windows)
+                                overlap_windows=overlap_windows,
+                                lane_bound_fraction=lane_bound_fraction)
         if num_blocks is None:
             # enough for a full lane of long sequences plus headroom
             num_blocks = max(1024, 2 * max_model_len // block_size + 1)

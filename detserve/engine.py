@@ -184,7 +184,13 @@ class LLMEngine:
             self._run_fast(out.fast)
         if out.lane:
             self._submit_lane(out.lane)
-        for result in self.verifier.poll(wait=not out.fast and self.verifier.in_flight() > 0):
+        wait = False
+        if self.verifier.in_flight():
+            # nothing else to run, or most sequences wait on the lane: let its pass have the
+            # GPU rather than run the next decode step (a full weight read) for the few others
+            wait = not out.fast or self.scheduler.lane_bound()
+            self.counters["lane_bound_waits"] += wait and bool(out.fast)
+        for result in self.verifier.poll(wait=wait):
             self._apply_lane(result)
         outputs = []
         for rid, seq in list(self._seqs.items()):
@@ -327,9 +333,9 @@ class LLMEngine:
         c = self.counters
         out: dict[str, float] = {k: c[k] for k in (
             "steps", "fast_passes", "fast_rows", "fast_tokens", "verify_passes", "windows",
-            "rollbacks", "tokens_rolled_back", "lane_rows", "lane_padding_rows", "lane_computed_rows",
-            "lane_prefill_rows", "committed_tokens", "preemptions", "perturbed_tokens",
-            "finished_requests")}
+            "rollbacks", "tokens_rolled_back", "lane_rows", "lane_padding_rows",
+            "lane_computed_rows", "lane_bound_waits", "lane_prefill_rows", "committed_tokens",
+            "preemptions", "perturbed_tokens", "finished_requests")}
         out["recomputed_tokens"] = c["tokens_rolled_back"] + c["preempted_tokens"]
         out["prefix_cache_hit_tokens"] = self.scheduler.prefix_hit_tokens
         out["lane_padding_fraction"] = c["lane_padding_rows"] / c["lane_rows"] if c["lane_rows"] else 0.0

@@ -227,6 +227,13 @@ class Scheduler:
         room = self.cfg.max_model_len - seq.lane_end - 1
         return 1 + max(0, min(self.cfg.max_candidates, remaining - 1, room - 1))
 
+    def lane_bound(self) -> bool:
+        """More than ``lane_bound_fraction`` of the running sequences wait on the lane."""
+        if not self.cfg.uses_lane or not self.running or self.cfg.lane_bound_fraction >= 1.0:
+            return False
+        waiting = sum(1 for s in self.running if s.uses_lane and self._fast_rows(s) == 0)
+        return waiting > self.cfg.lane_bound_fraction * len(self.running)
+
     def _fast_rows(self, seq: Sequence) -> int:
         """Rows this sequence wants on the fast path now (0: not eligible)."""
         if seq.in_lane:

@@ -176,6 +176,24 @@ def test_no_decoding_past_a_window_that_ends_in_a_stop_token() -> None:
     assert not out.fast and s.overlap_cap(seq) == 0
 
 
+def test_lane_bound_when_most_sequences_wait_on_the_lane() -> None:
+    s = _sched(W=4, G=2)
+    det = [_seq(i, 6, det=True) for i in range(3)]
+    other = _seq(3, 6, det=False)
+    for q in (*det, other):
+        s.add(q)
+    out = s.schedule()  # the three prompts go to the lane: 3 of 4 sequences wait on it
+    assert len(out.lane) == 2 and s.lane_bound()  # (the third prompt did not fit this pass)
+    for it in out.lane:
+        s.on_lane_result(it, [9] if it.end == it.seq.num_committed else [])
+    assert not s.lane_bound()
+    never = _sched(W=4, G=2, lane_bound_fraction=1.0)
+    for i in range(2):
+        never.add(_seq(i, 6, det=True))
+    never.schedule()
+    assert not never.lane_bound()
+
+
 def test_lane_waits_to_fill_group_then_times_out() -> None:
     s = _sched(W=4, G=2, lane_max_wait_steps=3)
     a, b = _seq(0, 3, det=True), _seq(1, 3, det=True, max_tokens=40)
