@@ -32,7 +32,7 @@ case "${1:-}" in
       --dtype bfloat16 --runs 100 --max-tokens 32 --out "$out/audit-llama8b.json" 2>&1 | tail -8 ;;
   perf)
     python -m benchmarks.bench_offline --model random:llama3-8b --device cuda --dtype bfloat16 \
-      --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
+      --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 --warmup-requests 256 \
       --ratios 0.02,0.05,0.1,0.2,0.5,1.0 --out "$out/offline-llama8b.json" 2>&1 | tail -12 ;;
   table4)
     python -m benchmarks.bench_offline --model "$smol" --device cuda --dtype bfloat16 \
