@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from detserve.params import SamplingParams
 from detserve.serve_config import DEFAULT_ARGS, default_serve_config
 from services.decoder.deltas import DeltaTracker
 from services.decoder.engine_loop import EngineLoop
-from services.decoder.messages import DecodeChunk, DecodeRequest
+from services.decoder.messages import DecodeChunk, DecodeRequest, coalesce
 from services.router.admission import Admission
 from services.router.errors import APIError
 from services.router.limits import ServingLimits
@@ -68,6 +69,28 @@ def test_engine_loop_streams_exactly_the_engine_output() -> None:
     ids = [t for c in a for t in c.token_ids]
     assert "".join(c.text for c in a) == engine.tokenizer.decode(ids)
     assert chunks["b"][-1].determinism is None and loop.outstanding_tokens == 0
+
+
+def test_coalesced_chunks_carry_the_same_stream() -> None:
+    lp = [TokenLogprob(t, -0.5 * t) for t in range(4)]
+    parts = [DecodeChunk("r", "d", text="he", token_ids=(0,), logprobs=(lp[0],),
+                         num_output_tokens=1),
+             DecodeChunk("r", "d", text="", token_ids=(1, 2), logprobs=(lp[1], lp[2]),
+                         num_output_tokens=3, engine_stats={"steps": 3.0}),
+             DecodeChunk("r", "d", text="llo", token_ids=(3,), logprobs=(lp[3],),
+                         num_output_tokens=4, finished=True, finish_reason="length",
+                         determinism={"fingerprint": "x"})]
+    (one,) = coalesce(parts)
+    assert one.text == "hello" and one.token_ids == (0, 1, 2, 3) and one.logprobs == tuple(lp)
+    assert one.finished and one.finish_reason == "length" and one.num_output_tokens == 4
+    assert one.determinism == {"fingerprint": "x"} and one.engine_stats == {"steps": 3.0}
+    # without logprobs they stay None; an error chunk is not merged into the progress
+    failed = DecodeChunk("r", "d", finished=True, error="boom", error_type="server_error")
+    plain = [replace(c, logprobs=None, finished=False) for c in parts[:2]]
+    merged, err = coalesce([*plain, failed])
+    assert merged.logprobs is None and merged.token_ids == (0, 1, 2) and not merged.finished
+    assert err is failed
+    assert coalesce([parts[0]]) == [parts[0]]
 
 
 def test_engine_loop_fails_streams_when_the_engine_fails() -> None:

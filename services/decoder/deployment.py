@@ -18,7 +18,7 @@ from ray import serve
 from detserve.serve_config import DECODER
 from services.decoder.engine_factory import DecoderSettings, build_engine
 from services.decoder.engine_loop import EngineLoop
-from services.decoder.messages import DecodeChunk, DecodeRequest, ReplicaStats
+from services.decoder.messages import DecodeChunk, DecodeRequest, ReplicaStats, coalesce
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +50,14 @@ class Decoder:
         finished = False
         try:
             while not finished:
-                chunk = await chunks.get()
-                finished = chunk.finished
-                yield chunk
+                # every chunk still queued goes out in one message: when Ray's streaming
+                # falls behind the engine, it sends fewer, larger chunks instead of a backlog
+                batch = [await chunks.get()]
+                while not batch[-1].finished and not chunks.empty():
+                    batch.append(chunks.get_nowait())
+                for chunk in coalesce(batch):
+                    finished = chunk.finished
+                    yield chunk
         finally:
             if not finished:
                 self.loop.abort(request.request_id)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from detserve.outputs import TokenLogprob
 from detserve.params import SamplingParams
@@ -57,6 +57,25 @@ class DecodeChunk:
     @property
     def is_error(self) -> bool:
         return self.error is not None
+
+
+def coalesce(chunks: Sequence[DecodeChunk]) -> list[DecodeChunk]:
+    """Merge consecutive chunks of one request into one (what a slow reader would have
+    seen had the engine stepped less often): text, token ids and logprobs concatenated,
+    the rest from the latest. An error chunk is kept apart so the progress before it is
+    delivered first."""
+    out: list[DecodeChunk] = []
+    for chunk in chunks:
+        prev = out[-1] if out else None
+        if prev is None or prev.finished or chunk.is_error:
+            out.append(chunk)
+            continue
+        logprobs = (None if prev.logprobs is None and chunk.logprobs is None
+                    else (prev.logprobs or ()) + (chunk.logprobs or ()))
+        out[-1] = replace(chunk, text=prev.text + chunk.text,
+                          token_ids=prev.token_ids + chunk.token_ids, logprobs=logprobs,
+                          engine_stats=chunk.engine_stats or prev.engine_stats)
+    return out
 
 
 @dataclass(frozen=True)
