@@ -86,7 +86,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               num_blocks=args.num_blocks, seed=args.seed,
                               align_fast_path=not args.no_align,
                               lane_gemm_rows=args.lane_gemm_rows,
-                              lane_bound_fraction=getattr(args, "lane_bound_fraction", 0.5))
+                              lane_bound_fraction=args.lane_bound_fraction)
     engine = LLMEngine(cfg, loaded=loaded)
     vocab = engine.model.config.vocab_size
     rng = random.Random(args.seed)

@@ -41,12 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     sizes = probe_sizes(a.max_rows, a.max_rows)
     names = ["qkv", "o", "gate_up", "down", "lm_head"]
     shapes: dict[str, object] = {}
+    per_weight = []
     for name, w in zip(names, model.gemm_weights(), strict=True):
         classes = row_classes(w, sizes)
+        per_weight.append(classes)
         shapes[name] = {"n_k": list(w.shape), "classes": classes}
         print(f"{name:>8} {tuple(w.shape)}: {len(classes)} classes: "
               + "  ".join(f"[{c[0]}..{c[-1]}]({len(c)})" for c in classes), flush=True)
-    joint = joint_classes(model.gemm_weights(), sizes)
+    joint = joint_classes(per_weight)
     print("joint classes:", "  ".join(f"[{c[0]}..{c[-1]}]({len(c)})" for c in joint))
     chunks = {}
     for full in (16, 32, 64, 128, 256):

@@ -57,8 +57,7 @@ class ThreadedVerifier:
     window), and results are only handed out once the pass's kernels have completed.
     """
 
-    def __init__(self, runner: ModelRunner, lane_sms: int | None = None,
-                 high_priority: bool = True) -> None:
+    def __init__(self, runner: ModelRunner, lane_sms: int | None = None) -> None:
         import queue
         import threading
 
@@ -72,7 +71,6 @@ class ThreadedVerifier:
         self.green_context_sms: int | None = None
         self._ready = threading.Event()
         self._lane_sms = lane_sms
-        self._high_priority = high_priority
         self._thread = threading.Thread(target=self._work, name="lane-verifier", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -88,8 +86,7 @@ class ThreadedVerifier:
                 # high priority: when the lane and the fast path both have kernels waiting,
                 # the lane's go first, so windows and prompt chunks come back quickly and
                 # sequences do not sit out decode steps waiting for them
-                stream = torch.cuda.Stream(device=device,
-                                           priority=-1 if self._high_priority else 0)
+                stream = torch.cuda.Stream(device=device, priority=-1)
         self._ready.set()
         while (job := self._todo.get()) is not None:
             lane_pass, event = job

@@ -58,7 +58,8 @@ def test_lane_chunk_from_joint_classes(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(gc.F, "linear", fake)
     a, b = torch.randn(8, 4), torch.randn(12, 4)
-    assert joint_classes([a, b], [8, 16, 24, 32, 40, 48, 56, 64]) == [
+    sizes = [8, 16, 24, 32, 40, 48, 56, 64]
+    assert joint_classes([row_classes(a, sizes), row_classes(b, sizes)]) == [
         [8, 16], [24, 32, 40, 48], [56, 64]]
 
 

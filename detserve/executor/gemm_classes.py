@@ -20,7 +20,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["Alignment", "auto_alignment", "joint_classes", "plan_alignment", "probe_sizes",
-           "row_classes"]
+           "row_classes", "smallest_at_least"]
+
+
+def smallest_at_least(sizes: Iterable[int], n: int) -> int | None:
+    """The first of the ascending ``sizes`` that is >= ``n`` (None: none is)."""
+    return next((s for s in sizes if s >= n), None)
 
 
 def row_classes(weight: Tensor, sizes: Sequence[int], seed: int = 0) -> list[list[int]]:
@@ -43,15 +48,16 @@ def row_classes(weight: Tensor, sizes: Sequence[int], seed: int = 0) -> list[lis
     return [members for _, members in classes]
 
 
-def joint_classes(weights: Iterable[Tensor], sizes: Sequence[int]) -> list[list[int]]:
+def joint_classes(per_weight: Iterable[Sequence[Sequence[int]]]) -> list[list[int]]:
     """Sizes grouped so that two sizes share a group iff they share a class for every
-    weight (the same bits for every product of the model). Groups in order of first size."""
-    sizes = sorted(set(sizes))
-    keys: dict[int, list[int]] = {m: [] for m in sizes}
-    for w in weights:
-        for i, cls in enumerate(row_classes(w, sizes)):
+    weight (``per_weight``: each weight's ``row_classes`` over the same sizes), i.e. the
+    same bits for every product of the model. Groups in order of first size."""
+    keys: dict[int, list[int]] = {}
+    for classes in per_weight:
+        for i, cls in enumerate(classes):
             for m in cls:
-                keys[m].append(i)
+                keys.setdefault(m, []).append(i)
+    sizes = sorted(keys)
     joint: dict[tuple[int, ...], list[int]] = {}
     for m in sizes:
         joint.setdefault(tuple(keys[m]), []).append(m)
@@ -80,7 +86,7 @@ class Alignment:
     buckets: tuple[int, ...]
 
     def bucket(self, n: int) -> int | None:
-        return next((b for b in self.buckets if b >= n), None)
+        return smallest_at_least(self.buckets, n)
 
 
 def plan_alignment(classes: Sequence[Sequence[int]], full_batch: int, lane_rows: int,
@@ -107,7 +113,7 @@ def plan_alignment(classes: Sequence[Sequence[int]], full_batch: int, lane_rows:
         cls = min(pool, key=lambda c: (min(c) if feasible else -len(c), calls(max(c))))
         chunk = min(cls, key=calls)
     members = sorted(cls)
-    buckets = sorted({next((m for m in members if m >= b), b) for b in base_buckets})
+    buckets = sorted({smallest_at_least(members, b) or b for b in base_buckets})
     return Alignment(chunk, tuple(buckets))
 
 
@@ -120,5 +126,6 @@ def auto_alignment(weights: Iterable[Tensor], full_batch: int, lane_rows: int,
     sizes = probe_sizes(full_batch, lane_rows)
     if chunk:
         sizes = sorted({*sizes, chunk})
-    return plan_alignment(joint_classes(weights, sizes), full_batch, lane_rows,
+    joint = joint_classes(row_classes(w, sizes) for w in weights)
+    return plan_alignment(joint, full_batch, lane_rows,
                           decode_buckets(full_batch), chunk)

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from detserve.block_manager import SCRATCH_BLOCK
 from detserve.executor.attention import RowBatch, RowSegment
+from detserve.executor.gemm_classes import smallest_at_least
 from detserve.executor.gpu import Rope, fast_decode_attention, rope_write
 from detserve.executor.kv_pool import KVPool
 from detserve.kernels._utils import num_sms
@@ -135,7 +136,7 @@ class DecodeGraphs:
                                                      self._mempool)
 
     def bucket(self, n: int) -> int | None:
-        return next((b for b in self.buckets if b >= n), None)
+        return smallest_at_least(self.buckets, n)
 
     def _fill(self, segments: list[RowSegment]) -> int:
         n = len(segments)

@@ -18,6 +18,7 @@ from detserve.executor.attention import (
     fast_attention,
     tiled_attention,
 )
+from detserve.executor.gemm_classes import smallest_at_least
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.ops import FixedShapeOps, TorchOps
 from detserve.lane import LaneDecision, LanePass, LaneResult, decide
@@ -200,7 +201,7 @@ class ModelRunner:
         separately."""
         if batch_invariant or not self.decode_buckets or not head:
             return ops
-        b = next((b for b in self.decode_buckets if b >= head), None)
+        b = smallest_at_least(self.decode_buckets, head)
         return ops if b is None else HeadPaddedOps(ops, head, b)
 
     @torch.inference_mode()
