@@ -38,6 +38,30 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t0)
 
 
+def profile_steps(eng: LLMEngine, steps: int, top: int = 12) -> dict[str, object]:
+    """Kernel time of ``steps`` engine steps: GPU busy ms per step and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(ev.name[:90], [0.0, 0])
+            k[0] += ev.device_time / 1e3  # us -> ms
+            k[1] += 1
+    busy = sum(t for t, _ in kernels.values()) / steps
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    print(f"    GPU kernel time {busy:.2f} ms/step", flush=True)
+    for name, (t, n) in ranked:
+        print(f"    {t / steps:7.3f} ms/step {n / steps:6.1f} calls  {name}", flush=True)
+    return {"gpu_busy_ms_per_step": busy,
+            "top_kernels": [{"name": n, "ms_per_step": t / steps, "calls_per_step": c / steps}
+                            for n, (t, c) in ranked]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="random:llama3-8b")
@@ -48,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (launch-bound baseline)")
     p.add_argument("--no-align", action="store_true",
                    help="split-KV decode attention for every context (no lane-kernel decode)")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, profile the steps: GPU kernel time per step and the "
+                        "kernels that take it (shows launch gaps and the slowest kernels)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     loaded = random_model(a.model.split(":", 1)[1], torch.bfloat16, a.device)
@@ -57,15 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     kv_per_token = 2 * cfg_m.num_layers * cfg_m.num_kv_heads * cfg_m.head_dim * 2
     bw = copy_bandwidth(a.device)
     rows = []
+    gen = a.steps * (2 if a.profile else 1)  # tokens each sequence decodes after warm-up
     for bsz in (int(x) for x in a.batches.split(",")):
         cfg = EngineConfig.create(a.model, "nondeterministic", device=a.device, dtype="bfloat16",
-                                  max_num_seqs=bsz, max_model_len=a.context + a.steps + 8,
-                                  num_blocks=bsz * (a.context + a.steps + 32) // 16 + 64,
+                                  max_num_seqs=bsz, max_model_len=a.context + gen + 8,
+                                  num_blocks=bsz * (a.context + gen + 32) // 16 + 64,
                                   max_num_batched_tokens=max(2048, a.context),
                                   cuda_graphs=not a.eager, align_fast_path=not a.no_align)
         eng = LLMEngine(cfg, loaded=loaded)
         for i in range(bsz):
-            eng.add_request(str(i), None, SamplingParams(max_tokens=a.steps + 4, ignore_eos=True),
+            eng.add_request(str(i), None, SamplingParams(max_tokens=gen + 4, ignore_eos=True),
                             prompt_token_ids=[(7 * i + j) % 1000 + 3 for j in range(a.context)])
         while any(s.num_computed < s.num_prompt for s in eng.scheduler.running) or eng.scheduler.waiting:
             eng.step()
@@ -78,10 +106,13 @@ def main(argv: list[str] | None = None) -> int:
         step_ms = (time.perf_counter() - t0) / a.steps * 1e3
         kv_bytes = bsz * (a.context + a.steps // 2) * kv_per_token
         roof_ms = (weight_bytes + kv_bytes) / bw * 1e3  # bytes that must be read once
-        rows.append({"batch": bsz, "step_ms": step_ms, "roofline_ms": roof_ms,
-                     "ratio_to_roofline": step_ms / roof_ms})
+        row = {"batch": bsz, "step_ms": step_ms, "roofline_ms": roof_ms,
+               "ratio_to_roofline": step_ms / roof_ms}
         print(f"batch {bsz:>4}: {step_ms:7.2f} ms/step  roofline {roof_ms:6.2f} ms  "
               f"({step_ms / roof_ms:.2f}x)", flush=True)
+        if a.profile:
+            row["profile"] = profile_steps(eng, a.steps)
+        rows.append(row)
         eng.close()
         del eng
         torch.cuda.empty_cache()

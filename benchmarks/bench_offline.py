@@ -138,6 +138,9 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "lane_rows_computed_per_pass": stats["lane_computed_rows"] / max(1, stats["verify_passes"]),
         "decode_buckets": list(buckets) if buckets else None,
         "lane_bound_waits": stats["lane_bound_waits"],
+        "steps": {k: stats[k] for k in ("decode_steps", "mixed_steps")},
+        "step_seconds": {k: stats[f"{k}_seconds"] for k in
+                         ("schedule", "decode_step", "mixed_step", "lane_wait", "output")},
     }
 
 
@@ -202,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['total_token_throughput']:9.1f} tot tok/s  rollbacks={r['rollbacks']:>4} "
               f"recomputed={r['recomputed_pct_of_decoded']:5.2f}%  "
               f"lane padding={r['lane_padding_fraction']:.1%}", flush=True)
+        st, sec = r["steps"], r["step_seconds"]
+        print(f"{'':>16} steps: {st['decode_steps']:.0f} decode-only "
+              f"({sec['decode_step']:.1f} s), {st['mixed_steps']:.0f} with prefill "
+              f"({sec['mixed_step']:.1f} s); schedule {sec['schedule']:.1f} s, lane "
+              f"submit/wait {sec['lane_wait']:.1f} s, outputs {sec['output']:.1f} s", flush=True)
         _save(args, runs)  # after every run: a cut-off job still leaves its figures
 
     for mode in args.modes.split(","):

@@ -171,9 +171,14 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        clock = time.perf_counter
+        c = self.counters
+        t0 = clock()
         before = {rid: s.num_committed for rid, s in self._seqs.items()}
         out = self.scheduler.schedule()
-        self.counters["steps"] += 1
+        t1 = clock()
+        c["schedule_us"] += int((t1 - t0) * 1e6)
+        c["steps"] += 1
         for seq in out.preempted:
             self.counters["preemptions"] += 1
             self.counters["preempted_tokens"] += seq.num_committed
@@ -182,6 +187,11 @@ class LLMEngine:
         # step's kernels, then overwrites that position with its own K/V
         if out.fast:
             self._run_fast(out.fast)
+            t2 = clock()
+            decode_only = all(i.end - i.start == 1 for i in out.fast)
+            c["decode_steps" if decode_only else "mixed_steps"] += 1
+            c["decode_step_us" if decode_only else "mixed_step_us"] += int((t2 - t1) * 1e6)
+            t1 = t2
         if out.lane:
             self._submit_lane(out.lane)
         wait = False
@@ -192,6 +202,8 @@ class LLMEngine:
             self.counters["lane_bound_waits"] += wait and bool(out.fast)
         for result in self.verifier.poll(wait=wait):
             self._apply_lane(result)
+        t2 = clock()
+        c["lane_wait_us"] += int((t2 - t1) * 1e6)
         outputs = []
         for rid, seq in list(self._seqs.items()):
             start = before.get(rid, seq.num_committed)
@@ -202,6 +214,7 @@ class LLMEngine:
                 outputs.append(self._output(seq, new))
                 if seq.finished:
                     del self._seqs[rid]
+        c["output_us"] += int((clock() - t2) * 1e6)
         return outputs
 
     def _run_fast(self, items: list[FastItem]) -> None:
@@ -340,6 +353,13 @@ class LLMEngine:
         out["prefix_cache_hit_tokens"] = self.scheduler.prefix_hit_tokens
         out["lane_padding_fraction"] = c["lane_padding_rows"] / c["lane_rows"] if c["lane_rows"] else 0.0
         out["lane_seconds"] = c["lane_seconds_us"] / 1e6
+        # where the engine's wall time goes (seconds): scheduling, fast-path steps (decode
+        # only, or with prefill rows), submitting lane passes and waiting for or applying
+        # their results, building outputs
+        for k in ("schedule", "decode_step", "mixed_step", "lane_wait", "output"):
+            out[f"{k}_seconds"] = c[f"{k}_us"] / 1e6
+        out["decode_steps"] = c["decode_steps"]
+        out["mixed_steps"] = c["mixed_steps"]
         out["running_requests"] = len(self.scheduler.running)
         out["waiting_requests"] = len(self.scheduler.waiting)
         out["kv_blocks_free"] = self.blocks.num_free
