@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                                   cuda_graphs=not a.eager, align_fast_path=not a.no_align)
         eng = LLMEngine(cfg, loaded=loaded)
         for i in range(bsz):
-            eng.add_request(str(i), None, SamplingParams(max_tokens=gen + 4, ignore_eos=True),
+            eng.add_request(str(i), None, SamplingParams(max_tokens=gen + 4, ignore_eos=True,
+                                                         output_kind="final_only"),
                             prompt_token_ids=[(7 * i + j) % 1000 + 3 for j in range(a.context)])
         while any(s.num_computed < s.num_prompt for s in eng.scheduler.running) or eng.scheduler.waiting:
             eng.step()

@@ -84,6 +84,9 @@ class LLMEngine:
             verifier_factory = self._default_verifier_factory(config)
         self.verifier: Verifier = verifier_factory(self.runner)
         self._seqs: dict[str, Sequence] = {}
+        # sequences whose committed tokens or state changed since the last step's outputs,
+        # with their committed count before the change (only these get an output)
+        self._touched: dict[str, int] = {}
         self._inflight: dict[int, dict[str, LaneItem]] = {}
         self._pass_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -167,14 +170,14 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work() or bool(self._inflight)
+        # (aborted requests still owe their final output to the next step)
+        return self.scheduler.has_work() or bool(self._inflight) or bool(self._touched)
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         clock = time.perf_counter
         c = self.counters
         t0 = clock()
-        before = {rid: s.num_committed for rid, s in self._seqs.items()}
         out = self.scheduler.schedule()
         t1 = clock()
         c["schedule_us"] += int((t1 - t0) * 1e6)
@@ -205,17 +208,26 @@ class LLMEngine:
         t2 = clock()
         c["lane_wait_us"] += int((t2 - t1) * 1e6)
         outputs = []
-        for rid, seq in list(self._seqs.items()):
-            start = before.get(rid, seq.num_committed)
+        touched, self._touched = self._touched, {}
+        seqs = [self._seqs[rid] for rid in touched if rid in self._seqs]
+        for seq in sorted(seqs, key=lambda s: s.arrival):
+            rid = seq.request_id
+            start = touched[rid]
             if seq.num_committed > start and not seq.finished:
                 self._check_stop(seq, start)
             new = max(0, seq.num_committed - start)
-            if new or seq.finished:
+            if new and seq.stats.first_token_time is None:
+                seq.stats.first_token_time = time.monotonic()
+            if seq.finished or (new and seq.params.output_kind == "cumulative"):
                 outputs.append(self._output(seq, new))
                 if seq.finished:
                     del self._seqs[rid]
+                    self._touched.pop(rid, None)  # (re-touched by _finish just now)
         c["output_us"] += int((clock() - t2) * 1e6)
         return outputs
+
+    def _touch(self, seq: Sequence) -> None:
+        self._touched.setdefault(seq.request_id, seq.num_committed)
 
     def _run_fast(self, items: list[FastItem]) -> None:
         segs = [RowSegment(tuple(i.seq.token_ids[i.start:i.end]), i.start, tuple(i.seq.block_table))
@@ -234,6 +246,7 @@ class LLMEngine:
                 if p > 0 and self._perturbs_fast_path and self._perturb_rng.random() < p:
                     token = (token + 1 + self._perturb_rng.randrange(vocab - 1)) % vocab
                     self.counters["perturbed_tokens"] += 1
+            self._touch(item.seq)
             self.scheduler.on_fast_result(item, token)
             if token is not None and not item.seq.uses_lane and res is not None and res[1]:
                 item.seq.logprobs.append(res[1])
@@ -262,6 +275,7 @@ class LLMEngine:
         for d in result.decisions:
             it = items[d.request_id]
             seq = it.seq
+            self._touch(seq)
             if seq.finish_reason == "abort":
                 seq.in_lane = False
                 self._finish(seq, "abort")
@@ -320,6 +334,7 @@ class LLMEngine:
         return text
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        self._touch(seq)
         seq.finish_reason = reason
         seq.stats.finish_time = time.monotonic()
         self.scheduler.remove(seq)
@@ -332,10 +347,8 @@ class LLMEngine:
             cut = self._stop_string_cut(seq)
             if cut is not None:
                 text = text[:cut]
-        if num_new and seq.stats.first_token_time is None:
-            seq.stats.first_token_time = time.monotonic()
         return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=list(seq.prompt_token_ids),
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,  # never mutated
             token_ids=list(seq.committed_output), text=text, finished=seq.finished,
             finish_reason=seq.finish_reason if seq.finished else None,
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,

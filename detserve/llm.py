@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import cast
 
 from detserve.config import EngineConfig
@@ -53,6 +54,9 @@ class LLM:
         plist = [params] * n if isinstance(params, SamplingParams) else list(params)
         if len(plist) != n:
             raise ValueError("need one SamplingParams per prompt")
+        # only finished outputs are returned: skip building the ones in between
+        plist = [replace(p, output_kind="final_only") if isinstance(p, SamplingParams) else p
+                 for p in plist]
         arrivals = list(arrival_steps) if arrival_steps is not None else [0] * n
         if len(arrivals) != n or any(a < 0 for a in arrivals):
             raise ValueError("arrival_steps needs one non-negative step per prompt")

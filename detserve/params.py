@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+OUTPUT_KINDS = ("cumulative", "final_only")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,10 @@ class SamplingParams:
     logprobs: int | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    # "cumulative": an output every step that commits tokens (what streaming needs);
+    # "final_only": one output when the request finishes (offline generation: no text is
+    # decoded and no output built for the steps in between)
+    output_kind: str = "cumulative"
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -58,6 +63,8 @@ class SamplingParams:
                 raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         if not isinstance(self.is_deterministic, bool):
             raise ValueError("is_deterministic must be a boolean")
 

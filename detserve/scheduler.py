@@ -102,8 +102,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def stop_ids(self, seq: Sequence) -> frozenset[int]:
-        ids = frozenset(seq.params.stop_token_ids)
-        return ids if seq.params.ignore_eos else ids | self.eos_token_ids
+        if seq.stop_set is None:  # asked for every sequence every step: built once
+            ids = frozenset(seq.params.stop_token_ids)
+            seq.stop_set = ids if seq.params.ignore_eos else ids | self.eos_token_ids
+        return seq.stop_set
 
     # ---- the step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -274,6 +276,8 @@ class Scheduler:
         """Make ``seq``'s block table cover ``num_tokens`` positions, preempting the newest
         other sequences (never one already scheduled in this step) when blocks run out.
         Returns False if ``seq`` itself had to be preempted."""
+        if self.blocks.grow(seq.block_table, num_tokens):
+            return True
         busy = {id(i.seq) for i in (scheduled or [])} | {id(i.seq) for i in out.lane}
         while not self.blocks.grow(seq.block_table, num_tokens):
             victims = [s for s in self.running

@@ -49,6 +49,7 @@ class Sequence:
     block_digests: list[bytes] = field(default_factory=list)  # prefix-cache keys, registered
     # incremental detokenization: (text of output[:read], prefix offset, read offset)
     detok: tuple[str, int, int] | None = None
+    stop_set: frozenset[int] | None = None   # stop token ids (the scheduler's cache)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

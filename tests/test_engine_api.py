@@ -35,6 +35,7 @@ PROMPT = random_prompts(1, [12], seed=5)[0]
     ({"logprobs": 99}, "logprobs"),
     ({"max_tokens": "7"}, "max_tokens"),
     ({"stop": [""]}, "stop"),
+    ({"output_kind": "delta"}, "output_kind"),
 ])
 def test_bad_sampling_params(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -134,6 +135,10 @@ def test_abort(model: str) -> None:
         outs += eng.step()
     eng.check_integrity()
     assert eng.blocks.num_free == eng.blocks.num_blocks - 1
+    # every aborted request gets one final output, whether or not its window was in the lane
+    finals = [o for o in outs if o.finished]
+    assert sorted(o.request_id for o in finals) == ["a", "b"]
+    assert {o.finish_reason for o in finals} == {"abort"}
     with pytest.raises(ValueError, match="duplicate"):
         eng.add_request("c", None, SamplingParams(), prompt_token_ids=PROMPT)
         eng.add_request("c", None, SamplingParams(), prompt_token_ids=PROMPT)
@@ -181,3 +186,33 @@ def test_smollm2_answers_paris() -> None:
     assert "Paris" in det.text, det.text
     assert "Paris" in fast.text, fast.text
     assert det.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("mode,det", [("nondeterministic", False), ("llm42", True)])
+def test_output_kinds(model: str, mode: str, det: bool) -> None:
+    """cumulative: an output for every step that commits tokens, growing to the final one;
+    final_only: just the final output, with the same tokens, text and logprobs."""
+    def run(kind: str) -> list:
+        eng = LLMEngine.from_args(model, mode, verify_window=8, verify_group=4,
+                                  max_model_len=256)
+        for rid, prompt in (("x", PROMPT), ("y", PROMPT[:5])):
+            eng.add_request(rid, None, SamplingParams(
+                max_tokens=20, ignore_eos=True, is_deterministic=det, logprobs=1,
+                output_kind=kind), prompt_token_ids=prompt)
+        outs = []
+        while eng.has_unfinished_requests():
+            outs += eng.step()
+        return outs
+
+    cum, final = run("cumulative"), run("final_only")
+    assert all(o.finished for o in final) and sorted(o.request_id for o in final) == ["x", "y"]
+    for rid in ("x", "y"):
+        steps = [o for o in cum if o.request_id == rid]
+        assert len(steps) > 2 and steps[-1].finished and not steps[0].finished
+        assert sum(o.num_new_tokens for o in steps) == len(steps[-1].token_ids) == 20
+        assert all(a.token_ids == b.token_ids[:len(a.token_ids)]
+                   for a, b in zip(steps, steps[1:], strict=False))
+        (last,) = [o for o in final if o.request_id == rid]
+        assert last.token_ids == steps[-1].token_ids and last.text == steps[-1].text
+        assert last.logprobs == steps[-1].logprobs
+        assert last.stats.first_token_time is not None
