@@ -84,12 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     kv_per_token = 2 * cfg_m.num_layers * cfg_m.num_kv_heads * cfg_m.head_dim * 2
     bw = copy_bandwidth(a.device)
     rows = []
-    gen = a.steps * (2 if a.profile else 1)  # tokens each sequence decodes after warm-up
+    budget = max(2048, a.context)  # prefill tokens per step
     for bsz in (int(x) for x in a.batches.split(",")):
+        # sequences prefilled early decode while the others prefill: room for those tokens
+        # too, so that no sequence finishes and the batch stays ``bsz`` in every timed step
+        gen = a.steps * (2 if a.profile else 1) + -(-bsz * a.context // budget) + 8
         cfg = EngineConfig.create(a.model, "nondeterministic", device=a.device, dtype="bfloat16",
                                   max_num_seqs=bsz, max_model_len=a.context + gen + 8,
                                   num_blocks=bsz * (a.context + gen + 32) // 16 + 64,
-                                  max_num_batched_tokens=max(2048, a.context),
+                                  max_num_batched_tokens=budget,
                                   cuda_graphs=not a.eager, align_fast_path=not a.no_align)
         eng = LLMEngine(cfg, loaded=loaded)
         for i in range(bsz):
@@ -100,12 +103,17 @@ def main(argv: list[str] | None = None) -> int:
             eng.step()
         eng.step()  # first decode step (warm-up)
         torch.cuda.synchronize()
+        running = eng.scheduler.running
+        ctx0 = sum(s.num_tokens for s in running)
         t0 = time.perf_counter()
         for _ in range(a.steps):
             eng.step()
         torch.cuda.synchronize()
         step_ms = (time.perf_counter() - t0) / a.steps * 1e3
-        kv_bytes = bsz * (a.context + a.steps // 2) * kv_per_token
+        if len(running) != bsz:
+            raise RuntimeError(f"batch changed during timing: {len(running)} of {bsz} left")
+        # K/V every step reads: each sequence's context, averaged over the timed steps
+        kv_bytes = (ctx0 + sum(s.num_tokens for s in running)) / 2 * kv_per_token
         roof_ms = (weight_bytes + kv_bytes) / bw * 1e3  # bytes that must be read once
         row = {"batch": bsz, "step_ms": step_ms, "roofline_ms": roof_ms,
                "ratio_to_roofline": step_ms / roof_ms}
