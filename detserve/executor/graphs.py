@@ -102,6 +102,7 @@ class DecodeGraphs:
         # (bucket, splits) -> graph. A fast bucket whose longest context needs split-KV also
         # gets a one-split graph, replayed while every context is short enough for one.
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.last: torch.cuda.CUDAGraph | None = None  # the graph replayed last (benchmarks)
         self._hkv, self._sms = model.config.num_kv_heads, num_sms(dev)
         max_ctx = max_blocks * self.block_size
         self._splits = {b: choose_num_splits(b, self._hkv, max_ctx, self._sms)
@@ -182,6 +183,7 @@ class DecodeGraphs:
             splits = 1 if need == 1 else self._splits[b]
         graph, logits = self._graphs[(b, splits)]
         graph.replay()
+        self.last = graph
         return logits[:n]
 
 
