@@ -104,10 +104,13 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     sync()
     t0 = time.perf_counter()
+    start = time.monotonic()  # the clock of the requests' stats
     out_tokens = 0
+    finished: dict[bool, list[float]] = {True: [], False: []}  # deterministic? -> finish s
     while engine.has_unfinished_requests():
         for o in engine.step():  # final outputs only, as offline generation returns them
             out_tokens += len(o.token_ids)
+            finished[o.is_deterministic].append((o.stats.finish_time or start) - start)
     sync()
     elapsed = time.perf_counter() - t0
     stats = engine.stats()
@@ -140,6 +143,15 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "decode_buckets": list(buckets) if buckets else None,
         "lane_bound_waits": stats["lane_bound_waits"],
         "steps": {k: stats[k] for k in ("decode_steps", "mixed_steps")},
+        # the tail: when the last request of each kind finished, and the mean fast-path
+        # batch (tokens a fast step produced)
+        "last_finish_s": {"deterministic": max(finished[True], default=None),
+                          "non_deterministic": max(finished[False], default=None)},
+        "mean_finish_s": {k: sum(v) / len(v) if v else None for k, v in
+                          (("deterministic", finished[True]),
+                           ("non_deterministic", finished[False]))},
+        "fast_tokens_per_step": stats["fast_tokens"] / max(1, stats["decode_steps"]
+                                                           + stats["mixed_steps"]),
         "step_seconds": {k: stats[f"{k}_seconds"] for k in
                          ("schedule", "decode_step", "mixed_step", "lane_wait", "output")},
     }
@@ -211,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
               f"({sec['decode_step']:.1f} s), {st['mixed_steps']:.0f} with prefill "
               f"({sec['mixed_step']:.1f} s); schedule {sec['schedule']:.1f} s, lane "
               f"submit/wait {sec['lane_wait']:.1f} s, outputs {sec['output']:.1f} s", flush=True)
+        last, mean = r["last_finish_s"], r["mean_finish_s"]
+        fmt = lambda x: "-" if x is None else f"{x:.1f} s"  # noqa: E731
+        print(f"{'':>16} finish (mean / last): deterministic {fmt(mean['deterministic'])} / "
+              f"{fmt(last['deterministic'])}, others {fmt(mean['non_deterministic'])} / "
+              f"{fmt(last['non_deterministic'])}; {r['fast_tokens_per_step']:.1f} fast tokens "
+              "a step", flush=True)
         _save(args, runs)  # after every run: a cut-off job still leaves its figures
 
     for mode in args.modes.split(","):
