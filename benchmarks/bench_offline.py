@@ -18,6 +18,7 @@ import json
 import math
 import platform
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,8 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               num_blocks=args.num_blocks, seed=args.seed,
                               align_fast_path=not args.no_align,
                               lane_gemm_rows=args.lane_gemm_rows,
-                              lane_bound_fraction=args.lane_bound_fraction)
+                              lane_bound_fraction=args.lane_bound_fraction,
+                              lane_priority=args.lane_priority, lane_sms=args.lane_sms)
     engine = LLMEngine(cfg, loaded=loaded)
     vocab = engine.model.config.vocab_size
     rng = random.Random(args.seed)
@@ -179,6 +181,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="CUDA: no fast-path/lane alignment (split-KV decode, whole-pass lane GEMMs)")
     p.add_argument("--lane-gemm-rows", type=int, default=0,
                    help="CUDA: the lane's GEMM row chunk (0: chosen by probing cuBLAS)")
+    p.add_argument("--lane-priority", choices=("high", "normal"), default="high",
+                   help="CUDA stream priority of the lane")
+    p.add_argument("--lane-sms", type=int, default=None,
+                   help="run the lane in a green context of this many SMs")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="Python's thread switch interval in seconds (sys.setswitchinterval): "
+                        "how long the engine thread may hold the GIL while the lane thread "
+                        "waits for it")
     p.add_argument("--lane-bound-fraction", type=float, default=0.5,
                    help="wait for the lane when more than this share of sequences wait on it (1: never)")
     p.add_argument("--trace", default=None,
@@ -189,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="llm42 W x G grid at the largest ratio, e.g. 16,32,64,128x1,4,8,16")
     p.add_argument("--out", default=None, help="JSON path (markdown written beside it)")
     args = p.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     dtype = resolve_dtype(args.dtype)
     if args.model.startswith("random:"):
         loaded = random_model(args.model.split(":", 1)[1], dtype, args.device, args.seed)

@@ -111,7 +111,8 @@ class LLMEngine:
         """Lane on its own thread/stream (green context of ``lane_sms`` SMs) when asked or on
         CUDA; on CPU the in-process verifier keeps runs reproducible step by step."""
         if config.lane_threaded or config.device.startswith("cuda"):
-            return partial(ThreadedVerifier, lane_sms=config.lane_sms)
+            return partial(ThreadedVerifier, lane_sms=config.lane_sms,
+                           high_priority=config.lane_priority == "high")
         return InProcessVerifier
 
     @classmethod
