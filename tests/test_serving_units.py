@@ -71,6 +71,36 @@ def test_engine_loop_streams_exactly_the_engine_output() -> None:
     assert chunks["b"][-1].determinism is None and loop.outstanding_tokens == 0
 
 
+def test_engine_loop_delivers_each_step_in_one_batch() -> None:
+    """Every chunk arrives, in order per request, and the chunks of one step come in one
+    ``deliver`` call (the deployment turns it into one event-loop wake-up)."""
+    engine = LLMEngine.from_args(tiny_model(), "nondeterministic", max_model_len=256)
+    batches: list[list[tuple[object, DecodeChunk]]] = []
+    done = threading.Event()
+
+    def deliver(batch: list[tuple[object, DecodeChunk]]) -> None:
+        batches.append(batch)
+        if sum(c.finished for b in batches for _, c in b) == 4:
+            done.set()
+
+    loop = EngineLoop(engine, "test", deliver=deliver)
+    sinks = {rid: object() for rid in "abcd"}
+    for i, rid in enumerate("abcd"):
+        loop.submit(DecodeRequest(rid, (5 + i, 6, 7), SamplingParams(max_tokens=12,
+                                                                     ignore_eos=True)),
+                    sinks[rid])  # type: ignore[arg-type]
+    loop.start()  # all four are queued before the first step: they decode together
+    assert done.wait(60)
+    loop.stop()
+    chunks = [(sink, c) for b in batches for sink, c in b]
+    assert all(sink is sinks[c.request_id] for sink, c in chunks)
+    for rid in "abcd":
+        mine = [c for _, c in chunks if c.request_id == rid]
+        assert sum(len(c.token_ids) for c in mine) == 12 and mine[-1].finished
+        assert [c.num_output_tokens for c in mine] == sorted(c.num_output_tokens for c in mine)
+    assert max(len(b) for b in batches) == 4 and len(batches) < len(chunks) / 2
+
+
 def test_coalesced_chunks_carry_the_same_stream() -> None:
     lp = [TokenLogprob(t, -0.5 * t) for t in range(4)]
     parts = [DecodeChunk("r", "d", text="he", token_ids=(0,), logprobs=(lp[0],),

@@ -11,13 +11,14 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ray import serve
 
 from detserve.serve_config import DECODER
 from services.decoder.engine_factory import DecoderSettings, build_engine
-from services.decoder.engine_loop import EngineLoop
+from services.decoder.engine_loop import EngineLoop, deliver_each
 from services.decoder.messages import DecodeChunk, DecodeRequest, ReplicaStats, coalesce
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,31 @@ def _replica_id() -> str:
         return f"local-{os.getpid()}"
 
 
+@dataclass(frozen=True)
+class _QueueSink:
+    """A stream's queue, fed on its event loop (``_deliver_on_event_loops``)."""
+
+    event_loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[DecodeChunk]
+
+    def __call__(self, chunk: DecodeChunk) -> None:
+        self.queue.put_nowait(chunk)
+
+
+def _deliver_on_event_loops(batch: list[tuple[Any, DecodeChunk]]) -> None:
+    """One engine step's chunks: one wake-up of each event loop they go to (not one per
+    request: with many streams the per-call cross-thread wake-ups cost the engine thread
+    time it needs for the next step)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, DecodeChunk]]] = {}
+    for sink, chunk in batch:
+        by_loop.setdefault(sink.event_loop, []).append((sink, chunk))
+    for event_loop, items in by_loop.items():
+        try:
+            event_loop.call_soon_threadsafe(deliver_each, items)
+        except RuntimeError:  # that loop is closed: the replica is going away, and its
+            log.debug("dropped %d chunks for a closed event loop", len(items))  # streams
+
+
 @serve.deployment(name=DECODER, health_check_period_s=5, health_check_timeout_s=30,
                   graceful_shutdown_timeout_s=5,
                   logging_config={"enable_access_log": False})  # the router logs requests
@@ -38,15 +64,14 @@ class Decoder:
         self.settings = DecoderSettings.from_args(args)
         self.replica = _replica_id()
         engine, self._close = build_engine(self.settings, self.replica)
-        self.loop = EngineLoop(engine, self.replica)
+        self.loop = EngineLoop(engine, self.replica, deliver=_deliver_on_event_loops)
         self.loop.start()
         log.info("decoder %s ready (%s, mode %s)", self.replica, self.settings.model,
                  self.settings.mode)
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         chunks: asyncio.Queue[DecodeChunk] = asyncio.Queue()
-        event_loop = asyncio.get_running_loop()
-        self.loop.submit(request, lambda c: event_loop.call_soon_threadsafe(chunks.put_nowait, c))
+        self.loop.submit(request, _QueueSink(asyncio.get_running_loop(), chunks))
         finished = False
         try:
             while not finished:

@@ -1,8 +1,10 @@
 """Step an ``LLMEngine`` on a background thread and fan its outputs out to streams.
 
 The engine is not thread-safe, so this thread is its only user: requests and aborts
-arrive through an inbox, outputs leave through each request's ``sink`` callback (called
-on this thread; the deployment hands them to its event loop). A failing step is fatal:
+arrive through an inbox, outputs leave through each request's ``sink``. All the chunks of
+one step go out in one call of ``deliver`` (on this thread): by default it calls each
+sink; the deployment hands the whole batch to its event loop in one wake-up instead of
+one per request. A failing step is fatal:
 every open stream gets an error chunk and ``healthy`` turns False, so Ray Serve's health
 check restarts the replica.
 """
@@ -22,7 +24,13 @@ from services.decoder.messages import DecodeChunk, DecodeRequest
 
 log = logging.getLogger(__name__)
 Sink = Callable[[DecodeChunk], object]
+Deliver = Callable[[list[tuple[Sink, DecodeChunk]]], object]
 _IDLE_WAIT_S = 0.5
+
+
+def deliver_each(batch: list[tuple[Sink, DecodeChunk]]) -> None:
+    for sink, chunk in batch:
+        sink(chunk)
 
 
 @dataclass(frozen=True)
@@ -44,8 +52,10 @@ class _Stream:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, replica: str) -> None:
+    def __init__(self, engine: LLMEngine, replica: str, deliver: Deliver = deliver_each) -> None:
         self.engine = engine
+        self._deliver_batch = deliver
+        self._pending: list[tuple[Sink, DecodeChunk]] = []  # this iteration's chunks
         self.replica = replica
         self.determinism = engine.determinism_profile()
         self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
@@ -63,9 +73,9 @@ class EngineLoop:
 
     def submit(self, request: DecodeRequest, sink: Sink) -> None:
         if self._stop.is_set() or not self.healthy:
-            sink(DecodeChunk(request.request_id, self.replica, finished=True,
-                             error=f"decoder {self.replica} is not running",
-                             error_type="server_error"))
+            self._deliver_batch([(sink, DecodeChunk(
+                request.request_id, self.replica, finished=True,
+                error=f"decoder {self.replica} is not running", error_type="server_error"))])
             return
         self._inbox.put(_Add(request, sink))
         self._wake.set()
@@ -99,6 +109,7 @@ class EngineLoop:
             while not self._stop.is_set():
                 self._drain_inbox()
                 if not self.engine.has_unfinished_requests():
+                    self._flush()
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
                     continue
@@ -106,6 +117,7 @@ class EngineLoop:
                 self._stats = self.engine.stats()
                 for out in outputs:
                     self._deliver(out)
+                self._flush()
                 self._forget([out.request_id for out in outputs if out.finished])
         except Exception as e:  # the engine's state is unknown now: fail everything
             log.exception("engine step failed on %s", self.replica)
@@ -113,6 +125,14 @@ class EngineLoop:
             self._fail_all(f"decoder {self.replica} failed: {type(e).__name__}: {e}")
             return
         self._fail_all(f"decoder {self.replica} is shutting down")
+
+    def _send(self, sink: Sink, chunk: DecodeChunk) -> None:
+        self._pending.append((sink, chunk))
+
+    def _flush(self) -> None:
+        if self._pending:
+            batch, self._pending = self._pending, []
+            self._deliver_batch(batch)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -131,8 +151,8 @@ class EngineLoop:
             self.engine.add_request(rid, None, request.params,
                                     prompt_token_ids=list(request.prompt_token_ids))
         except ValueError as e:
-            sink(DecodeChunk(rid, self.replica, finished=True, error=str(e),
-                             error_type="invalid_request"))
+            self._send(sink, DecodeChunk(rid, self.replica, finished=True, error=str(e),
+                                         error_type="invalid_request"))
             return
         self._streams[rid] = _Stream(request, sink, DeltaTracker(request.params.stop))
         self._outstanding_tokens += request.cost_tokens
@@ -164,7 +184,7 @@ class EngineLoop:
                 chunk = DecodeChunk(out.request_id, self.replica, finished=True,
                                     finish_reason="abort", error="request aborted by the engine",
                                     error_type="server_error", engine_stats=self._stats)
-        stream.sink(chunk)
+        self._send(stream.sink, chunk)
 
     def _forget(self, request_ids: list[str]) -> None:
         """A remote verifier keeps finished requests' block tables until told."""
@@ -179,7 +199,8 @@ class EngineLoop:
 
     def _fail_all(self, message: str) -> None:
         for rid, stream in list(self._streams.items()):
-            stream.sink(DecodeChunk(rid, self.replica, finished=True, error=message,
-                                    error_type="server_error"))
+            self._send(stream.sink, DecodeChunk(rid, self.replica, finished=True, error=message,
+                                                error_type="server_error"))
         self._streams.clear()
+        self._flush()
         self._outstanding_tokens = 0
