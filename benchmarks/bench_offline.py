@@ -18,6 +18,7 @@ import json
 import math
 import platform
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -189,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="Python's thread switch interval in seconds (sys.setswitchinterval): "
                         "how long the engine thread may hold the GIL while the lane thread "
                         "waits for it")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the whole list of modes this many times, interleaved; the "
+                        "summary gives each mode's median (two identical runs can differ "
+                        "by 10 %% and more on a GPU)")
     p.add_argument("--lane-bound-fraction", type=float, default=0.5,
                    help="wait for the lane when more than this share of sequences wait on it (1: never)")
     p.add_argument("--trace", default=None,
@@ -243,10 +248,12 @@ def main(argv: list[str] | None = None) -> int:
               "a step", flush=True)
         _save(args, runs)  # after every run: a cut-off job still leaves its figures
 
-    for mode in args.modes.split(","):
-        ratios = [float(r) for r in args.ratios.split(",")] if mode == "llm42" else [1.0 if mode in ("batch_invariant", "lane_only") else 0.0]
-        for ratio in ratios:
-            record(run_one(loaded, args, mode, ratio, shapes, prompts))
+    for rep in range(args.repeat):  # interleaved: a slow spell hits every mode alike
+        for mode in args.modes.split(","):
+            ratios = ([float(r) for r in args.ratios.split(",")] if mode == "llm42"
+                      else [1.0 if mode in ("batch_invariant", "lane_only") else 0.0])
+            for ratio in ratios:
+                record({**run_one(loaded, args, mode, ratio, shapes, prompts), "repeat": rep})
     if args.sweep:
         ws, gs = (tuple(int(x) for x in part.split(",")) for part in args.sweep.split("x"))
         ratio = max(float(r) for r in args.ratios.split(","))
@@ -257,11 +264,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (mode, ratio, W, G): the median output throughput over its runs, its range, and
+    its ratio to the median nondeterministic run."""
+    groups: dict[tuple[Any, ...], list[float]] = {}
+    for r in runs:
+        key = (r["mode"], r["deterministic_ratio"], r["verify_window"], r["verify_group"])
+        groups.setdefault(key, []).append(r["output_throughput"])
+    base = groups.get(next((k for k in groups if k[0] == "nondeterministic"), ()), [])
+    base_med = statistics.median(base) if base else None
+    return [{"mode": k[0], "deterministic_ratio": k[1], "verify_window": k[2],
+             "verify_group": k[3], "runs": len(v), "median_output_throughput":
+             statistics.median(v), "min": min(v), "max": max(v),
+             "vs_nondeterministic_median": statistics.median(v) / base_med if base_med else None}
+            for k, v in groups.items()]
+
+
 def _save(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
-    base = next((r for r in runs if r["mode"] == "nondeterministic"), None)
     meta = {"date": dt.date.today().isoformat(), "hardware": hardware(args.device),
             "torch": torch.__version__, "args": vars(args)}
-    report = {"meta": meta, "runs": runs}
+    report = {"meta": meta, "runs": runs, "summary": summarize(runs)}
+    base = next((r for r in runs if r["mode"] == "nondeterministic"), None)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -287,6 +310,18 @@ def markdown(report: dict[str, Any], base: dict[str, Any] | None) -> str:
                      f"{r['output_throughput']:.1f} | {r['total_token_throughput']:.1f} | {rel} | "
                      f"{r['rollbacks']} | {r['recomputed_pct_of_decoded']:.2f} | "
                      f"{r['lane_padding_fraction']:.1%} |")
+    summary = report.get("summary") or []
+    if any(s["runs"] > 1 for s in summary):
+        lines += ["", "Medians over the repeated runs (ratios: median / median of "
+                  "nondeterministic):", "",
+                  "| mode | det. ratio | runs | median output tok/s | range | vs nondet |",
+                  "|---|---|---|---|---|---|"]
+        for s in summary:
+            rel = (f"{s['vs_nondeterministic_median']:.3f}x"
+                   if s["vs_nondeterministic_median"] else "-")
+            lines.append(f"| {s['mode']} | {s['deterministic_ratio']:.0%} | {s['runs']} | "
+                         f"{s['median_output_throughput']:.1f} | {s['min']:.1f}-{s['max']:.1f} | "
+                         f"{rel} |")
     return "\n".join(lines) + "\n"
 
 

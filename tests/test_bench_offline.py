@@ -1,0 +1,37 @@
+"""The offline benchmark harness: repeated, interleaved runs and their medians."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import bench_offline
+
+
+def test_repeated_runs_are_summarized_by_median(tmp_path: Path) -> None:
+    out = tmp_path / "offline.json"
+    assert bench_offline.main([
+        "--model", "random:tiny", "--num-requests", "6", "--input-len", "12",
+        "--output-len", "10", "--modes", "nondeterministic,llm42", "--ratios", "0.5",
+        "--verify-window", "8", "--verify-group", "2", "--repeat", "2",
+        "--warmup-requests", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    # interleaved: every mode once per repeat, in the order given
+    assert [(r["mode"], r["repeat"]) for r in runs] == [
+        ("nondeterministic", 0), ("llm42", 0), ("nondeterministic", 1), ("llm42", 1)]
+    assert all(r["total_output_tokens"] == 60 for r in runs)
+    det = [r for r in runs if r["mode"] == "llm42"]
+    assert all(r["windows"] > 0 and r["verify_passes"] > 0 for r in det)
+    assert all(r["last_finish_s"]["deterministic"] is not None for r in det)
+    summary = {s["mode"]: s for s in report["summary"]}
+    for mode in ("nondeterministic", "llm42"):
+        tps = sorted(r["output_throughput"] for r in runs if r["mode"] == mode)
+        s = summary[mode]
+        assert s["runs"] == 2 and s["min"] == tps[0] and s["max"] == tps[1]
+        assert s["median_output_throughput"] == (tps[0] + tps[1]) / 2
+    base = summary["nondeterministic"]["median_output_throughput"]
+    assert summary["llm42"]["vs_nondeterministic_median"] == (
+        summary["llm42"]["median_output_throughput"] / base)
+    md = out.with_suffix(".md").read_text()
+    assert "Medians over the repeated runs" in md and "--repeat 2" in md
