@@ -89,7 +89,8 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               align_fast_path=not args.no_align,
                               lane_gemm_rows=args.lane_gemm_rows,
                               lane_bound_fraction=args.lane_bound_fraction,
-                              lane_priority=args.lane_priority, lane_sms=args.lane_sms)
+                              lane_priority=args.lane_priority, lane_sms=args.lane_sms,
+                              lane_decode_in_mixed_steps=not args.lane_decode_sits_out)
     engine = LLMEngine(cfg, loaded=loaded)
     vocab = engine.model.config.vocab_size
     rng = random.Random(args.seed)
@@ -190,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="Python's thread switch interval in seconds (sys.setswitchinterval): "
                         "how long the engine thread may hold the GIL while the lane thread "
                         "waits for it")
+    p.add_argument("--lane-decode-sits-out", action="store_true",
+                   help="deterministic sequences' decode rows sit out every other step that "
+                        "carries prefill rows (lane_decode_in_mixed_steps=False)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the whole list of modes this many times, interleaved; the "
                         "summary gives each mode's median (two identical runs can differ "

@@ -49,6 +49,11 @@ class SchedulerConfig:
     # answers (prompt chunks or windows queued there), a step first waits for a lane pass
     # instead of spending a whole decode step on the few others (1: never wait)
     lane_bound_fraction: float = 0.5
+    # whether lane sequences' decode rows join fast steps that also carry prefill rows. On
+    # CUDA such rows must run their products as a call of their own, padded to a bucket in
+    # the lane chunk's cuBLAS class (a second weight read for the step); with False they sit
+    # out every other such step, and when none joins, the step's products run as one call
+    lane_decode_in_mixed_steps: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -135,7 +140,7 @@ class EngineConfig:
                verify_group: int = 8, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                max_model_len: int = 2048, lane_max_wait_steps: int = 8,
                overlap_windows: bool = True, lane_bound_fraction: float = 0.5,
-               block_size: int = 16,
+               lane_decode_in_mixed_steps: bool = True, block_size: int = 16,
                num_blocks: int | None = None, enable_prefix_caching: bool = True,
                **kw: object) -> EngineConfig:
         """Flat keyword constructor used by the offline API and the CLI."""
@@ -144,7 +149,8 @@ class EngineConfig:
                                 max_model_len=max_model_len, verify_window=verify_window,
                                 verify_group=verify_group, lane_max_wait_steps=lane_max_wait_steps,
                                 overlap_windows=overlap_windows,
-                                lane_bound_fraction=lane_bound_fraction)
+                                lane_bound_fraction=lane_bound_fraction,
+                                lane_decode_in_mixed_steps=lane_decode_in_mixed_steps)
         if num_blocks is None:
             # enough for a full lane of long sequences plus headroom
             num_blocks = max(1024, 2 * max_model_len // block_size + 1)

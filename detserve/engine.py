@@ -234,8 +234,11 @@ class LLMEngine:
         segs = [RowSegment(tuple(i.seq.token_ids[i.start:i.end]), i.start, tuple(i.seq.block_table))
                 for i in items]
         specs = [i.seq.spec if i.sample else None for i in items]
+        # decode rows the lane will verify need the lane's bits (see ModelRunner._padded)
+        align = any(i.seq.uses_lane and i.end - i.start == 1 for i in items)
         results = self.runner.run_batch(segs, specs,
-                                        batch_invariant=self.config.mode == "batch_invariant")
+                                        batch_invariant=self.config.mode == "batch_invariant",
+                                        align_decode=align)
         self.counters["fast_passes"] += 1
         self.counters["fast_rows"] += sum(i.end - i.start for i in items)
         vocab = self.model.config.vocab_size

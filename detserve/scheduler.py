@@ -252,6 +252,8 @@ class Scheduler:
     def _plan_fast(self, out: SchedulerOutput) -> list[FastItem]:
         budget = self.cfg.max_num_batched_tokens
         wants = [(s, self._fast_rows(s)) for s in self.running]
+        if not self.cfg.lane_decode_in_mixed_steps and any(r > 1 for _, r in wants):
+            wants = [(s, 0 if self._sits_out(s, r) else r) for s, r in wants]
         # decode rows (one token) before prefill chunks, each group in arrival order
         order = [w for w in wants if w[1] == 1] + [w for w in wants if w[1] > 1]
         items: list[FastItem] = []
@@ -270,6 +272,15 @@ class Scheduler:
             items.append(FastItem(seq, seq.num_computed, end, sample=end == seq.num_tokens))
             budget -= n
         return items
+
+    @staticmethod
+    def _sits_out(seq: Sequence, rows: int) -> bool:
+        """In a step with prefill rows: a lane sequence's decode row stays out of every
+        other such step (it is never starved, whatever the prefill traffic)."""
+        if not (seq.uses_lane and rows == 1):
+            return False
+        seq.sat_out = not seq.sat_out
+        return seq.sat_out
 
     def _grow(self, seq: Sequence, num_tokens: int, out: SchedulerOutput,
               scheduled: list[FastItem] | None = None) -> bool:

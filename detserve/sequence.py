@@ -50,6 +50,7 @@ class Sequence:
     # incremental detokenization: (text of output[:read], prefix offset, read offset)
     detok: tuple[str, int, int] | None = None
     stop_set: frozenset[int] | None = None   # stop token ids (the scheduler's cache)
+    sat_out: bool = False                    # sat out the last step that had prefill rows
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -210,3 +210,50 @@ def test_block_manager_prefix_cache_bookkeeping() -> None:
     assert bm.allocate(5) is not None  # evicts them
     assert bm.match(digests) == []
     bm.check_integrity([[1, 2, 3, 4, 5]])
+
+
+@pytest.mark.parametrize("joins", [True, False], ids=["lane-rows-join", "lane-rows-sit-out"])
+def test_decode_rows_padded_only_when_the_lane_verifies_them(
+        model: str, oracle: tuple, monkeypatch: pytest.MonkeyPatch, joins: bool) -> None:
+    """With decode buckets (as on CUDA), an eager step pads its decode rows' products only
+    when a lane sequence's row is among them; whether lane rows join steps with prefill
+    rows or sit out every other one, the deterministic request still equals the oracle."""
+    from engine_utils import drive
+
+    from detserve.engine import LLMEngine
+    from detserve.executor import runner as runner_mod
+
+    params, expected = oracle
+    padded: list[int] = []
+
+    class CountingPad(runner_mod.HeadPaddedOps):
+        def __init__(self, base, head: int, size: int) -> None:  # type: ignore[no-untyped-def]
+            padded.append(head)
+            super().__init__(base, head, size)
+
+    monkeypatch.setattr(runner_mod, "HeadPaddedOps", CountingPad)
+    engine = LLMEngine.from_args(model, "llm42", verify_window=8, verify_group=4,
+                                 max_model_len=512, max_num_batched_tokens=16,
+                                 lane_decode_in_mixed_steps=joins)
+    engine.runner.decode_buckets = (4, 8, 16, 32)  # what the CUDA alignment would plan
+    steps: list[tuple[bool, bool, int]] = []  # (lane decode rows?, prefill rows?, pads)
+    real = engine.runner.run_batch
+
+    def spy(segs, specs, batch_invariant=False, align_decode=True):  # type: ignore[no-untyped-def]
+        before = len(padded)
+        res = real(segs, specs, batch_invariant, align_decode)
+        steps.append((align_decode, any(len(s.input_ids) > 1 for s in segs),
+                      len(padded) - before))
+        return res
+
+    engine.runner.run_batch = spy  # type: ignore[method-assign]
+    others = [Req(r.prompt, r.params, arrival=6 + 5 * i)
+              for i, r in enumerate(_others(6, det=False, seed=2))]
+    outs = drive(engine, [Req(TARGET, params), *others])
+    engine.close()
+    assert signature(outs[0]) == expected
+    assert all(pads == 0 for lane, _, pads in steps if not lane)
+    assert all(pads > 0 for lane, _, pads in steps if lane)
+    assert any(not lane for lane, _, _ in steps) and any(lane for lane, _, _ in steps)
+    mixed = [lane for lane, prefill, _ in steps if prefill]
+    assert mixed and (all(mixed) if joins else not all(mixed))

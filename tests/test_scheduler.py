@@ -273,3 +273,27 @@ def test_config_validation() -> None:
     with pytest.raises(ValueError):
         SchedulerConfig(verify_window=0)
     assert SchedulerConfig().lane_rows == 512
+
+
+@pytest.mark.parametrize("joins", [True, False])
+def test_lane_decode_rows_in_steps_with_prefill(joins: bool) -> None:
+    """With ``lane_decode_in_mixed_steps=False`` a lane sequence's decode row sits out every
+    other step that carries prefill rows (never starved), and joins decode-only steps."""
+    s = _sched(W=8, G=2, max_num_batched_tokens=6, lane_decode_in_mixed_steps=joins)
+    det = _seq(0, 5, det=True, max_tokens=60)
+    s.add(det)
+    while det.needs_lane_prefill() or det.num_committed == det.num_prompt:
+        out = s.schedule()  # the prompt goes through the lane
+        _fake_fast(s, out)
+        for it in out.lane:
+            s.on_lane_result(it, [9] if it.sample_rows else [])
+    assert s.schedule().fast  # decode-only: the lane sequence decodes
+    s.add(_seq(1, 40, det=False))  # 40 prompt tokens: several steps with prefill rows
+    joined = []
+    for _ in range(4):
+        out = s.schedule()
+        assert any(i.end - i.start > 1 for i in out.fast), "a step with prefill rows"
+        joined.append(any(i.seq is det for i in out.fast))
+        _fake_fast(s, out)
+    assert joined == ([True] * 4 if joins else [False, True, False, True])
+    s.check_integrity()

@@ -159,9 +159,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_batch(self, segments: list[RowSegment], sample_specs: list[SamplingSpec | None],
-                  batch_invariant: bool = False) -> list[tuple[int, TokenLogprob | None] | None]:
+                  batch_invariant: bool = False, align_decode: bool = True
+                  ) -> list[tuple[int, TokenLogprob | None] | None]:
         """One fast-path (or batch-invariant) forward; samples the last row of each segment
-        whose spec is not None. Returns one (token, logprob) or None per segment."""
+        whose spec is not None. Returns one (token, logprob) or None per segment.
+        ``align_decode=False``: no decode row here will be verified by the lane, so an eager
+        step runs its products as one call (no bucket padding)."""
         want = [i for i, s in enumerate(sample_specs) if s is not None]
         results: list[tuple[int, TokenLogprob | None] | None] = [None] * len(segments)
         ops = self.bi_ops if batch_invariant else self.fast_ops
@@ -175,6 +178,8 @@ class ModelRunner:
             batch = build_rows(segments, self.pool.block_size, self.device)
             head = next((i for i, s in enumerate(segments) if len(s.input_ids) != 1),
                         len(segments))
+            if not align_decode:
+                head = 0
             hidden = self._forward(batch, self._padded(ops, head, batch_invariant),
                                    "bi" if batch_invariant else "fast")
             if not want:
