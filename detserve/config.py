@@ -102,7 +102,9 @@ class EngineConfig:
     # few windows roll back. Fast-path decode rows whose context needs no split run the
     # lane's attention kernel, and the lane runs its products in chunks of
     # ``lane_gemm_rows`` rows (0: a chunk in the cuBLAS class of most of the fast path's
-    # decode batch sizes, found by probing; see executor/gemm_classes.py).
+    # decode batch sizes, found by probing; see executor/gemm_classes.py). On CPU,
+    # ``lane_gemm_rows`` > 0 is the lane's row chunk for products and attention, and a pass
+    # computes only the chunks its rows fill (0: the whole G*W pass, always).
     align_fast_path: bool = True
     lane_gemm_rows: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -68,7 +68,7 @@ class LLMEngine:
         cuda = config.device.startswith("cuda")
         self.alignment = self._alignment() if cuda and sc.uses_lane else None
         self.lane_gemm_rows = (self.alignment.chunk if self.alignment else
-                               config.lane_gemm_rows if cuda and sc.uses_lane else 0)
+                               config.lane_gemm_rows if sc.uses_lane else 0)
         self.runner = ModelRunner(self.model, self.pool, sc.lane_rows, sc.verify_window,
                                   config.batch_invariant_rows, self.lane_gemm_rows,
                                   align_fast_path=cuda and config.align_fast_path,
@@ -406,8 +406,8 @@ class LLMEngine:
             prof["batch_invariant_rows"] = self.config.batch_invariant_rows
         if dev.startswith("cuda"):
             prof["cuda_graphs"] = self.config.cuda_graphs  # the lane's GEMMs replayed or eager
-            if self.lane_gemm_rows:
-                prof["lane_gemm_rows"] = self.lane_gemm_rows
+        if self.lane_gemm_rows:
+            prof["lane_gemm_rows"] = self.lane_gemm_rows
         blob = json.dumps(prof, sort_keys=True).encode()
         prof["fingerprint"] = hashlib.sha256(blob).hexdigest()[:16]
         return prof

@@ -47,7 +47,7 @@ class LaneGeometry:
     window: int
     batch_invariant_rows: int
     block_size: int
-    lane_gemm_rows: int = 0  # CUDA: row chunk of the lane's products (0: the whole pass)
+    lane_gemm_rows: int = 0  # row chunk of the lane's products (0: the whole pass)
 
     def __post_init__(self) -> None:
         if min(self.lane_rows, self.window, self.batch_invariant_rows, self.block_size) <= 0:

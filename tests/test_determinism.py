@@ -257,3 +257,21 @@ def test_decode_rows_padded_only_when_the_lane_verifies_them(
     assert any(not lane for lane, _, _ in steps) and any(lane for lane, _, _ in steps)
     mixed = [lane for lane, prefill, _ in steps if prefill]
     assert mixed and (all(mixed) if joins else not all(mixed))
+
+
+@pytest.mark.parametrize("case", ["batch10", "batch3-mixed", "shared-prefix"])
+def test_lane_row_chunks_on_cpu_keep_lane_only_equality(model: str, case: str) -> None:
+    """``lane_gemm_rows`` on CPU: the lane computes only the 8-row chunks a pass fills. The
+    target equals the ``lane_only`` oracle of the same profile, under perturbation, and
+    passes really were trimmed (fewer rows computed than G*W each)."""
+    params = GREEDY
+    (ref,), _, oracle_engine = run_engine(model, [Req(TARGET, params)], mode="lane_only",
+                                          lane_gemm_rows=8)
+    profile = oracle_engine.determinism_profile()
+    assert profile["lane_gemm_rows"] == 8
+    reqs = CASES[case]() + [Req(TARGET, params, arrival=2)]
+    outs, stats, engine = run_engine(model, reqs, perturbation=0.25, seed=3, lane_gemm_rows=8)
+    assert signature(outs[-1]) == signature(ref)
+    assert engine.determinism_profile()["lane_gemm_rows"] == 8
+    assert stats["rollbacks"] > 0 and stats["verify_passes"] > 0
+    assert stats["lane_computed_rows"] < stats["lane_rows"]

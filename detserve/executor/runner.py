@@ -66,10 +66,11 @@ class ModelRunner:
     """Owns the model and the KV pool tensors.
 
     ``lane_rows`` (G*W) is the lane's fixed pass size and ``window`` (W) its fixed chunk for
-    the lm_head, so a row's logits never depend on the pass's other rows. On CUDA,
-    ``lane_gemm_rows`` (when > 0) replaces both as the row chunk of every lane product
-    (see ``gemm_classes``), and a pass then runs only the chunks its rows fill (a row's
-    bits depend on the chunk size, not on how many chunks run); with ``align_fast_path``
+    the lm_head, so a row's logits never depend on the pass's other rows.
+    ``lane_gemm_rows`` (when > 0) replaces the pass as the row chunk of every lane product
+    (on CUDA also of the lm_head; see ``gemm_classes``; on CPU also of the lane's attention),
+    and a pass then runs only the chunks its rows fill (a row's bits depend on the chunk
+    size, not on how many chunks run). On CUDA, with ``align_fast_path``
     decode rows that need no split use the lane's attention kernel
     (``gpu.fast_decode_attention``). ``decode_buckets`` (an ``Alignment``'s) are the sizes
     the fast path pads its decode rows' products to, in graphs and in eager steps alike.
@@ -85,7 +86,7 @@ class ModelRunner:
         self.cuda = self.device.type == "cuda"
         self.lane_rows = lane_rows
         self.fast_ops: Ops = TorchOps()
-        self.lane_ops: Ops = FixedShapeOps(lane_rows)
+        self.lane_ops: Ops = FixedShapeOps(lane_gemm_rows or lane_rows)
         self.window = window
         self.lane_logit_ops: Ops = FixedShapeOps(window)
         self.bi_ops: Ops = FixedShapeOps(batch_invariant_rows)
@@ -129,7 +130,7 @@ class ModelRunner:
         """Row counts a lane pass runs at: multiples of the GEMM chunk up to the pass (the
         last one may pass it), or the whole pass."""
         c = self.lane_gemm_rows
-        if not (self.cuda and c):
+        if not c:
             return [self.lane_rows]
         return [k * c for k in range(1, -(-self.lane_rows // c) + 1)]
 
@@ -152,7 +153,7 @@ class ModelRunner:
         elif kind == "fast":
             attn = partial(fast_attention, self.pool, batch=batch)
         else:
-            rows = self.lane_rows if kind == "lane" else self.bi_rows
+            rows = (self.lane_gemm_rows or self.lane_rows) if kind == "lane" else self.bi_rows
             attn = partial(tiled_attention, self.pool, batch=batch, chunk_rows=rows)
         return self.model(batch.input_ids, batch.positions,
                           lambda i, q, k, v: attn(i, q, k, v), ops, rope_in_attention=self.cuda)
