@@ -13,8 +13,9 @@ On a GPU (``--device cuda``) the decoder replica is a Ray actor holding the GPU;
 ``llm42`` the verifier replica shares it (``num_gpus`` of ``--verifier-gpu-fraction`` for
 the verifier, the rest for the decoder; the verifier's lane kernels get that fraction of the
 SMs: an MPS thread percentage when the MPS daemon runs, else a green context). The model
-must be a path or alias that ``detserve.model.loader`` loads (``random:<shape>`` models
-exist in offline benchmarks only); benchmarks/gpu_serving.sh runs it on the GPU machine.
+is anything ``detserve.model.loader`` loads, ``random:<shape>`` included (e.g.
+``random:llama3-8b``: the 8B shape served with no checkpoint to bring; decoder and verifier
+draw the same weights from one seed); benchmarks/gpu_serving.sh runs it on the GPU machine.
 
     python -m benchmarks.bench_serving_overhead --model smollm2 \
         --out docs/benchmarks/serving_overhead_cpu
@@ -42,7 +43,8 @@ import torch
 
 from benchmarks.bench_offline import hardware
 from detserve.engine import LLMEngine
-from detserve.model.loader import load_model
+from detserve.model.loader import RANDOM_PREFIX, load_model
+from detserve.model.random_init import shape_config
 from detserve.params import SamplingParams
 
 MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"  # as services.verifier.deployment.mps_running reads it
@@ -243,10 +245,6 @@ def main() -> None:
                          "(compiles every kernel shape the measured load meets: GPU)")
     ap.add_argument("--out", type=Path, default=None, help="write <out>.json and <out>.md")
     a = ap.parse_args()
-    if a.model.startswith("random:"):
-        ap.error("random:<shape> models load in offline benchmarks only; the served replicas "
-                 "load --model through detserve.model.loader (a GGUF file, an HF folder or "
-                 "an alias)")
     gpu = a.device == "cuda"
     if gpu and not torch.cuda.is_available():
         ap.error("--device cuda but torch sees no CUDA device")
@@ -254,7 +252,10 @@ def main() -> None:
         ap.error("--verifier-gpu-fraction must be in (0, 1): decoder and verifier share one GPU")
     kw: dict[str, Any] = dict(verify_window=a.verify_window, verify_group=a.verify_group,
                               max_model_len=a.max_model_len, device=a.device, dtype=a.dtype)
-    vocab = load_model(a.model)[0].config.vocab_size  # on CPU: only the vocabulary is needed
+    if a.model.startswith(RANDOM_PREFIX):
+        vocab = shape_config(a.model[len(RANDOM_PREFIX):]).vocab_size
+    else:
+        vocab = load_model(a.model)[0].config.vocab_size  # on CPU: only the vocabulary
     results = []
     for mode in a.modes.split(","):
         w = Workload(make_prompts(a.requests, a.prompt_len, vocab, 0), a.output_len,

@@ -51,7 +51,9 @@ else
 fi
 
 # ---- preflight: versions, and every import the served path needs --------------------------
-[ -f "$model" ] || { echo "model $model missing (unstage.sh rejoins it)"; exit 1; }
+# MODEL=random:llama3-8b serves the 8B shape with random weights (no GGUF needed; decoder and
+# verifier draw the same weights from one seed, 16 GB each on the GPU)
+case "$model" in random:*) ;; *) [ -f "$model" ] || { echo "model $model missing (unstage.sh rejoins it)"; exit 1; } ;; esac
 timeout 120 python3 - <<'EOF' || { echo "preflight failed"; exit 1; }
 import importlib.metadata as md
 import torch

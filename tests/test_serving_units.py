@@ -267,3 +267,24 @@ def test_serve_command_builds_the_shared_config() -> None:
     assert args["fastpath_perturbation"] == 0.1 and args["redis_url"] == "redis://127.0.0.1:1/0"
     assert config["http_options"]["port"] == 8080 == args["http_port"]
     assert config == default_serve_config(http_host="0.0.0.0", **args)
+
+
+def test_random_shape_models_load_everywhere_a_model_spec_goes() -> None:
+    """``random:<shape>``: the engine, the verifier and the router all accept it (the router
+    only needs the tokenizer); the same spec gives the same weights every time."""
+    import torch
+
+    from detserve.model.loader import load_model
+
+    m1, tok, info = load_model("random:tiny")
+    m2, _, _ = load_model("random:tiny")
+    assert info.weights_hash == "random-seed0" and m1.config.vocab_size == 512
+    assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters(), strict=True))
+    ctx = ModelContext.load("random:tiny", 256)
+    assert ctx.serves("random:tiny") and not ctx.serves("tiny")
+    assert ctx.tokenizer.encode("t5 t6 t7", add_special_tokens=True) == [5, 6, 7]
+    assert tok.decode([5, 6]) == ctx.tokenizer.decode([5, 6])
+    with pytest.raises(ValueError, match="unknown shape"):
+        load_model("random:llama9-1t")
+    with pytest.raises(ValueError, match="random:<shape>"):
+        load_model("not-a-model")

@@ -17,6 +17,7 @@ from detserve.model.llama import LlamaModel
 from detserve.model.tokenizer import Tokenizer
 
 ALIASES = ("smollm2",)
+RANDOM_PREFIX = "random:"
 # Files at least this big get their digest cached beside them as <file>.sha256.
 _HASH_CACHE_MIN_BYTES = 16 << 20
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -48,11 +49,17 @@ def load_model(spec: str | Path, dtype: torch.dtype | str = torch.float32,
                device: str | torch.device = "cpu") -> tuple[LlamaModel, Tokenizer, ModelInfo]:
     """Load weights, tokenizer and identity for ``spec``.
 
-    ``spec``: an HF folder (config.json + weights + tokenizer.json), a ``.gguf`` file, or an
-    alias (``smollm2``, fetched on first use). FileNotFoundError for a missing path,
-    ValueError for something that is neither.
+    ``spec``: an HF folder (config.json + weights + tokenizer.json), a ``.gguf`` file, an
+    alias (``smollm2``, fetched on first use), or ``random:<shape>`` (random weights of a
+    real shape, e.g. ``random:llama3-8b``, drawn on ``device`` from a fixed seed: for
+    throughput runs that need no checkpoint). FileNotFoundError for a missing path,
+    ValueError for something that is none of these.
     """
     torch_dtype = resolve_dtype(dtype)
+    if str(spec).startswith(RANDOM_PREFIX):
+        from detserve.model.random_init import random_model
+
+        return random_model(str(spec)[len(RANDOM_PREFIX):], torch_dtype, str(device))
     dtype_name = str(torch_dtype).removeprefix("torch.")
     name, path = _resolve_spec(spec)
     if path.is_dir():
@@ -87,7 +94,8 @@ def _resolve_spec(spec: str | Path) -> tuple[str, Path]:
         return path.stem, path.resolve()
     if path.suffix == ".gguf" or len(path.parts) > 1:
         raise FileNotFoundError(f"model path {path} does not exist")
-    raise ValueError(f"unknown model {spec!r}: not a path, and not one of the aliases {ALIASES}")
+    raise ValueError(f"unknown model {spec!r}: not a path, not one of the aliases {ALIASES}, "
+                     f"and not {RANDOM_PREFIX}<shape>")
 
 
 def _build(config: ModelConfig, dtype: torch.dtype, device: str | torch.device,

@@ -30,6 +30,18 @@ SHAPES: dict[str, ModelConfig] = {
 }
 
 
+def random_tokenizer(shape: str) -> Tokenizer:
+    """The tokenizer ``random_model(shape)`` comes with (token i is the word ``t<i>``)."""
+    cfg = shape_config(shape)
+    return _word_tokenizer(cfg.vocab_size, cfg.eos_token_ids)
+
+
+def shape_config(shape: str) -> ModelConfig:
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    return SHAPES[shape]
+
+
 def _word_tokenizer(vocab: int, eos: tuple[int, ...]) -> Tokenizer:
     backend = BackendTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -39,9 +51,7 @@ def _word_tokenizer(vocab: int, eos: tuple[int, ...]) -> Tokenizer:
 @torch.inference_mode()
 def random_model(shape: str, dtype: torch.dtype, device: str, seed: int = 0
                  ) -> tuple[LlamaModel, Tokenizer, ModelInfo]:
-    if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
-    cfg = SHAPES[shape]
+    cfg = shape_config(shape)
     gen = torch.Generator(device=device).manual_seed(seed)
     model = LlamaModel(cfg, dtype=dtype, device=device)
     for name, p in model.named_parameters():

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from detserve.model.fetch import fetch_smollm2
+from detserve.model.loader import RANDOM_PREFIX
+from detserve.model.random_init import random_tokenizer
 from detserve.model.tokenizer import Tokenizer
 
 
@@ -18,6 +20,9 @@ class ModelContext:
 
     @classmethod
     def load(cls, spec: str, max_model_len: int) -> ModelContext:
+        if spec.startswith(RANDOM_PREFIX):  # random weights of a real shape (benchmarks)
+            return cls(spec, frozenset(), random_tokenizer(spec[len(RANDOM_PREFIX):]),
+                       max_model_len)
         path = fetch_smollm2() if spec == "smollm2" else Path(spec).expanduser()
         if path.is_dir():
             tokenizer = Tokenizer.from_tokenizer_json(path / "tokenizer.json", path)
