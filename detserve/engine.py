@@ -167,6 +167,7 @@ class LLMEngine:
             return False
         seq.finish_reason = "abort"
         if not seq.in_lane:  # else released when its lane pass returns
+            self._touch(seq)  # its final output goes out with the next step
             self._finish(seq, "abort")
         return True
 
@@ -184,8 +185,8 @@ class LLMEngine:
         c["schedule_us"] += int((t1 - t0) * 1e6)
         c["steps"] += 1
         for seq in out.preempted:
-            self.counters["preemptions"] += 1
-            self.counters["preempted_tokens"] += seq.num_committed
+            c["preemptions"] += 1
+            c["preempted_tokens"] += seq.num_committed
         # fast first: a sequence whose window just left for the lane may decode past it in
         # this step, writing its last candidate's K/V; the lane pass, queued behind this
         # step's kernels, then overwrites that position with its own K/V
@@ -203,7 +204,7 @@ class LLMEngine:
             # nothing else to run, or most sequences wait on the lane: let its pass have the
             # GPU rather than run the next decode step (a full weight read) for the few others
             wait = not out.fast or self.scheduler.lane_bound()
-            self.counters["lane_bound_waits"] += wait and bool(out.fast)
+            c["lane_bound_waits"] += wait and bool(out.fast)
         for result in self.verifier.poll(wait=wait):
             self._apply_lane(result)
         t2 = clock()
@@ -223,7 +224,6 @@ class LLMEngine:
                 outputs.append(self._output(seq, new))
                 if seq.finished:
                     del self._seqs[rid]
-                    self._touched.pop(rid, None)  # (re-touched by _finish just now)
         c["output_us"] += int((clock() - t2) * 1e6)
         return outputs
 
@@ -338,7 +338,6 @@ class LLMEngine:
         return text
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self._touch(seq)
         seq.finish_reason = reason
         seq.stats.finish_time = time.monotonic()
         self.scheduler.remove(seq)

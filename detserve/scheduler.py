@@ -287,10 +287,10 @@ class Scheduler:
         """Make ``seq``'s block table cover ``num_tokens`` positions, preempting the newest
         other sequences (never one already scheduled in this step) when blocks run out.
         Returns False if ``seq`` itself had to be preempted."""
-        if self.blocks.grow(seq.block_table, num_tokens):
-            return True
-        busy = {id(i.seq) for i in (scheduled or [])} | {id(i.seq) for i in out.lane}
+        busy: set[int] | None = None  # built only when blocks run out (rare)
         while not self.blocks.grow(seq.block_table, num_tokens):
+            if busy is None:
+                busy = {id(i.seq) for i in (scheduled or [])} | {id(i.seq) for i in out.lane}
             victims = [s for s in self.running
                        if s is not seq and not s.in_lane and id(s) not in busy]
             victim = max(victims, key=lambda s: s.arrival) if victims else seq

@@ -86,7 +86,8 @@ class ModelRunner:
         self.cuda = self.device.type == "cuda"
         self.lane_rows = lane_rows
         self.fast_ops: Ops = TorchOps()
-        self.lane_ops: Ops = FixedShapeOps(lane_gemm_rows or lane_rows)
+        self.lane_chunk = lane_gemm_rows or lane_rows  # row chunk of the lane's products
+        self.lane_ops: Ops = FixedShapeOps(self.lane_chunk)
         self.window = window
         self.lane_logit_ops: Ops = FixedShapeOps(window)
         self.bi_ops: Ops = FixedShapeOps(batch_invariant_rows)
@@ -101,7 +102,7 @@ class ModelRunner:
             from detserve.executor import gpu
 
             self.fast_ops = gpu.GpuFastOps()
-            self.lane_ops = gpu.GpuLaneOps(lane_gemm_rows or lane_rows)
+            self.lane_ops = gpu.GpuLaneOps(self.lane_chunk)
             if lane_gemm_rows:
                 self.lane_logit_ops = gpu.GpuLaneOps(lane_gemm_rows)
             self.bi_ops = gpu.TritonBatchInvariantOps()
@@ -153,7 +154,7 @@ class ModelRunner:
         elif kind == "fast":
             attn = partial(fast_attention, self.pool, batch=batch)
         else:
-            rows = (self.lane_gemm_rows or self.lane_rows) if kind == "lane" else self.bi_rows
+            rows = self.lane_chunk if kind == "lane" else self.bi_rows
             attn = partial(tiled_attention, self.pool, batch=batch, chunk_rows=rows)
         return self.model(batch.input_ids, batch.positions,
                           lambda i, q, k, v: attn(i, q, k, v), ops, rope_in_attention=self.cuda)
