@@ -34,6 +34,7 @@ import os
 import random
 import statistics
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -136,12 +137,12 @@ async def _served_phases(url: str, model: str, w: Workload, idle_requests: int
 
 def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
                idle_requests: int, verifier_gpu_fraction: float = 0.5) -> Result:
-    import ray
     from ray import serve
 
     from detserve.redis_server import EmbeddedRedis
-    from detserve.serve_config import GRPC_SERVICER_FUNCTIONS, default_serve_config
+    from detserve.serve_config import default_serve_config
     from services.app import compose
+    from services.local import start_local_serve
 
     port, grpc_port = 18000, 19000
     cuda = str(engine_kw.get("device", "cpu")).startswith("cuda")
@@ -151,37 +152,32 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
     placement: dict[str, Any] = (
         {"verifier_gpu_fraction": verifier_gpu_fraction if num_verifiers else 0.0}
         if cuda else {})
-    with EmbeddedRedis() as redis:
-        ray.init(num_cpus=max(4, min(8, os.cpu_count() or 4)) if cuda else 4,
-                 num_gpus=1 if cuda else None,  # None: Ray's own detection, as before
-                 include_dashboard=False, log_to_driver=False)
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port},
-                        grpc_options={"port": grpc_port,
-                                      "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS)})
-            config = default_serve_config(
-                model=model, mode=mode, num_decoders=1, num_verifiers=num_verifiers,
-                redis_url=redis.url, http_port=port, grpc_port=grpc_port, **engine_kw,
-                **placement)
-            args = config["applications"][0]["args"]
-            serve.run(compose(args, replica_cpus=1.0), name="detserve", route_prefix="/")
-            idle, ttfts, wall = asyncio.run(_served_phases(f"http://127.0.0.1:{port}", model,
-                                                           w, idle_requests))
-        finally:
-            serve.shutdown()
-            ray.shutdown()
+    with EmbeddedRedis() as redis, ExitStack() as stack:
+        config = default_serve_config(
+            model=model, mode=mode, num_decoders=1, num_verifiers=num_verifiers,
+            redis_url=redis.url, http_host="127.0.0.1", http_port=port, grpc_port=grpc_port,
+            **engine_kw, **placement)
+        start_local_serve(stack, config, num_gpus=1 if cuda else None,  # None: detect
+                          num_cpus=max(4, min(8, os.cpu_count() or 4)) if cuda else 4,
+                          log_to_driver=False)
+        args = config["applications"][0]["args"]
+        serve.run(compose(args, replica_cpus=1.0), name="detserve", route_prefix="/")
+        idle, ttfts, wall = asyncio.run(_served_phases(f"http://127.0.0.1:{port}", model,
+                                                       w, idle_requests))
     return Result("served (HTTP)", mode, 1e3 * statistics.median(idle),
                   1e3 * statistics.median(ttfts), wall, len(w.prompts) * w.output_len / wall)
 
 
 # ---- report -------------------------------------------------------------------------
-NOTE = ("Served = HTTP client -> Ray Serve proxy -> Router replica -> Decoder replica (a Ray "
+NOTE = ("Served = HTTP client -> Router replica (Ray Serve direct ingress: no proxy actor; "
+        "handle calls over gRPC, services.local) -> Decoder replica (a Ray "
         "actor with one CPU and one torch thread) and back, per committed chunk. The client, "
-        "proxy, router, Ray's own processes and the decoder share the machine's cores, and "
+        "router, Ray's own processes and the decoder share the machine's cores, and "
         "served requests reach the engine one by one rather than all at t=0. In `llm42` the "
         "offline engine verifies in-process, the served decoder sends its lane passes to a "
         "verifier replica over gRPC (KV shared through shared memory).")
-NOTE_GPU = ("Served = HTTP client -> Ray Serve proxy -> Router replica -> Decoder replica (a Ray "
+NOTE_GPU = ("Served = HTTP client -> Router replica (Ray Serve direct ingress: no proxy actor; "
+            "handle calls over gRPC, services.local) -> Decoder replica (a Ray "
             "actor holding the GPU, one CPU) and back, per committed chunk; served requests "
             "reach the engine one by one rather than all at t=0. In `llm42` the offline engine "
             "verifies on a lane thread of its own process (all SMs), the served decoder holds "

@@ -69,10 +69,10 @@ def serve_config_from(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
 
 
 def _serve(a: argparse.Namespace) -> int:
-    import ray
     from ray import serve
 
     from services.app import compose
+    from services.local import start_local_serve
 
     for port in (a.port, a.grpc_port):
         _ensure_free(a.host, port)
@@ -82,10 +82,7 @@ def _serve(a: argparse.Namespace) -> int:
         args = config["applications"][0]["args"]
         replicas = 1 + args["num_decoders"] + args["num_verifiers"]
         cpus = os.cpu_count() or 1
-        ray.init(include_dashboard=False)
-        stack.callback(ray.shutdown)
-        serve.start(http_options=config["http_options"], grpc_options=config["grpc_options"])
-        stack.callback(serve.shutdown)
+        start_local_serve(stack, config)
         # share this machine's CPUs between the replicas instead of waiting for more
         serve.run(compose(args, replica_cpus=min(1.0, cpus / replicas)), name=APP_NAME,
                   route_prefix="/")

@@ -7,7 +7,6 @@ engine time on two CPU cores; start-up (Ray, Serve, replicas) dominates.
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -15,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from detserve.model.testing import make_random_llama
-from detserve.serve_config import GRPC_SERVICER_FUNCTIONS, default_serve_config
+from detserve.redis_server import free_port
+from detserve.serve_config import default_serve_config
 from services.router.limits import ServingLimits
 
 W, G = 8, 4
@@ -24,12 +24,6 @@ MAX_MODEL_LEN = 512
 
 def tiny_model() -> str:
     return str(make_random_llama(max_position_embeddings=1024, num_layers=2))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -47,27 +41,22 @@ class Cluster:
 @contextmanager
 def serving_cluster(*, limits: ServingLimits | None = None, **overrides: Any
                     ) -> Iterator[Cluster]:
-    import ray
     from ray import serve
 
     from detserve.redis_server import EmbeddedRedis
     from services.app import compose
+    from services.local import start_local_serve
 
     t0 = time.monotonic()
     http_port, grpc_port = free_port(), free_port()
     with ExitStack() as stack:
         redis = stack.enter_context(EmbeddedRedis())
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-        stack.callback(ray.shutdown)
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port},
-                    grpc_options={"port": grpc_port,
-                                  "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS)})
-        stack.callback(serve.shutdown)
         settings: dict[str, Any] = dict(model=tiny_model(), verify_window=W, verify_group=G,
                         max_model_len=MAX_MODEL_LEN, max_num_seqs=16, redis_url=redis.url,
                         http_port=http_port, grpc_port=grpc_port)
         settings.update(overrides)
-        config = default_serve_config(**settings)
+        config = default_serve_config(http_host="127.0.0.1", **settings)
+        start_local_serve(stack, config, num_cpus=4, log_to_driver=False)
         args = config["applications"][0]["args"]
         serve.run(compose(args, limits=limits, replica_cpus=0.5), name="detserve",
                   route_prefix="/")

@@ -184,3 +184,39 @@ def test_dockerfile_matches_ray_version_and_project_version() -> None:
     version = re.search(r'^version = "([^"]+)"', pyproject, re.MULTILINE)
     assert version and m.PROJECT_IMAGE == f"detserve:{version.group(1)}"
     assert f'"ray[serve]=={m.RAY_VERSION}"' in pyproject
+
+
+# ---- Ray Serve's environment for local runs (direct ingress, throughput profile) --------
+def test_ray_serve_env_gives_the_router_replica_the_configured_ports() -> None:
+    env = sc.ray_serve_env(8000, 9000)
+    assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    # Ray Serve allocates from range(MIN, MAX): exactly the configured port
+    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"],
+            env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == ("8000", "8001")
+    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"],
+            env["RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"]) == ("9000", "9001")
+    proxied = sc.ray_serve_env(8000, 9000, direct_ingress=False)
+    assert proxied["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"
+    assert not any("_PORT" in key for key in proxied)
+
+
+def test_apply_ray_serve_env_keeps_the_users_switches_but_always_sets_ports() -> None:
+    environ = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+               "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "1234"}
+    in_effect = sc.apply_ray_serve_env(8100, 9100, environ=environ)
+    assert environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"  # the user's choice stands
+    assert environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8100"  # a stale port does not
+    assert environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    assert in_effect["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"
+
+
+def test_serve_start_options_move_the_fallback_proxy_off_the_routers_ports() -> None:
+    config = sc.default_serve_config(http_port=8000, grpc_port=9000)
+    http, grpc = sc.serve_start_options(config, sc.ray_serve_env(8000, 9000), (41000, 42000))
+    assert (http["port"], grpc["port"]) == (41000, 42000)
+    assert grpc["grpc_servicer_functions"] == list(sc.GRPC_SERVICER_FUNCTIONS)
+    assert config["http_options"]["port"] == 8000  # the config itself is left alone
+    http, grpc = sc.serve_start_options(config, {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"},
+                                        (41000, 42000))
+    assert (http["port"], grpc["port"]) == (8000, 9000)

@@ -1,0 +1,33 @@
+"""Start Ray (local) and Ray Serve for a serving config: `detserve serve`, tests, benchmarks.
+
+Ray Serve's settings for the serving path (`detserve.serve_config.ray_serve_env`: the
+throughput profile and direct ingress) are environment variables its processes read when
+they start, so they are put into this process's environment before `ray.init` starts the
+local cluster, whose processes inherit them.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any
+
+from detserve.redis_server import free_port
+from detserve.serve_config import apply_ray_serve_env, serve_start_options
+
+
+def start_local_serve(stack: ExitStack, config: dict[str, Any], **ray_init: Any
+                      ) -> dict[str, str]:
+    """``ray.init(**ray_init)`` and ``serve.start`` for ``config``; ``stack`` shuts both
+    down. Returns the Ray Serve environment in effect."""
+    import ray
+    from ray import serve
+
+    args = config["applications"][0]["args"]
+    env = apply_ray_serve_env(args["http_port"], args["grpc_port"])
+    ray.init(include_dashboard=False, **ray_init)
+    stack.callback(ray.shutdown)
+    host = config["http_options"]["host"]
+    http, grpc = serve_start_options(config, env, (free_port(host), free_port(host)))
+    serve.start(http_options=http, grpc_options=grpc)
+    stack.callback(serve.shutdown)
+    return env
