@@ -136,7 +136,8 @@ async def _served_phases(url: str, model: str, w: Workload, idle_requests: int
 
 
 def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
-               idle_requests: int, verifier_gpu_fraction: float = 0.5) -> Result:
+               idle_requests: int, verifier_gpu_fraction: float = 0.5,
+               stream_interval: int = 1) -> Result:
     from ray import serve
 
     from detserve.redis_server import EmbeddedRedis
@@ -156,7 +157,7 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
         config = default_serve_config(
             model=model, mode=mode, num_decoders=1, num_verifiers=num_verifiers,
             redis_url=redis.url, http_host="127.0.0.1", http_port=port, grpc_port=grpc_port,
-            **engine_kw, **placement)
+            stream_interval=stream_interval, **engine_kw, **placement)
         start_local_serve(stack, config, num_gpus=1 if cuda else None,  # None: detect
                           num_cpus=max(4, min(8, os.cpu_count() or 4)) if cuda else 4,
                           log_to_driver=False)
@@ -198,7 +199,8 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
              "", f"Workload: {meta['requests']} requests, prompt {meta['prompt_len']} tokens, "
              f"output {meta['output_len']} tokens (ignore EOS, greedy), model "
              f"`{meta['model']}`, W={meta['verify_window']}, G={meta['verify_group']}; "
-             "`llm42` rows send every request with `is_deterministic`.", "",
+             "`llm42` rows send every request with `is_deterministic`; served stream "
+             f"interval {meta.get('stream_interval', 1)} token(s) per chunk.", "",
              "| mode | path | idle TTFT ms | loaded TTFT ms | loaded wall s | output tok/s |",
              "|---|---|---:|---:|---:|---:|"]
     for r in results:
@@ -239,6 +241,9 @@ def main() -> None:
     ap.add_argument("--warmup", choices=("one", "load"), default="one",
                     help="warm each path up with one request, or with the whole load once "
                          "(compiles every kernel shape the measured load meets: GPU)")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="served: tokens a streamed chunk gathers before it goes out "
+                         "(detserve serve --stream-interval; 1 = every step's tokens)")
     ap.add_argument("--out", type=Path, default=None, help="write <out>.json and <out>.md")
     a = ap.parse_args()
     gpu = a.device == "cuda"
@@ -259,7 +264,7 @@ def main() -> None:
         results.append(run_offline(a.model, mode, kw, w, a.idle_requests))
         print(results[-1], flush=True)
         results.append(run_served(a.model, mode, kw, w, a.idle_requests,
-                                  a.verifier_gpu_fraction))
+                                  a.verifier_gpu_fraction, a.stream_interval))
         print(results[-1], flush=True)
     cpu = f"{hardware('cpu')}, {os.cpu_count()} cores"
     machine = cpu
@@ -273,7 +278,7 @@ def main() -> None:
             "verifier_gpu_fraction": a.verifier_gpu_fraction if gpu else 0.0,
             "mps": gpu and os.path.exists(mps_pipe),
             "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
-            **kw, "command": "python -m benchmarks.bench_serving_overhead " + " ".join(
+            "stream_interval": a.stream_interval, **kw, "command": "python -m benchmarks.bench_serving_overhead " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v is not None)}
     report = markdown(results, meta)
     print(report)

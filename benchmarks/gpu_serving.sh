@@ -29,7 +29,7 @@ export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
 args=(--model "$model" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}"
       --requests "${NREQ:-48}" --idle-requests "${IDLE:-5}" --prompt-len "${PLEN:-128}"
       --output-len "${OLEN:-128}" --max-model-len 512 --verify-window 16 --verify-group 4
-      --verifier-gpu-fraction 0.5 --warmup load)
+      --verifier-gpu-fraction 0.5 --warmup load --stream-interval "${STREAM_INTERVAL:-1}")
 left() { echo $((budget - SECONDS)); }
 
 main() {

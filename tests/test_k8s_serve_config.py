@@ -220,3 +220,12 @@ def test_serve_start_options_move_the_fallback_proxy_off_the_routers_ports() -> 
     http, grpc = sc.serve_start_options(config, {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"},
                                         (41000, 42000))
     assert (http["port"], grpc["port"]) == (8000, 9000)
+
+
+def test_stream_interval_is_an_optional_validated_arg() -> None:
+    config = sc.default_serve_config(stream_interval=4)
+    assert config["applications"][0]["args"]["stream_interval"] == 4
+    assert "stream_interval" not in sc.default_serve_config()["applications"][0]["args"]
+    for bad in (0, -1, 1.5, "4", True, 10**6):
+        with pytest.raises(ValueError, match="stream_interval"):
+            sc.default_serve_config(stream_interval=bad)

@@ -101,6 +101,42 @@ def test_engine_loop_delivers_each_step_in_one_batch() -> None:
     assert max(len(b) for b in batches) == 4 and len(batches) < len(chunks) / 2
 
 
+def _run_loop(stream_interval: int, max_tokens: int) -> list[DecodeChunk]:
+    """One greedy request through an EngineLoop; its chunks in order."""
+    engine = LLMEngine.from_args(tiny_model(), "nondeterministic", max_model_len=256)
+    chunks: list[DecodeChunk] = []
+    done = threading.Event()
+
+    def sink(chunk: DecodeChunk) -> None:
+        chunks.append(chunk)
+        if chunk.finished:
+            done.set()
+
+    loop = EngineLoop(engine, "test", stream_interval=stream_interval)
+    loop.submit(DecodeRequest("r", (5, 6, 7), SamplingParams(max_tokens=max_tokens,
+                                                             ignore_eos=True)), sink)
+    loop.start()
+    assert done.wait(60)
+    loop.stop()
+    return chunks
+
+
+def test_stream_interval_gathers_tokens_without_changing_the_stream() -> None:
+    """stream_interval=4: the first token goes out alone, then chunks of 4, the rest with
+    the final chunk; ids, logprobs and text equal the every-step stream's."""
+    every = _run_loop(1, 11)
+    gathered = _run_loop(4, 11)
+    assert [len(c.token_ids) for c in every] == [1] * 11
+    assert [len(c.token_ids) for c in gathered] == [1, 4, 4, 2]
+    assert gathered[-1].finished and not any(c.finished for c in gathered[:-1])
+    for field in ("token_ids", "text"):
+        assert [x for c in gathered for x in getattr(c, field)] == \
+            [x for c in every for x in getattr(c, field)]
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineLoop(LLMEngine.from_args(tiny_model(), "nondeterministic", max_model_len=256),
+                   "test", stream_interval=0)
+
+
 def test_coalesced_chunks_carry_the_same_stream() -> None:
     lp = [TokenLogprob(t, -0.5 * t) for t in range(4)]
     parts = [DecodeChunk("r", "d", text="he", token_ids=(0,), logprobs=(lp[0],),

@@ -64,7 +64,8 @@ class Decoder:
         self.settings = DecoderSettings.from_args(args)
         self.replica = _replica_id()
         engine, self._close = build_engine(self.settings, self.replica)
-        self.loop = EngineLoop(engine, self.replica, deliver=_deliver_on_event_loops)
+        self.loop = EngineLoop(engine, self.replica, deliver=_deliver_on_event_loops,
+                               stream_interval=self.settings.stream_interval)
         self.loop.start()
         log.info("decoder %s ready (%s, mode %s)", self.replica, self.settings.model,
                  self.settings.mode)

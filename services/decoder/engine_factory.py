@@ -38,6 +38,7 @@ class DecoderSettings:
     redis_url: str
     fastpath_perturbation: float = 0.0
     seed: int = 0
+    stream_interval: int = 1  # a stream's chunk carries >= this many new tokens (not the last)
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> DecoderSettings:

@@ -4,7 +4,9 @@ The engine is not thread-safe, so this thread is its only user: requests and abo
 arrive through an inbox, outputs leave through each request's ``sink``. All the chunks of
 one step go out in one call of ``deliver`` (on this thread): by default it calls each
 sink; the deployment hands the whole batch to its event loop in one wake-up instead of
-one per request. A failing step is fatal:
+one per request. With ``stream_interval`` N > 1 a stream's chunk waits until it carries
+N new tokens (the first one and the last one go out at once), as vLLM's ``stream_interval``:
+fewer messages per step when many streams are open. A failing step is fatal:
 every open stream gets an error chunk and ``healthy`` turns False, so Ray Serve's health
 check restarts the replica.
 """
@@ -52,8 +54,12 @@ class _Stream:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, replica: str, deliver: Deliver = deliver_each) -> None:
+    def __init__(self, engine: LLMEngine, replica: str, deliver: Deliver = deliver_each,
+                 stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.engine = engine
+        self.stream_interval = stream_interval
         self._deliver_batch = deliver
         self._pending: list[tuple[Sink, DecodeChunk]] = []  # this iteration's chunks
         self.replica = replica
@@ -167,6 +173,9 @@ class EngineLoop:
         stream = self._streams.get(out.request_id)
         if stream is None:  # aborted by its client
             return
+        sent = stream.tracker.sent_tokens
+        if not out.finished and sent and len(out.token_ids) - sent < self.stream_interval:
+            return  # held: the next chunk carries these tokens too
         text, ids, lps = stream.tracker.update(out)
         determinism = self.determinism if out.finished and out.is_deterministic else None
         chunk = DecodeChunk(
