@@ -11,8 +11,9 @@ Contract with the application (`services.app:build_app`):
   that overrides a deployment the application does not have, so these names are part of
   the contract as soon as a caller passes `deployments` (the Kubernetes overlays do, to
   place replicas on worker groups and to autoscale decoders).
-- The router's gRPC API is served by Ray Serve's gRPC proxy on `grpc_port`, through the
-  servicer functions in `GRPC_SERVICER_FUNCTIONS`.
+- The router's gRPC API is served on `grpc_port`, through the servicer functions in
+  `GRPC_SERVICER_FUNCTIONS`: by the router replica itself under direct ingress (local
+  runs, `ray_serve_env`), by Ray Serve's gRPC proxy otherwise (Kubernetes).
 """
 
 from __future__ import annotations

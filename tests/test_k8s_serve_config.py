@@ -229,3 +229,15 @@ def test_stream_interval_is_an_optional_validated_arg() -> None:
     for bad in (0, -1, 1.5, "4", True, 10**6):
         with pytest.raises(ValueError, match="stream_interval"):
             sc.default_serve_config(stream_interval=bad)
+
+
+@pytest.mark.parametrize("overlay", ["cpu-demo", "gpu-1", "gpu-8"])
+def test_every_ray_pod_gets_the_throughput_profile_with_proxies_kept(overlay: str) -> None:
+    (service,) = [o for o in render(K8S / "overlays" / overlay) if o["kind"] == "RayService"]
+    spec = service["spec"]["rayClusterConfig"]
+    pods = [spec["headGroupSpec"]] + list(spec["workerGroupSpecs"])
+    for pod in pods:
+        for container in pod["template"]["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+            assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"  # Services route to proxies

@@ -27,6 +27,7 @@ from detserve.serve_config import (
     Autoscaling,
     DeploymentOverride,
     default_serve_config,
+    ray_serve_env,
 )
 
 RAY_VERSION = "2.60.0"
@@ -317,6 +318,10 @@ def _pod_template(o: Overlay, container_name: str, group: WorkerGroup | None) ->
             "valueFrom": {"secretKeyRef": {"name": REDIS_NAME, "key": REDIS_SECRET_KEY}},
         },
     ]
+    # Ray Serve's throughput profile (handle calls over gRPC), with its proxies kept: the
+    # Services route to them (direct ingress gives each router replica a port of its own)
+    env += [{"name": k, "value": v}
+            for k, v in ray_serve_env(HTTP_PORT, GRPC_PORT, direct_ingress=False).items()]
     if group is not None and group.mps:
         env += [
             {"name": "CUDA_MPS_PIPE_DIRECTORY", "value": MPS_PIPE_DIR},
