@@ -137,6 +137,22 @@ def test_stream_interval_gathers_tokens_without_changing_the_stream() -> None:
                    "test", stream_interval=0)
 
 
+def test_chunks_cross_to_the_router_as_plain_data() -> None:
+    """to_wire is msgpack-able (what Ray sends without pickle) and from_wire inverts it,
+    logprobs with their top-k, determinism profile and engine counters included."""
+    msgpack = pytest.importorskip("msgpack")
+    lps = (TokenLogprob(7, -0.25, {7: -0.25, 9: -1.5}), TokenLogprob(3, -2.0))
+    chunks = [DecodeChunk("r-1", "d-0", text="h\u00e9", token_ids=(7, 3), logprobs=lps,
+                          finished=True, finish_reason="length", num_prompt_tokens=5,
+                          num_output_tokens=2, determinism={"fingerprint": "abc", "W": 16},
+                          engine_stats={"steps": 3.0}),
+              DecodeChunk("r-2", "d-0", finished=True, error="boom", error_type="server_error"),
+              DecodeChunk("r-3", "d-0", text="x", token_ids=(1,))]
+    for chunk in chunks:
+        wire = msgpack.unpackb(msgpack.packb(chunk.to_wire()))
+        assert DecodeChunk.from_wire(wire) == chunk
+
+
 def test_coalesced_chunks_carry_the_same_stream() -> None:
     lp = [TokenLogprob(t, -0.5 * t) for t in range(4)]
     parts = [DecodeChunk("r", "d", text="he", token_ids=(0,), logprobs=(lp[0],),

@@ -1,7 +1,7 @@
 """The ``Decoder`` Ray Serve deployment: one engine (model, KV pool, fast path) per replica.
 
 ``generate`` is an async generator (call it through a handle with ``stream=True``): one
-``DecodeChunk`` per engine step that committed tokens, the last one ``finished``. When the
+``DecodeChunk`` (sent as ``to_wire`` data) per engine step that committed tokens, the last one ``finished``. When the
 caller goes away (client disconnect, router cancel) the request is aborted in the engine.
 """
 
@@ -70,7 +70,8 @@ class Decoder:
         log.info("decoder %s ready (%s, mode %s)", self.replica, self.settings.model,
                  self.settings.mode)
 
-    async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
+    async def generate(self, request: DecodeRequest) -> AsyncIterator[tuple[Any, ...]]:
+        """The request's chunks as ``DecodeChunk.to_wire`` data."""
         chunks: asyncio.Queue[DecodeChunk] = asyncio.Queue()
         self.loop.submit(request, _QueueSink(asyncio.get_running_loop(), chunks))
         finished = False
@@ -83,7 +84,7 @@ class Decoder:
                     batch.append(chunks.get_nowait())
                 for chunk in coalesce(batch):
                     finished = chunk.finished
-                    yield chunk
+                    yield chunk.to_wire()
         finally:
             if not finished:
                 self.loop.abort(request.request_id)

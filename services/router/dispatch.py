@@ -117,7 +117,8 @@ class Dispatcher:
         stream = self._decoder.generate.remote(request)
         done = False
         try:
-            async for chunk in stream:
+            async for wire in stream:
+                chunk = DecodeChunk.from_wire(wire)
                 self._metrics.engines.update(chunk.replica, chunk.engine_stats)
                 if chunk.error is not None:
                     done = True
