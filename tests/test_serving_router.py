@@ -30,12 +30,12 @@ class _Stream:
         self._chunks = chunks
         self.cancelled = False
 
-    def __aiter__(self) -> AsyncIterator[DecodeChunk]:
+    def __aiter__(self) -> AsyncIterator[tuple[Any, ...]]:
         return self._iter()
 
-    async def _iter(self) -> AsyncIterator[DecodeChunk]:
+    async def _iter(self) -> AsyncIterator[tuple[Any, ...]]:
         for chunk in self._chunks:
-            yield chunk
+            yield chunk.to_wire()  # what Decoder.generate sends
 
     def cancel(self) -> None:
         self.cancelled = True
