@@ -14,6 +14,7 @@ import argparse
 import datetime as dt
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -55,13 +56,15 @@ def forward_ms(eng: LLMEngine, steps: int) -> float | None:
     return (time.perf_counter() - t0) / steps * 1e3
 
 
-def profile_steps(eng: LLMEngine, steps: int, top: int = 12) -> dict[str, object]:
-    """Kernel time of ``steps`` engine steps: GPU busy ms per step and the top kernels."""
+def profile_steps(eng: LLMEngine, steps: int, top: int = 12,
+                  step: Callable[[], object] | None = None) -> dict[str, object]:
+    """Kernel time of ``steps`` engine steps (or calls of ``step``): GPU busy ms per step
+    and the top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            eng.step()
+            (step or eng.step)()
         torch.cuda.synchronize()
     kernels: dict[str, list[float]] = {}
     for ev in prof.events():

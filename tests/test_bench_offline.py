@@ -35,3 +35,24 @@ def test_repeated_runs_are_summarized_by_median(tmp_path: Path) -> None:
         summary["llm42"]["median_output_throughput"] / base)
     md = out.with_suffix(".md").read_text()
     assert "Medians over the repeated runs" in md and "--repeat 2" in md
+
+
+def test_mixed_step_benchmark_times_the_three_variants(tmp_path: Path) -> None:
+    """bench_mixed_step on CPU: one fixed mixed batch (decode rows + a prefill chunk) per
+    variant, each timed, the first the baseline; the batch's tables stay disjoint."""
+    from benchmarks import bench_mixed_step
+
+    segs, specs, blocks = bench_mixed_step.mixed_batch(5, 40, 24, 16, 100)
+    assert [len(s.input_ids) for s in segs] == [1] * 5 + [24] and len(specs) == 6
+    used = [b for s in segs for b in s.block_table]
+    assert len(used) == len(set(used)) == blocks and max(used) == blocks - 1
+    assert all(s.start == 40 for s in segs[:5]) and segs[5].start == 0
+    out = tmp_path / "mixed.json"
+    assert bench_mixed_step.main([
+        "--model", "random:tiny", "--device", "cpu", "--dtype", "float32",
+        "--decode-rows", "6", "--context", "40", "--prefill-tokens", "24", "--steps", "2",
+        "--verify-window", "8", "--verify-group", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["align_decode"]) for r in rows] == [
+        ("nondeterministic", False), ("llm42", False), ("llm42", True)]
+    assert all(r["step_ms"] > 0 for r in rows) and rows[0]["vs_nondeterministic"] == 1.0
