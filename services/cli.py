@@ -13,7 +13,7 @@ import argparse
 import os
 import signal
 import socket
-import threading
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
@@ -100,14 +100,24 @@ def _serve(a: argparse.Namespace) -> int:
     return 0
 
 
-def _wait_for_signal() -> None:
-    """Block until SIGINT (Ctrl-C) or SIGTERM; a background job started by a shell has
-    SIGINT ignored, so both are handled explicitly."""
-    stop = threading.Event()
+def _stop_signals() -> list[int]:
+    """Handle SIGINT (Ctrl-C) and SIGTERM from now on (a background job started by a shell
+    has SIGINT ignored, so both are handled explicitly): the returned list collects them.
+    The handler only records the signal: it runs on the main thread between two bytecodes,
+    and one that took a lock (``threading.Event.set``) could deadlock against the wait it
+    interrupted."""
+    received: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        pass
+        signal.signal(sig, lambda signum, _frame: received.append(signum))
+    return received
+
+
+def _wait_for_signal(received: list[int] | None = None, poll_s: float = 0.5) -> int:
+    """Block until a stop signal arrives (``_stop_signals``); returns it."""
+    received = _stop_signals() if received is None else received
+    while not received:
+        time.sleep(poll_s)
+    return received[0]
 
 
 def _ensure_free(host: str, port: int) -> None:

@@ -340,3 +340,24 @@ def test_random_shape_models_load_everywhere_a_model_spec_goes() -> None:
         load_model("random:llama9-1t")
     with pytest.raises(ValueError, match="random:<shape>"):
         load_model("not-a-model")
+
+
+def test_serve_waits_for_a_signal_without_locking_in_the_handler() -> None:
+    """`detserve serve` blocks in _wait_for_signal until SIGINT/SIGTERM. A burst of signals
+    (Ctrl-C pressed while `timeout` forwards one too) must end it promptly: a handler that
+    set a threading.Event could deadlock against the Event.wait it interrupted."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("from services.cli import _stop_signals, _wait_for_signal; r = _stop_signals(); "
+            "print('ready', flush=True); print(_wait_for_signal(r, 0.05), flush=True)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        for _ in range(50):
+            proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=20)
+        assert proc.returncode == 0 and out.strip() == str(int(signal.SIGINT))
+    finally:
+        proc.kill()
