@@ -7,7 +7,9 @@ alone and under concurrent load; non-deterministic ones must show the perturbati
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -241,3 +243,82 @@ def test_grpc_generate_matches_http(cluster: Cluster, client: openai.OpenAI,
     assert "".join(c.text for c in chunks) == done.text
     assert done.determinism.fingerprint == http.system_fingerprint
     assert done.usage.completion_tokens == len(ids)
+
+
+def _decoder_stats() -> dict[str, tuple[int, float]]:
+    """(open streams, committed tokens) of every decoder replica (calls pinned to each)."""
+    import ray
+    from ray import serve
+
+    from services.decoder.messages import ReplicaPin
+
+    handle = serve.get_deployment_handle("Decoder", app_name="detserve")
+    replicas = [a["name"].rsplit("#", 1)[1] for a in ray.util.list_named_actors(all_namespaces=True)
+                if "#Decoder#" in a["name"]]
+    seen: dict[str, tuple[int, float]] = {}
+    for replica in replicas:
+        stats = handle.stats.remote(ReplicaPin(replica)).result(timeout_s=30)
+        assert stats.replica == replica
+        seen[replica] = (stats.num_streams, stats.engine.get("committed_tokens", 0.0))
+    return seen
+
+
+async def _stream_tokens(client: httpx.AsyncClient, body: dict[str, Any],
+                         started: asyncio.Event, leave_when: asyncio.Event | None = None
+                         ) -> tuple[int, bool]:
+    """Tokens received and whether an error event came. ``started`` is set at the first
+    event; with ``leave_when``, the client disconnects once that is set."""
+    tokens, error = 0, False
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            error |= "error" in event
+            tokens += sum(len(c.get("token_ids") or []) for c in event.get("choices", []))
+            started.set()
+            if leave_when is not None and leave_when.is_set():
+                break  # leaves the stream: the connection closes
+    return tokens, error
+
+
+def test_client_disconnect_aborts_the_request_in_the_decoder(cluster: Cluster) -> None:
+    """Chunks come through the router's channel to each decoder, not through the request's
+    own call. A client that goes away must still end its request in the engine (it finishes
+    with far fewer tokens committed than it asked for; with the decoder's abort removed the
+    request runs to max_tokens and this fails), and only its request: the requests sharing
+    the channels complete. The leaving request opened its replica's channel: the channel
+    runs in a context of its own, since Ray Serve cancels the calls a cancelled request
+    made (without that, the abort-removed run above still saw the request end after a
+    few tokens: the channel had been cancelled with its opener)."""
+    max_tokens = MAX_MODEL_LEN - 32
+    body = {"model": cluster.args["model"], "prompt": "keep going", "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+
+    async def run(det: bool) -> tuple[tuple[int, bool], list[tuple[int, bool]]]:
+        b = {**body, "is_deterministic": det}
+        async with httpx.AsyncClient(base_url=cluster.http_url, timeout=120) as client:
+            first, others_started = asyncio.Event(), [asyncio.Event() for _ in range(3)]
+            all_started = asyncio.Event()
+            leaver = asyncio.create_task(_stream_tokens(client, b, first, all_started))
+            await asyncio.wait_for(first.wait(), 60)
+            # equal costs: least-outstanding-tokens routing puts one of them beside the leaver
+            others = [asyncio.create_task(_stream_tokens(client, b, e)) for e in others_started]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in others_started)), 60)
+            all_started.set()
+            return await leaver, list(await asyncio.gather(*others))
+
+    for det in (False, True):
+        before = _decoder_stats()
+        assert len(before) == cluster.args["num_decoders"] == 2
+        (left, left_error), others = asyncio.run(run(det))
+        assert others == [(max_tokens, False)] * 3, others
+        assert left < max_tokens and not left_error
+        deadline = time.monotonic() + 60
+        after = _decoder_stats()
+        while any(n for n, _ in after.values()):
+            assert time.monotonic() < deadline, "a request is still open in a decoder"
+            after = _decoder_stats()
+        committed = sum(after[r][1] - before.get(r, (0, 0.0))[1] for r in after)
+        assert committed < 4 * max_tokens, f"{committed} tokens: the request ran on"

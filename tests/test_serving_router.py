@@ -89,7 +89,9 @@ def ctx() -> ModelContext:
 
 
 def client_for(ctx: ModelContext, decoder: FakeDecoder) -> tuple[TestClient, RouterService]:
-    service = RouterService(ctx, ServingLimits(max_model_len=128), decoder)
+    # the fake answers per-request streams (Dispatcher(channels=False)); channels run in the
+    # cluster tests against real replicas
+    service = RouterService(ctx, ServingLimits(max_model_len=128), decoder, channels=False)
     return TestClient(build_http_app(service)), service
 
 

@@ -153,6 +153,19 @@ def test_chunks_cross_to_the_router_as_plain_data() -> None:
         assert DecodeChunk.from_wire(wire) == chunk
 
 
+def test_a_channel_backlog_is_coalesced_per_request_in_order() -> None:
+    from services.decoder.messages import coalesce_by_request
+
+    a1 = DecodeChunk("a", "d", text="x", token_ids=(1,), num_output_tokens=1)
+    b1 = DecodeChunk("b", "d", text="p", token_ids=(7,), num_output_tokens=1)
+    a2 = DecodeChunk("a", "d", text="y", token_ids=(2,), num_output_tokens=2, finished=True,
+                     finish_reason="length")
+    b2 = DecodeChunk("b", "d", text="q", token_ids=(8,), num_output_tokens=2)
+    merged = coalesce_by_request([a1, b1, a2, b2])
+    assert [(c.request_id, c.text, c.token_ids, c.finished) for c in merged] == [
+        ("a", "xy", (1, 2), True), ("b", "pq", (7, 8), False)]
+
+
 def test_coalesced_chunks_carry_the_same_stream() -> None:
     lp = [TokenLogprob(t, -0.5 * t) for t in range(4)]
     parts = [DecodeChunk("r", "d", text="he", token_ids=(0,), logprobs=(lp[0],),

@@ -19,7 +19,15 @@ from ray import serve
 from detserve.serve_config import DECODER
 from services.decoder.engine_factory import DecoderSettings, build_engine
 from services.decoder.engine_loop import EngineLoop, deliver_each
-from services.decoder.messages import DecodeChunk, DecodeRequest, ReplicaStats, coalesce
+from services.decoder.messages import (
+    ChannelOpen,
+    DecodeChunk,
+    DecodeRequest,
+    ReplicaPin,
+    ReplicaStats,
+    coalesce,
+    coalesce_by_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +37,34 @@ def _replica_id() -> str:
         return str(serve.get_replica_context().replica_id.unique_id)
     except Exception:  # outside a Serve replica (tests constructing the class directly)
         return f"local-{os.getpid()}"
+
+
+class _Channel:
+    """One router's chunks on this replica, sent as one message per wake-up of the event
+    loop (``Decoder.channel``) instead of one stream item per request and step."""
+
+    def __init__(self) -> None:
+        self.pending: list[DecodeChunk] = []
+        self.ready = asyncio.Event()
+        self.attached = False
+        self.done: dict[str, asyncio.Event] = {}  # open requests: set by their last chunk
+
+    def put(self, chunk: DecodeChunk) -> None:
+        self.pending.append(chunk)
+        self.ready.set()
+        if chunk.finished:
+            event = self.done.pop(chunk.request_id, None)
+            if event is not None:
+                event.set()
+
+
+@dataclass(frozen=True)
+class _ChannelSink:
+    event_loop: asyncio.AbstractEventLoop
+    channel: _Channel
+
+    def __call__(self, chunk: DecodeChunk) -> None:
+        self.channel.put(chunk)
 
 
 @dataclass(frozen=True)
@@ -66,12 +102,20 @@ class Decoder:
         engine, self._close = build_engine(self.settings, self.replica)
         self.loop = EngineLoop(engine, self.replica, deliver=_deliver_on_event_loops,
                                stream_interval=self.settings.stream_interval)
+        self._channels: dict[str, _Channel] = {}
         self.loop.start()
         log.info("decoder %s ready (%s, mode %s)", self.replica, self.settings.model,
                  self.settings.mode)
 
-    async def generate(self, request: DecodeRequest) -> AsyncIterator[tuple[Any, ...]]:
-        """The request's chunks as ``DecodeChunk.to_wire`` data."""
+    async def generate(self, request: DecodeRequest, channel: str | None = None
+                       ) -> AsyncIterator[tuple[Any, ...]]:
+        """The request's chunks as ``DecodeChunk.to_wire`` data; or, with ``channel``, only
+        this replica's id first, the chunks going out on that router's channel, and the
+        call ending when the request has (its last chunk is on the channel by then)."""
+        if channel is not None:
+            async for item in self._generate_on_channel(request, channel):
+                yield item
+            return
         chunks: asyncio.Queue[DecodeChunk] = asyncio.Queue()
         self.loop.submit(request, _QueueSink(asyncio.get_running_loop(), chunks))
         finished = False
@@ -89,13 +133,56 @@ class Decoder:
             if not finished:
                 self.loop.abort(request.request_id)
 
+    async def _generate_on_channel(self, request: DecodeRequest, channel_id: str
+                                   ) -> AsyncIterator[tuple[Any, ...]]:
+        channel = self._channels.get(channel_id)
+        if channel is None:
+            channel = self._channels[channel_id] = _Channel()
+        done = channel.done[request.request_id] = asyncio.Event()
+        self.loop.submit(request, _ChannelSink(asyncio.get_running_loop(), channel))
+        try:
+            yield (self.replica,)
+            await done.wait()
+        finally:
+            if not done.is_set():
+                channel.done.pop(request.request_id, None)
+                self.loop.abort(request.request_id)
+            self._forget_channel(channel_id)
+
+    async def channel(self, open_: ChannelOpen) -> AsyncIterator[list[tuple[Any, ...]]]:
+        """Router channel ``open_.channel``'s chunks of every request it sent here: each
+        item is everything that arrived since the previous one. First item: empty (the
+        channel is attached). Ends when the caller cancels it; its open requests abort."""
+        channel = self._channels.get(open_.channel)
+        if channel is None:
+            channel = self._channels[open_.channel] = _Channel()
+        channel.attached = True
+        try:
+            yield []
+            while True:
+                await channel.ready.wait()
+                channel.ready.clear()
+                batch, channel.pending = channel.pending, []
+                yield [c.to_wire() for c in coalesce_by_request(batch)]
+        finally:
+            channel.attached = False
+            for rid in list(channel.done):
+                self.loop.abort(rid)
+            self._forget_channel(open_.channel)
+
+    def _forget_channel(self, channel_id: str) -> None:
+        channel = self._channels.get(channel_id)
+        if channel is not None and not channel.attached and not channel.done:
+            del self._channels[channel_id]
+
     def ping(self) -> str:
         return self.replica
 
     def profile(self) -> Mapping[str, object]:
         return self.loop.determinism
 
-    def stats(self) -> ReplicaStats:
+    def stats(self, pin: ReplicaPin | None = None) -> ReplicaStats:
+        """``pin``: only routes the call (to this replica)."""
         return ReplicaStats(self.replica, dict(self.loop.stats), self.loop.outstanding_tokens,
                             self.loop.num_streams, self.loop.healthy,
                             type(self.loop.engine.verifier).__name__)

@@ -102,6 +102,32 @@ def coalesce(chunks: Sequence[DecodeChunk]) -> list[DecodeChunk]:
 
 
 @dataclass(frozen=True)
+class ReplicaPin:
+    """First argument of a call that must reach decoder replica ``replica`` (the request
+    router sends it there or nowhere), e.g. ``stats(ReplicaPin(r))``."""
+
+    replica: str
+
+
+@dataclass(frozen=True)
+class ChannelOpen:
+    """Opens router ``channel``'s output stream on decoder replica ``replica`` (the request
+    router sends this call to that replica only)."""
+
+    channel: str
+    replica: str
+
+
+def coalesce_by_request(chunks: Sequence[DecodeChunk]) -> list[DecodeChunk]:
+    """``coalesce`` for a channel's backlog, which interleaves requests: each request's
+    chunks merged in their order, requests in the order they first appear."""
+    by_request: dict[str, list[DecodeChunk]] = {}
+    for chunk in chunks:
+        by_request.setdefault(chunk.request_id, []).append(chunk)
+    return [c for group in by_request.values() for c in coalesce(group)]
+
+
+@dataclass(frozen=True)
 class ReplicaStats:
     """What a decoder reports about itself: engine counters plus its own load."""
 

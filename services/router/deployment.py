@@ -80,4 +80,6 @@ class Router:
 
     def __del__(self) -> None:
         self.service.health.stop()
+        if self.service.dispatcher.hub is not None:
+            self.service.dispatcher.hub.close()
 

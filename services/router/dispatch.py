@@ -17,6 +17,7 @@ from ray.exceptions import RayError
 
 from detserve.outputs import TokenLogprob
 from services.decoder.messages import DecodeChunk, DecodeRequest
+from services.router.channels import ChannelHub, ChannelLost, Item
 from services.router.errors import invalid
 from services.router.metrics import RouterMetrics, SequenceTimer
 from services.router.prepare import Job
@@ -44,10 +45,15 @@ class ChoiceEvent:
 
 
 class Dispatcher:
-    def __init__(self, decoder: Any, metrics: RouterMetrics, max_replays: int = 1) -> None:
+    def __init__(self, decoder: Any, metrics: RouterMetrics, max_replays: int = 1,
+                 channels: bool = True) -> None:
+        """``channels``: chunks come through one channel per decoder replica
+        (``services.router.channels``); False: each request's own stream."""
         self._decoder = decoder.options(stream=True)
         self._metrics = metrics
         self.max_replays = max_replays
+        self.hub = ChannelHub(decoder) if channels else None
+        self._watchers: set[asyncio.Task[None]] = set()
 
     async def run(self, job: Job) -> AsyncIterator[ChoiceEvent]:
         """Events of every choice, interleaved as they arrive."""
@@ -114,18 +120,55 @@ class Dispatcher:
     async def _decode(self, request: DecodeRequest, attempt: int) -> AsyncIterator[DecodeChunk]:
         if attempt:
             request = replace(request, request_id=f"{request.request_id}-replay{attempt}")
+        chunks = (self._decode_channel(request) if self.hub is not None
+                  else self._decode_stream(request))
+        async for chunk in chunks:
+            self._metrics.engines.update(chunk.replica, chunk.engine_stats)
+            if chunk.error is not None:
+                if chunk.error_type == "invalid_request":
+                    raise invalid(chunk.error)
+                raise DecoderFailure(chunk.error)
+            yield chunk
+
+    async def _decode_channel(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
+        hub = self.hub
+        assert hub is not None
+        rid = request.request_id
+        queue = hub.register(rid)
+        stream = self._decoder.generate.remote(request, hub.id)
+        done = False
+        try:
+            try:
+                (replica,) = await stream.__anext__()
+            except RayError as e:
+                done = True
+                raise DecoderFailure(f"decoder failed: {type(e).__name__}: {e}") from e
+            except StopAsyncIteration:
+                done = True
+                raise DecoderFailure("decoder stream ended before the request started") from None
+            hub.bind(rid, replica)
+            watcher = asyncio.create_task(_watch(stream, queue, replica))
+            self._watchers.add(watcher)
+            watcher.add_done_callback(self._watchers.discard)
+            while not done:
+                item = await queue.get()
+                if isinstance(item, ChannelLost):
+                    done = True
+                    raise DecoderFailure(item.message)
+                done = item.finished or item.error is not None
+                yield item
+        finally:
+            hub.release(rid)
+            if not done:
+                stream.cancel()
+
+    async def _decode_stream(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         stream = self._decoder.generate.remote(request)
         done = False
         try:
             async for wire in stream:
                 chunk = DecodeChunk.from_wire(wire)
-                self._metrics.engines.update(chunk.replica, chunk.engine_stats)
-                if chunk.error is not None:
-                    done = True
-                    if chunk.error_type == "invalid_request":
-                        raise invalid(chunk.error)
-                    raise DecoderFailure(chunk.error)
-                done = chunk.finished
+                done = chunk.finished or chunk.error is not None
                 yield chunk
         except RayError as e:
             done = True
@@ -135,6 +178,18 @@ class Dispatcher:
                 stream.cancel()
         if not done:
             raise DecoderFailure("decoder stream ended before the request finished")
+
+
+async def _watch(stream: Any, queue: asyncio.Queue[Item], replica: str) -> None:
+    """The rest of a channel request's ``generate`` call: it ends when the request does; if
+    it fails first (the replica died), the request's queue learns it."""
+    try:
+        async for _ in stream:
+            pass
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # RayError: the replica died; after a cancel nobody reads this
+        queue.put_nowait(ChannelLost(f"decoder {replica} failed: {type(e).__name__}: {e}"))
 
 
 def _event(index: int, chunk: DecodeChunk) -> ChoiceEvent:

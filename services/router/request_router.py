@@ -1,8 +1,9 @@
 """Ray Serve request router for the Decoder deployment: ``TokenLedger`` policy.
 
 Configured on the deployment (``RequestRouterConfig(request_router_class=...)``), so every
-handle to decoders routes this way. Only ``generate`` calls carry a ``DecodeRequest``;
-other calls (stats, ping) go to any replica.
+handle to decoders routes this way. Only ``generate`` calls carry a ``DecodeRequest``; a
+``channel`` call carries a ``ChannelOpen`` and goes to the replica it names, as does any
+call whose first argument is a ``ReplicaPin``; other calls (stats, ping) go to any replica.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from services.decoder.messages import DecodeRequest
+from services.decoder.messages import ChannelOpen, DecodeRequest, ReplicaPin
 from services.router.load_ledger import TokenLedger, prefix_keys
 
 
@@ -24,6 +25,11 @@ def _decode_request(pending: PendingRequest | None) -> DecodeRequest | None:
         return None
     arg = pending.args[0]
     return arg if isinstance(arg, DecodeRequest) else None
+
+
+def _pinned_replica(pending: PendingRequest | None) -> str | None:
+    arg = pending.args[0] if pending is not None and pending.args else None
+    return arg.replica if isinstance(arg, (ChannelOpen, ReplicaPin)) else None
 
 
 def _keys(req: DecodeRequest) -> list[int]:
@@ -41,6 +47,9 @@ class LeastTokensRouter(RequestRouter):
         if pending_request is not None:
             # when no rank accepts, back off instead of spinning
             pending_request.routing_context.should_backoff = True
+        pinned = _pinned_replica(pending_request)
+        if pinned is not None:  # a router's channel, a pinned call: that replica or none
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == pinned]]
         req = _decode_request(pending_request)
         if req is None:
             return [candidate_replicas]

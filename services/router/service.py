@@ -49,12 +49,13 @@ class OpenStream:
 
 
 class RouterService:
-    def __init__(self, ctx: ModelContext, limits: ServingLimits, decoder: Any) -> None:
+    def __init__(self, ctx: ModelContext, limits: ServingLimits, decoder: Any,
+                 channels: bool = True) -> None:
         self.ctx = ctx
         self.limits = limits
         self.metrics = RouterMetrics()
         self.admission = Admission(limits.max_outstanding, limits.retry_after_s)
-        self.dispatcher = Dispatcher(decoder, self.metrics)
+        self.dispatcher = Dispatcher(decoder, self.metrics, channels=channels)
         self.health = DecoderHealth(decoder, self.metrics)
 
     async def open(self, job: Job) -> OpenStream:
