@@ -14,7 +14,7 @@ import argparse
 import datetime as dt
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -154,10 +154,15 @@ def main(argv: list[str] | None = None) -> int:
                        "torch": torch.__version__, "args": vars(a), "copy_bandwidth_Bps": bw,
                        "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token},
               "rows": rows}
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(report, indent=2))
+    save_report(a.out, report)
     return 0
+
+
+def save_report(out: str | None, report: Mapping[str, object]) -> None:
+    """``report`` as JSON at ``out`` (nothing when None)."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.bench_decode_step import profile_steps, save_report
 from benchmarks.bench_offline import hardware
 from detserve.config import EngineConfig
 from detserve.engine import LLMEngine
@@ -118,8 +117,6 @@ def main(argv: list[str] | None = None) -> int:
                                    "step_ms": ms}
             print(f"{name:<20} {ms:8.2f} ms/step", flush=True)
             if a.profile and cuda:
-                from benchmarks.bench_decode_step import profile_steps
-
                 row["profile"] = profile_steps(eng, a.steps, step=step)
             rows.append(row)
         finally:
@@ -135,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     print("variant               ms/step  vs nondeterministic")
     for row in rows:
         print(f"{row['variant']:<20} {row['step_ms']:8.2f}  {row['vs_nondeterministic']:.2f}x")
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(report, indent=2))
+    save_report(a.out, report)
     return 0
 
 
