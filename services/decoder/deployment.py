@@ -1,8 +1,10 @@
 """The ``Decoder`` Ray Serve deployment: one engine (model, KV pool, fast path) per replica.
 
 ``generate`` is an async generator (call it through a handle with ``stream=True``): one
-``DecodeChunk`` (sent as ``to_wire`` data) per engine step that committed tokens, the last one ``finished``. When the
-caller goes away (client disconnect, router cancel) the request is aborted in the engine.
+``DecodeChunk`` (sent as ``to_wire`` data) per engine step that committed tokens, the last
+one ``finished``; or, with a router's channel id, the chunks go out on that router's
+``channel`` stream. When the caller goes away (client disconnect, router cancel) the
+request is aborted in the engine.
 """
 
 from __future__ import annotations
@@ -133,11 +135,17 @@ class Decoder:
             if not finished:
                 self.loop.abort(request.request_id)
 
-    async def _generate_on_channel(self, request: DecodeRequest, channel_id: str
-                                   ) -> AsyncIterator[tuple[Any, ...]]:
+    def _channel(self, channel_id: str) -> _Channel:
+        """Router ``channel_id``'s channel here, created by whichever comes first: a request
+        sent with it, or the router attaching."""
         channel = self._channels.get(channel_id)
         if channel is None:
             channel = self._channels[channel_id] = _Channel()
+        return channel
+
+    async def _generate_on_channel(self, request: DecodeRequest, channel_id: str
+                                   ) -> AsyncIterator[tuple[Any, ...]]:
+        channel = self._channel(channel_id)
         done = channel.done[request.request_id] = asyncio.Event()
         self.loop.submit(request, _ChannelSink(asyncio.get_running_loop(), channel))
         try:
@@ -153,9 +161,7 @@ class Decoder:
         """Router channel ``open_.channel``'s chunks of every request it sent here: each
         item is everything that arrived since the previous one. First item: empty (the
         channel is attached). Ends when the caller cancels it; its open requests abort."""
-        channel = self._channels.get(open_.channel)
-        if channel is None:
-            channel = self._channels[open_.channel] = _Channel()
+        channel = self._channel(open_.channel)
         channel.attached = True
         try:
             yield []

@@ -62,8 +62,8 @@ class DecodeChunk:
 
     def to_wire(self) -> tuple[Any, ...]:
         """The chunk as plain data for the hop to the router: Ray serializes lists, dicts,
-        strings and numbers without pickle, which halves the decoder's cost per chunk (one
-        chunk per stream per engine step). ``from_wire`` inverts it."""
+        strings and numbers without pickle (the decoder sends one chunk per stream per
+        engine step). ``from_wire`` inverts it."""
         lps = None if self.logprobs is None else [
             (p.token_id, p.logprob, list(p.top.items())) for p in self.logprobs]
         return (self.request_id, self.replica, self.text, list(self.token_ids), lps,

@@ -39,16 +39,13 @@ Item = DecodeChunk | ChannelLost
 
 class ChannelHub:
     def __init__(self, decoder: Any, attach_timeout_s: float = 10.0) -> None:
+        """``decoder``: a streaming handle (``options(stream=True)``) to the decoders."""
         self.id = f"router-{uuid.uuid4().hex}"
-        self._decoder = decoder.options(stream=True)
+        self._decoder = decoder
         self.attach_timeout_s = attach_timeout_s
         self._queues: dict[str, asyncio.Queue[Item]] = {}
         self._replica_of: dict[str, str] = {}
         self._readers: dict[str, asyncio.Task[None]] = {}
-
-    @property
-    def open_channels(self) -> int:
-        return len(self._readers)
 
     def register(self, request_id: str) -> asyncio.Queue[Item]:
         """Before the request is sent: its chunks may arrive before ``bind``."""

@@ -52,7 +52,7 @@ class Dispatcher:
         self._decoder = decoder.options(stream=True)
         self._metrics = metrics
         self.max_replays = max_replays
-        self.hub = ChannelHub(decoder) if channels else None
+        self.hub = ChannelHub(self._decoder) if channels else None
         self._watchers: set[asyncio.Task[None]] = set()
 
     async def run(self, job: Job) -> AsyncIterator[ChoiceEvent]:

@@ -20,15 +20,17 @@ from services.decoder.messages import ChannelOpen, DecodeRequest, ReplicaPin
 from services.router.load_ledger import TokenLedger, prefix_keys
 
 
+def _first_arg(pending: PendingRequest | None) -> object:
+    return pending.args[0] if pending is not None and pending.args else None
+
+
 def _decode_request(pending: PendingRequest | None) -> DecodeRequest | None:
-    if pending is None or not pending.args:
-        return None
-    arg = pending.args[0]
+    arg = _first_arg(pending)
     return arg if isinstance(arg, DecodeRequest) else None
 
 
 def _pinned_replica(pending: PendingRequest | None) -> str | None:
-    arg = pending.args[0] if pending is not None and pending.args else None
+    arg = _first_arg(pending)
     return arg.replica if isinstance(arg, (ChannelOpen, ReplicaPin)) else None
 
 
