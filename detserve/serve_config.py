@@ -271,7 +271,8 @@ def ray_serve_env(http_port: int, grpc_port: int, *, direct_ingress: bool = True
     ingress replica of a node its own port from a range; the range here is one port wide,
     so it fits one router replica per node, what ``services.app`` deploys. Without a load
     balancer in front nobody needs the drain period Ray Serve holds a stopping replica
-    open for, so it is 0. Measured on CPU: docs/benchmarks/serving_overhead_cpu_tiny.md.
+    open for, so it is 0. Measured on CPU: docs/benchmarks/serving_overhead_cpu_tiny_direct.md
+    (against serving_overhead_cpu_tiny.md, before).
     """
     env = dict(THROUGHPUT_ENV)
     env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1" if direct_ingress else "0"
