@@ -9,8 +9,11 @@ batch, ``--decode-rows`` single-token rows at context ``--context`` plus one pre
 - ``nondeterministic``: the baseline engine's step;
 - ``llm42, no lane row``: an llm42 engine (fast path aligned with the lane on CUDA) when
   no decode row of the step belongs to a deterministic request (``align_decode=False``);
-- ``llm42, lane rows``: the same step when some do (decode rows' products padded to their
-  lane-class bucket and run apart from the prefill rows, ``align_decode=True``).
+- ``llm42, lane rows``: the same step when some do (``align_decode=True``): decode rows'
+  products padded to their lane-class bucket and run apart from the prefill rows, except
+  the products whose step size the engine's start-up probe found in the lane chunk's
+  algorithm (``gemm_classes.single_call_sizes``), which run as one call;
+- ``llm42, lane rows, split``: the same without that probe (every product split).
 
 The K/V read is whatever the pool holds (timing only; nothing is sampled from a real
 context). ``--profile`` adds the GPU kernel time per step and the top kernels per variant.
@@ -39,10 +42,11 @@ from detserve.model.random_init import random_model
 from detserve.params import SamplingSpec
 
 BLOCK = 16
-VARIANTS: tuple[tuple[str, str, bool], ...] = (
-    ("nondeterministic", "nondeterministic", False),
-    ("llm42, no lane row", "llm42", False),
-    ("llm42, lane rows", "llm42", True),
+VARIANTS: tuple[tuple[str, str, bool, bool], ...] = (  # name, mode, align_decode, probe
+    ("nondeterministic", "nondeterministic", False, True),
+    ("llm42, no lane row", "llm42", False, True),
+    ("llm42, lane rows", "llm42", True, True),
+    ("llm42, lane rows, split", "llm42", True, False),
 )
 
 
@@ -102,20 +106,29 @@ def main(argv: list[str] | None = None) -> int:
     vocab = loaded[0].config.vocab_size
     rows: list[dict[str, Any]] = []
     segs, specs, blocks = mixed_batch(a.decode_rows, a.context, a.prefill_tokens, BLOCK, vocab)
-    for name, mode, align in VARIANTS:
+    for name, mode, align, probe in VARIANTS:
         cfg = EngineConfig.create(a.model, mode, device=a.device, dtype=a.dtype,
+                                  probe_single_calls=probe,
                                   verify_window=a.verify_window, verify_group=a.verify_group,
                                   max_num_seqs=max(128, a.decode_rows),
                                   max_num_batched_tokens=max(2048, a.decode_rows + a.prefill_tokens),
                                   max_model_len=max(a.context, a.prefill_tokens) + 64,
                                   num_blocks=blocks + 1, block_size=BLOCK)
+        t0 = time.perf_counter()
         eng = LLMEngine(cfg, loaded=loaded)
+        start_s = time.perf_counter() - t0  # with graph capture and the alignment probes
         try:
             step = partial(eng.runner.run_batch, segs, specs, align_decode=align)
             ms = time_step(step, a.steps, sync)
+            single = eng.alignment.single_call if eng.alignment else {}
+            m = sum(len(x.input_ids) for x in segs)
             row: dict[str, Any] = {"variant": name, "mode": mode, "align_decode": align,
-                                   "step_ms": ms}
-            print(f"{name:<20} {ms:8.2f} ms/step", flush=True)
+                                   "step_ms": ms, "step_rows": m, "engine_start_s": start_s,
+                                   "unsplit_products": sorted(f"{n}x{k}" for (n, k), ok in
+                                                              single.items() if m in ok)}
+            print(f"{name:<24} {ms:8.2f} ms/step  products unsplit at {m} rows: "
+                  f"{row['unsplit_products'] if align else 'all'} (engine start "
+                  f"{start_s:.1f} s)", flush=True)
             if a.profile and cuda:
                 row["profile"] = profile_steps(eng, a.steps, step=step)
             rows.append(row)
@@ -129,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         row["vs_nondeterministic"] = row["step_ms"] / base
     report = {"meta": {"date": dt.date.today().isoformat(), "hardware": hardware(a.device),
                        "torch": torch.__version__, "args": vars(a)}, "rows": rows}
-    print("variant               ms/step  vs nondeterministic")
+    print("variant                   ms/step  vs nondeterministic")
     for row in rows:
-        print(f"{row['variant']:<20} {row['step_ms']:8.2f}  {row['vs_nondeterministic']:.2f}x")
+        print(f"{row['variant']:<24} {row['step_ms']:8.2f}  {row['vs_nondeterministic']:.2f}x")
     save_report(a.out, report)
     return 0
 

@@ -90,7 +90,8 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               lane_gemm_rows=args.lane_gemm_rows,
                               lane_bound_fraction=args.lane_bound_fraction,
                               lane_priority=args.lane_priority, lane_sms=args.lane_sms,
-                              lane_decode_in_mixed_steps=not args.lane_decode_sits_out)
+                              lane_decode_in_mixed_steps=not args.lane_decode_sits_out,
+                              probe_single_calls=not args.no_single_calls)
     engine = LLMEngine(cfg, loaded=loaded)
     vocab = engine.model.config.vocab_size
     rng = random.Random(args.seed)
@@ -130,6 +131,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "mode": mode, "deterministic_ratio": ratio, "num_requests": len(shapes),
         "verify_window": args.verify_window, "verify_group": args.verify_group,
         "align_fast_path": not args.no_align, "lane_gemm_rows": gemm_rows,
+        "single_calls": not args.no_single_calls,
         "duration_s": elapsed,
         "request_throughput": len(shapes) / elapsed,
         "output_throughput": out_tokens / elapsed,
@@ -183,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="CUDA: no fast-path/lane alignment (split-KV decode, whole-pass lane GEMMs)")
     p.add_argument("--lane-gemm-rows", type=int, default=0,
                    help="CUDA: the lane's GEMM row chunk (0: chosen by probing cuBLAS)")
+    p.add_argument("--no-single-calls", action="store_true",
+                   help="CUDA: eager steps split every product around lane decode rows (no "
+                        "probe of the step sizes that may run unsplit)")
     p.add_argument("--lane-priority", choices=("high", "normal"), default="high",
                    help="CUDA stream priority of the lane")
     p.add_argument("--lane-sms", type=int, default=None,

@@ -107,6 +107,10 @@ class EngineConfig:
     # computes only the chunks its rows fill (0: the whole G*W pass, always).
     align_fast_path: bool = True
     lane_gemm_rows: int = 0
+    # CUDA, with align_fast_path: probe at start-up, for every eager step size, which
+    # products give the leading decode rows the lane chunk's bits in one call over all the
+    # step's rows; those products then run unsplit (gemm_classes.single_call_sizes)
+    probe_single_calls: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 

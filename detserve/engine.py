@@ -72,7 +72,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.pool, sc.lane_rows, sc.verify_window,
                                   config.batch_invariant_rows, self.lane_gemm_rows,
                                   align_fast_path=cuda and config.align_fast_path,
-                                  decode_buckets=self.alignment.buckets if self.alignment else None)
+                                  decode_buckets=self.alignment.buckets if self.alignment else None,
+                                  single_call=self.alignment.single_call if self.alignment else None)
         if cuda and config.cuda_graphs:
             mode = config.mode
             decode = {"llm42": "fast", "nondeterministic": "fast", "batch_invariant": "bi"}.get(mode)
@@ -104,7 +105,12 @@ class LLMEngine:
         if not c.align_fast_path:
             return None
         full = min(sc.max_num_seqs, c.cuda_graph_max_batch) if c.cuda_graphs else sc.max_num_seqs
-        return auto_alignment(self.model.gemm_weights(), full, sc.lane_rows, c.lane_gemm_rows)
+        # eager steps send up to max_num_batched_tokens rows through the layers' products
+        # and at most one row per sequence through the lm_head (the last weight)
+        weights = self.model.gemm_weights()
+        step_rows = [sc.max_num_batched_tokens] * (len(weights) - 1) + [sc.max_num_seqs]
+        return auto_alignment(weights, full, sc.lane_rows, c.lane_gemm_rows,
+                              step_rows if c.probe_single_calls else ())
 
     @staticmethod
     def _default_verifier_factory(config: EngineConfig) -> Callable[[ModelRunner], Verifier]:

@@ -37,7 +37,7 @@ def test_repeated_runs_are_summarized_by_median(tmp_path: Path) -> None:
     assert "Medians over the repeated runs" in md and "--repeat 2" in md
 
 
-def test_mixed_step_benchmark_times_the_three_variants(tmp_path: Path) -> None:
+def test_mixed_step_benchmark_times_the_four_variants(tmp_path: Path) -> None:
     """bench_mixed_step on CPU: one fixed mixed batch (decode rows + a prefill chunk) per
     variant, each timed, the first the baseline; the batch's tables stay disjoint."""
     from benchmarks import bench_mixed_step
@@ -54,5 +54,7 @@ def test_mixed_step_benchmark_times_the_three_variants(tmp_path: Path) -> None:
         "--verify-window", "8", "--verify-group", "2", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["mode"], r["align_decode"]) for r in rows] == [
-        ("nondeterministic", False), ("llm42", False), ("llm42", True)]
+        ("nondeterministic", False), ("llm42", False), ("llm42", True), ("llm42", True)]
     assert all(r["step_ms"] > 0 for r in rows) and rows[0]["vs_nondeterministic"] == 1.0
+    # on CPU there is no alignment, so no product is probed and none runs unsplit
+    assert all(r["step_rows"] == 30 and r["unsplit_products"] == [] for r in rows)

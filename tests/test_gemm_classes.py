@@ -12,6 +12,7 @@ from detserve.executor.gemm_classes import (
     plan_alignment,
     probe_sizes,
     row_classes,
+    single_call_sizes,
 )
 from detserve.executor.graphs import decode_buckets
 
@@ -170,3 +171,70 @@ def test_head_padded_ops_split_the_decode_rows_from_the_rest() -> None:
     assert calls == [8]
     with pytest.raises(ValueError):
         HeadPaddedOps(TorchOps(), 4, 2)
+
+
+def _switches_above(limit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Products exact at every M (elementwise), with "another algorithm" above ``limit``
+    rows that changes every row's bits."""
+    import detserve.executor.gemm_classes as gc
+
+    def fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = x[:, :1] * w[:, 0]
+        return out + 1e-3 if x.shape[0] > limit else out
+
+    monkeypatch.setattr(gc.F, "linear", fake)
+
+
+def test_single_call_sizes_are_the_chunks_algorithm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step size up to the switch runs the chunk's arithmetic; none above it does."""
+    _switches_above(64, monkeypatch)
+    w = torch.randn(16, 8)
+    assert single_call_sizes(w, 32, 100) == frozenset(range(1, 65))
+    assert single_call_sizes(w, 80, 100) == frozenset(range(65, 101))
+    with pytest.raises(ValueError):
+        single_call_sizes(w, 0, 10)
+
+
+def test_auto_alignment_probes_step_sizes_per_weight_shape(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _switches_above(64, monkeypatch)
+    w1, w2 = torch.randn(16, 8), torch.randn(24, 8)
+    al = auto_alignment([w1, w2], 32, 64, step_rows=[100, 40])
+    assert al.chunk == 64
+    assert al.single_call == {(16, 8): frozenset(range(1, 65)), (24, 8): frozenset(range(1, 41))}
+    assert auto_alignment([w1, w2], 32, 64).single_call == {}  # not asked: nothing probed
+
+
+def test_mixed_step_decode_rows_keep_the_chunks_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An eager step's leading decode rows get the lane chunk's bits whatever its size: one
+    call where the probe found the chunk's algorithm, else split. Negative control: a
+    single-call table that wrongly lists a size past the switch changes the decode rows."""
+    import detserve.executor.gemm_classes as gc
+    from detserve.executor.ops import TorchOps
+    from detserve.executor.runner import HeadPaddedOps
+
+    _switches_above(64, monkeypatch)
+
+    calls: list[int] = []
+
+    class Recording(TorchOps):
+        def linear(self, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+            calls.append(x.shape[0])
+            return gc.F.linear(x, weight)
+
+    w = torch.randn(16, 8)
+    chunk, head, bucket = 32, 10, 16
+    single = {(16, 8): single_call_sizes(w, chunk, 128)}
+    for total, want_calls in ((40, [40]), (100, [bucket, 90])):
+        x = torch.randn(total, 8)
+        lane = gc.F.linear(torch.cat([x[:head], torch.zeros(chunk - head, 8)]), w)[:head]
+        calls.clear()
+        out = HeadPaddedOps(Recording(), head, bucket, single).linear(x, w)
+        assert calls == want_calls
+        assert torch.equal(out[:head], lane)
+    wrong = {(16, 8): frozenset({100})}
+    x = torch.randn(100, 8)
+    lane = gc.F.linear(torch.cat([x[:head], torch.zeros(chunk - head, 8)]), w)[:head]
+    assert not torch.equal(HeadPaddedOps(Recording(), head, bucket, wrong).linear(x, w)[:head],
+                           lane)

@@ -149,18 +149,33 @@ def test_lane_pass_runs_only_the_chunks_its_rows_fill(model: str,
     f.close()
 
 
-@pytest.mark.parametrize("graphs", [True, False])
-def test_aligned_decode_rows_verify_next_to_prefill_chunks(model: str, graphs: bool) -> None:
+@pytest.mark.parametrize(("graphs", "probe"), [(True, True), (False, True), (True, False)])
+def test_aligned_decode_rows_verify_next_to_prefill_chunks(
+        model: str, graphs: bool, probe: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Deterministic requests decode while later ones arrive and prefill: eager steps that
-    mix decode rows with prefill chunks pad the decode rows' products to their bucket, so
-    no window rolls back (the fast path computes what the lane computes)."""
+    mix decode rows with prefill chunks pad the decode rows' products to their bucket, or,
+    where the start-up probe found the step's size in the lane chunk's algorithm, run them
+    as one call over all rows; either way no window rolls back (the fast path computes what
+    the lane computes)."""
+    from detserve.executor import runner as runner_mod
+
+    unsplit: list[int] = []
+    real = runner_mod.HeadPaddedOps.linear
+
+    def spy(self, x, weight, bias=None):  # type: ignore[no-untyped-def]
+        if x.shape[0] in self.single_call.get(tuple(weight.shape), ()):
+            unsplit.append(x.shape[0])
+        return real(self, x, weight, bias)
+
+    monkeypatch.setattr(runner_mod.HeadPaddedOps, "linear", spy)
     prompts = random_prompts(6, [30, 200, 60, 150], seed=11)
     reqs = [Req(p, SamplingParams(max_tokens=48, is_deterministic=i % 2 == 0, ignore_eos=True),
                 arrival=6 * i) for i, p in enumerate(prompts)]
     outs, stats, eng = run_engine(model, reqs, window=16, group=2, cuda_graphs=graphs,
-                                  max_num_batched_tokens=96, **CUDA)
+                                  max_num_batched_tokens=96, probe_single_calls=probe, **CUDA)
     assert eng.alignment is not None and stats["windows"] >= 9
     assert stats["rollbacks"] == 0
+    assert bool(eng.alignment.single_call) == probe and bool(unsplit) == probe
     oracle, _, o = run_engine(model, reqs, mode="lane_only", window=16, group=2, **CUDA)
     for i in range(0, 6, 2):
         assert signature(outs[i]) == signature(oracle[i])

@@ -12,15 +12,15 @@ still runs a fixed shape, and the chunk is part of the determinism profile.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["Alignment", "auto_alignment", "joint_classes", "plan_alignment", "probe_sizes",
-           "row_classes", "smallest_at_least"]
+           "row_classes", "single_call_sizes", "smallest_at_least"]
 
 
 def smallest_at_least(sizes: Iterable[int], n: int) -> int | None:
@@ -46,6 +46,27 @@ def row_classes(weight: Tensor, sizes: Sequence[int], seed: int = 0) -> list[lis
         else:
             classes.append((row, [m]))
     return [members for _, members in classes]
+
+
+def single_call_sizes(weight: Tensor, chunk: int, max_rows: int, seed: int = 0) -> frozenset[int]:
+    """Row counts M in 1..``max_rows`` at which one ``F.linear`` call over M rows gives each
+    of its first min(M, ``chunk``) rows the bits a call of exactly ``chunk`` rows gives the
+    same row: M's algorithm is the chunk's. An eager step whose decode rows lead the batch
+    can then run that product once over all its rows (prefill rows included) instead of
+    padding the decode rows to their bucket and running the rest apart, and the decode
+    rows still get the lane's bits. Every M is probed (cuBLAS picks by the exact shape);
+    one host sync in all."""
+    if chunk < 1 or max_rows < 1:
+        raise ValueError("chunk and max_rows must be >= 1")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(max(max_rows, chunk), weight.shape[1], generator=gen)
+    x = x.to(weight.device, weight.dtype)
+    ref = F.linear(x[:chunk], weight)
+    same = torch.zeros(max_rows + 1, dtype=torch.bool, device=weight.device)
+    for m in range(1, max_rows + 1):
+        k = min(m, chunk)
+        same[m] = torch.eq(F.linear(x[:m], weight)[:k], ref[:k]).all()
+    return frozenset(m for m, ok in enumerate(same.tolist()) if ok)
 
 
 def joint_classes(per_weight: Iterable[Sequence[Sequence[int]]]) -> list[list[int]]:
@@ -84,6 +105,9 @@ class Alignment:
 
     chunk: int
     buckets: tuple[int, ...]
+    # per weight shape (N, K): the step sizes M at which one call gives the leading rows
+    # the chunk's bits (``single_call_sizes``); eager steps run those products unsplit
+    single_call: Mapping[tuple[int, int], frozenset[int]] = field(default_factory=dict)
 
     def bucket(self, n: int) -> int | None:
         return smallest_at_least(self.buckets, n)
@@ -117,15 +141,23 @@ def plan_alignment(classes: Sequence[Sequence[int]], full_batch: int, lane_rows:
     return Alignment(chunk, tuple(buckets))
 
 
-def auto_alignment(weights: Iterable[Tensor], full_batch: int, lane_rows: int,
-                   chunk: int = 0) -> Alignment:
+def auto_alignment(weights: Sequence[Tensor], full_batch: int, lane_rows: int,
+                   chunk: int = 0, step_rows: Sequence[int] = ()) -> Alignment:
     """Probe the model's products on this GPU and plan the alignment for a fast path that
-    decodes up to ``full_batch`` sequences next to a lane of ``lane_rows`` rows."""
+    decodes up to ``full_batch`` sequences next to a lane of ``lane_rows`` rows.
+    ``step_rows[i]`` (optional): the most rows an eager step sends through ``weights[i]``;
+    the sizes up to it that may run as one call are probed too (``single_call_sizes``)."""
     from detserve.executor.graphs import decode_buckets
 
     sizes = probe_sizes(full_batch, lane_rows)
     if chunk:
         sizes = sorted({*sizes, chunk})
     joint = joint_classes(row_classes(w, sizes) for w in weights)
-    return plan_alignment(joint, full_batch, lane_rows,
-                          decode_buckets(full_batch), chunk)
+    plan = plan_alignment(joint, full_batch, lane_rows, decode_buckets(full_batch), chunk)
+    single: dict[tuple[int, int], frozenset[int]] = {}
+    for w, rows in zip(weights, step_rows, strict=False):
+        if rows > 0:
+            key = (int(w.shape[0]), int(w.shape[1]))
+            got = single_call_sizes(w, plan.chunk, rows)
+            single[key] = single[key] & got if key in single else got
+    return Alignment(plan.chunk, plan.buckets, single)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, cast
 
@@ -38,14 +38,20 @@ class GraphCaptureError(RuntimeError):
 
 class HeadPaddedOps:
     """``base`` with each product of the first ``head`` rows run as a call of exactly
-    ``padded`` rows (zero rows appended), and the remaining rows as a call of their own."""
+    ``padded`` rows (zero rows appended), and the remaining rows as a call of their own;
+    except where ``single_call`` (per weight shape, an ``Alignment``'s) lists the call's row
+    count: there one call over all rows already gives the head the padded call's bits."""
 
-    def __init__(self, base: Ops, head: int, padded: int) -> None:
+    def __init__(self, base: Ops, head: int, padded: int,
+                 single_call: Mapping[tuple[int, int], frozenset[int]] | None = None) -> None:
         if not 0 < head <= padded:
             raise ValueError("need 0 < head <= padded")
         self.base, self.head, self.padded = base, head, padded
+        self.single_call = single_call or {}
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        if x.shape[0] in self.single_call.get((weight.shape[0], weight.shape[1]), ()):
+            return self.base.linear(x, weight, bias)
         h = self.head
         top = x[:h]
         if self.padded > h:
@@ -73,13 +79,16 @@ class ModelRunner:
     size, not on how many chunks run). On CUDA, with ``align_fast_path``
     decode rows that need no split use the lane's attention kernel
     (``gpu.fast_decode_attention``). ``decode_buckets`` (an ``Alignment``'s) are the sizes
-    the fast path pads its decode rows' products to, in graphs and in eager steps alike.
+    the fast path pads its decode rows' products to, in graphs and in eager steps alike;
+    ``single_call`` (also an ``Alignment``'s) the eager step sizes whose products need no
+    padding for that (``HeadPaddedOps``).
     """
 
     def __init__(self, model: LlamaModel, pool: KVPool, lane_rows: int, window: int,
                  batch_invariant_rows: int, lane_gemm_rows: int = 0,
                  align_fast_path: bool = False,
-                 decode_buckets: Sequence[int] | None = None) -> None:
+                 decode_buckets: Sequence[int] | None = None,
+                 single_call: Mapping[tuple[int, int], frozenset[int]] | None = None) -> None:
         self.model = model
         self.pool = pool
         self.device = model.embed_tokens.device
@@ -95,6 +104,7 @@ class ModelRunner:
         self.lane_gemm_rows = lane_gemm_rows
         self.align_fast_path = align_fast_path
         self.decode_buckets = tuple(sorted(decode_buckets)) if decode_buckets else None
+        self.single_call = dict(single_call or {})
         self.kernel_set = "torch-ref-1"
         self.decode_graphs: DecodeGraphs | None = None
         self.lane_graph: LaneGraph | None = None
@@ -205,11 +215,11 @@ class ModelRunner:
         """Eager fast steps: the products of the leading ``head`` single-token rows run on
         their own, padded to their decode bucket, so they get the bits a decode graph of
         that bucket gives them (and with it the lane's); other rows (prefill chunks) run
-        separately."""
+        separately, except in products whose row count runs the lane chunk's algorithm."""
         if batch_invariant or not self.decode_buckets or not head:
             return ops
         b = smallest_at_least(self.decode_buckets, head)
-        return ops if b is None else HeadPaddedOps(ops, head, b)
+        return ops if b is None else HeadPaddedOps(ops, head, b, self.single_call)
 
     @torch.inference_mode()
     def run_lane(self, lane_pass: LanePass) -> LaneResult:

@@ -118,7 +118,7 @@ class LlamaModel(nn.Module):
         return ops.rmsnorm(h, self.norm, c.rms_norm_eps)
 
     def gemm_weights(self) -> list[Tensor]:
-        """One weight of every matrix-product shape the forward and the lm_head use."""
+        """One weight of every matrix-product shape the forward uses, then the lm_head's."""
         first = self.layer_list[0]
         return [first.qkv_proj, first.o_proj, first.gate_up_proj, first.down_proj,
                 self.lm_head_weight]
