@@ -34,8 +34,9 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Mapping
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,18 @@ class Result:
     load_ttft_ms: float
     load_wall_s: float
     output_tok_s: float
+    # what the engine did during the loaded phase (the decoder replica's engine when served):
+    # ENGINE_KEYS' differences over the phase; where a served run's extra time goes
+    engine: dict[str, float] = field(default_factory=dict)
+
+
+ENGINE_KEYS = ("steps", "decode_steps", "mixed_steps", "decode_step_seconds",
+               "mixed_step_seconds", "schedule_seconds", "output_seconds", "lane_wait_seconds")
+
+
+def engine_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """The loaded phase's share of the engine's counters (``LLMEngine.stats()``)."""
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ENGINE_KEYS}
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -98,14 +111,17 @@ def run_offline(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
     _offline_run(engine, w.prompts if w.warmup_load else w.prompts[:1], w, "warmup")
     idle = [_offline_run(engine, [p], w, f"idle{i}")[0][0]
             for i, p in enumerate(w.prompts[:idle_requests])]
+    before = engine.stats()
     ttfts, wall = _offline_run(engine, w.prompts, w, "load")
+    phase = engine_delta(before, engine.stats())
     engine.verifier.close()  # stop the lane thread (CUDA) before the served run starts
     del engine
     gc.collect()
     if str(engine_kw.get("device", "cpu")).startswith("cuda"):
         torch.cuda.empty_cache()  # leave the GPU's memory to the served replicas
     return Result("offline", mode, 1e3 * statistics.median(idle),
-                  1e3 * statistics.median(ttfts), wall, len(w.prompts) * w.output_len / wall)
+                  1e3 * statistics.median(ttfts), wall, len(w.prompts) * w.output_len / wall,
+                  phase)
 
 
 # ---- served -------------------------------------------------------------------------
@@ -125,14 +141,21 @@ async def _stream(client: httpx.AsyncClient, model: str, ids: list[int], w: Work
 
 
 async def _served_phases(url: str, model: str, w: Workload, idle_requests: int
-                         ) -> tuple[list[float], list[float], float]:
+                         ) -> tuple[list[float], list[float], float, dict[str, float]]:
+    from ray import serve
+
+    decoder = serve.get_deployment_handle("Decoder", app_name="detserve")  # the one replica
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await asyncio.gather(*(_stream(client, model, p, w)  # warm-up
                                for p in (w.prompts if w.warmup_load else w.prompts[:1])))
         idle = [await _stream(client, model, p, w) for p in w.prompts[:idle_requests]]
+        before = (await decoder.stats.remote()).engine
         start = time.perf_counter()
         ttfts = await asyncio.gather(*(_stream(client, model, p, w) for p in w.prompts))
-        return idle, list(ttfts), time.perf_counter() - start
+        wall = time.perf_counter() - start
+        await asyncio.sleep(0.2)  # the engine loop publishes its stats after each step
+        after = (await decoder.stats.remote()).engine
+        return idle, list(ttfts), wall, engine_delta(before, after)
 
 
 def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
@@ -163,10 +186,11 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
                           log_to_driver=False)
         args = config["applications"][0]["args"]
         serve.run(compose(args, replica_cpus=1.0), name="detserve", route_prefix="/")
-        idle, ttfts, wall = asyncio.run(_served_phases(f"http://127.0.0.1:{port}", model,
-                                                       w, idle_requests))
+        idle, ttfts, wall, phase = asyncio.run(_served_phases(
+            f"http://127.0.0.1:{port}", model, w, idle_requests))
     return Result("served (HTTP)", mode, 1e3 * statistics.median(idle),
-                  1e3 * statistics.median(ttfts), wall, len(w.prompts) * w.output_len / wall)
+                  1e3 * statistics.median(ttfts), wall, len(w.prompts) * w.output_len / wall,
+                  phase)
 
 
 # ---- report -------------------------------------------------------------------------
@@ -206,6 +230,20 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
     for r in results:
         lines.append(f"| {r.mode} | {r.path} | {r.idle_ttft_ms:.1f} | {r.load_ttft_ms:.1f} | "
                      f"{r.load_wall_s:.2f} | {r.output_tok_s:.1f} |")
+    lines += ["", "The engine during the loaded phase (seconds; the served decoder's engine):", "",
+              "| mode | path | steps | decode-only | with prefill | decode-only s | with prefill s "
+              "| schedule s | outputs s | lane wait s | busy / wall |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        e = r.engine
+        if not e:
+            continue
+        busy = sum(e[k] for k in ENGINE_KEYS if k.endswith("_seconds"))
+        lines.append(f"| {r.mode} | {r.path} | {e['steps']:.0f} | {e['decode_steps']:.0f} | "
+                     f"{e['mixed_steps']:.0f} | {e['decode_step_seconds']:.2f} | "
+                     f"{e['mixed_step_seconds']:.2f} | {e['schedule_seconds']:.2f} | "
+                     f"{e['output_seconds']:.2f} | {e['lane_wait_seconds']:.2f} | "
+                     f"{busy / r.load_wall_s:.2f} |")
     lines += ["", "Overhead of the served path (served / offline):", ""]
     for mode in dict.fromkeys(r.mode for r in results):
         off, srv = (next(r for r in results if r.mode == mode and r.path.startswith(p))
