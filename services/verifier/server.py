@@ -69,11 +69,16 @@ class _Attached:
 class VerifierServicer(pb_grpc.VerifierServicer):
     def __init__(self, model: LlamaModel, info: ModelInfo, registry: Registry, device: str,
                  verifier_id: str | None = None,
-                 lane_thread_init: Callable[[], None] | None = None) -> None:
+                 lane_thread_init: Callable[[], None] | None = None,
+                 cuda_graphs: bool = True) -> None:
+        """``cuda_graphs`` (CUDA): run each lane pass as a CUDA graph (captured on the lane
+        thread at its first pass of each size), as the offline engine's lane does; eager,
+        a pass of a large model costs tens of ms of kernel launches."""
         self.model = model
         self.info = info
         self.registry = registry
         self.device = device
+        self.cuda_graphs = cuda_graphs and torch.device(device).type == "cuda"
         self.verifier_id = verifier_id or uuid.uuid4().hex[:12]
         self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lane",
                                         initializer=lane_thread_init)
@@ -156,6 +161,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                       mc.head_dim, handle.torch_dtype, self.device, storage=storage)
         runner = ModelRunner(self.model, pool, g.lane_rows, g.window, g.batch_invariant_rows,
                              lane_gemm_rows=g.lane_gemm_rows)
+        if self.cuda_graphs:  # a pass's block tables are at most the whole pool wide
+            runner.enable_cuda_graphs(None, lane=True, max_batch=1, max_blocks=handle.shape[2])
         numerics = codec.numerics_profile(runner)
         if hello.numerics != numerics:
             raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
