@@ -137,10 +137,11 @@ def make_engine(model: str, redis_url: str, prefix: str, decoder_id: str,
     epoch = registry.next_epoch(decoder_id)
     registry.close()
     exporter = KVExporter(decoder_id, epoch)
-    loaded = load_model(model)
+    kw = engine_kw or {}
+    loaded = load_model(model, kw.get("dtype", "float32"), kw.get("device", "cpu"))
     config = EngineConfig.create(model, "llm42", verify_window=W, verify_group=G,
                                  max_model_len=512, num_blocks=NUM_BLOCKS,
-                                 fastpath_perturbation=0.2, seed=7, **(engine_kw or {}))
+                                 fastpath_perturbation=0.2, seed=7, **kw)
     factory = make_verifier_factory(redis_url, decoder_id, exporter, loaded[2].weights_hash,
                                     prefix=prefix, connect=connect, **options)
     return LLMEngine(config, loaded=loaded, kv_storage=exporter, verifier_factory=factory), exporter
