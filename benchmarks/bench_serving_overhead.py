@@ -175,7 +175,8 @@ async def _served_phases(url: str, model: str, w: Workload, idle_requests: int, 
 
 def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
                idle_requests: int, verifier_gpu_fraction: float = 0.5,
-               stream_interval: int = 1, repeat: int = 1) -> Result:
+               stream_interval: int = 1, repeat: int = 1,
+               pipeline_lane_prefill: bool = True) -> Result:
     from ray import serve
 
     from detserve.redis_server import EmbeddedRedis
@@ -195,7 +196,8 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
         config = default_serve_config(
             model=model, mode=mode, num_decoders=1, num_verifiers=num_verifiers,
             redis_url=redis.url, http_host="127.0.0.1", http_port=port, grpc_port=grpc_port,
-            stream_interval=stream_interval, **engine_kw, **placement)
+            stream_interval=stream_interval, pipeline_lane_prefill=pipeline_lane_prefill,
+            **engine_kw, **placement)
         start_local_serve(stack, config, num_gpus=1 if cuda else None,  # None: detect
                           num_cpus=max(4, min(8, os.cpu_count() or 4)) if cuda else 4,
                           log_to_driver=False)
@@ -302,6 +304,9 @@ def main() -> None:
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="served: tokens a streamed chunk gathers before it goes out "
                          "(detserve serve --stream-interval; 1 = every step's tokens)")
+    ap.add_argument("--no-pipeline-lane-prefill", action="store_true",
+                    help="llm42 served: one lane round trip per prompt chunk (the offline "
+                         "engine keeps its default)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the loaded phase this many times on each path (same engine, "
                          "same cluster); rows give the median-wall run")
@@ -325,7 +330,8 @@ def main() -> None:
         results.append(run_offline(a.model, mode, kw, w, a.idle_requests, a.repeat))
         print(results[-1], flush=True)
         results.append(run_served(a.model, mode, kw, w, a.idle_requests,
-                                  a.verifier_gpu_fraction, a.stream_interval, a.repeat))
+                                  a.verifier_gpu_fraction, a.stream_interval, a.repeat,
+                                  not a.no_pipeline_lane_prefill))
         print(results[-1], flush=True)
     cpu = f"{hardware('cpu')}, {os.cpu_count()} cores"
     machine = cpu

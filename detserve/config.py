@@ -54,6 +54,10 @@ class SchedulerConfig:
     # the lane chunk's cuBLAS class (a second weight read for the step); with False they sit
     # out every other such step, and when none joins, the step's products run as one call
     lane_decode_in_mixed_steps: bool = True
+    # a long prompt goes to the lane in chunks; with True a sequence sends its next chunk
+    # while the previous one is still in the lane (passes run in order, so each chunk finds
+    # the K/V of the ones before it), instead of one lane round trip per chunk
+    pipeline_lane_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -146,7 +150,8 @@ class EngineConfig:
                verify_group: int = 8, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                max_model_len: int = 2048, lane_max_wait_steps: int = 8,
                overlap_windows: bool = True, lane_bound_fraction: float = 0.5,
-               lane_decode_in_mixed_steps: bool = True, block_size: int = 16,
+               lane_decode_in_mixed_steps: bool = True, pipeline_lane_prefill: bool = True,
+               block_size: int = 16,
                num_blocks: int | None = None, enable_prefix_caching: bool = True,
                **kw: object) -> EngineConfig:
         """Flat keyword constructor used by the offline API and the CLI."""
@@ -156,7 +161,8 @@ class EngineConfig:
                                 verify_group=verify_group, lane_max_wait_steps=lane_max_wait_steps,
                                 overlap_windows=overlap_windows,
                                 lane_bound_fraction=lane_bound_fraction,
-                                lane_decode_in_mixed_steps=lane_decode_in_mixed_steps)
+                                lane_decode_in_mixed_steps=lane_decode_in_mixed_steps,
+                                pipeline_lane_prefill=pipeline_lane_prefill)
         if num_blocks is None:
             # enough for a full lane of long sequences plus headroom
             num_blocks = max(1024, 2 * max_model_len // block_size + 1)

@@ -208,8 +208,10 @@ class LLMEngine:
         wait = False
         if self.verifier.in_flight():
             # nothing else to run, or most sequences wait on the lane: let its pass have the
-            # GPU rather than run the next decode step (a full weight read) for the few others
-            wait = not out.fast or self.scheduler.lane_bound()
+            # GPU rather than run the next decode step (a full weight read) for the few others;
+            # but a prompt's next chunk goes out first (it queues behind the pass in flight)
+            wait = ((not out.fast and not self.scheduler.lane_prefill_ready())
+                    or self.scheduler.lane_bound())
             c["lane_bound_waits"] += wait and bool(out.fast)
         for result in self.verifier.poll(wait=wait):
             self._apply_lane(result)
@@ -287,8 +289,8 @@ class LLMEngine:
             seq = it.seq
             self._touch(seq)
             if seq.finish_reason == "abort":
-                seq.in_lane = False
-                self._finish(seq, "abort")
+                if self.scheduler.lane_item_done(seq):  # its blocks are the lane's no more
+                    self._finish(seq, "abort")
                 continue
             rejected = self.scheduler.on_lane_result(it, list(d.tokens))
             seq.logprobs.extend(lp for lp in d.logprobs if lp is not None)

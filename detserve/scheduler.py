@@ -171,9 +171,27 @@ class Scheduler:
             return True
         return k > 0 and seq.token_ids[-1] in self.stop_ids(seq)
 
+    def _prefill_from(self, seq: Sequence) -> int | None:
+        """Where ``seq``'s next prompt chunk for the lane starts, or None: nothing to send
+        now (no prompt left to prefill there, or a window of it in the lane)."""
+        if not seq.uses_lane:
+            return None
+        if not seq.in_lane:
+            return seq.num_lane_kv if seq.needs_lane_prefill() else None
+        if self.cfg.pipeline_lane_prefill and seq.lane_sent and \
+                seq.lane_sent < seq.num_committed - 1:
+            return seq.lane_sent  # behind its chunks still in the lane
+        return None
+
+    def lane_prefill_ready(self) -> bool:
+        """Some sequence could send a prompt chunk to the lane now (a step that submitted a
+        pass need not wait for it before the next step)."""
+        return any(self._prefill_from(s) is not None for s in self.running)
+
     def _plan_lane(self, out: SchedulerOutput) -> list[LaneItem]:
         idle = [s for s in self.running if s.uses_lane and not s.in_lane]
-        prefills = [s for s in idle if s.needs_lane_prefill()]
+        starts = {id(s): x for s in self.running if (x := self._prefill_from(s)) is not None}
+        prefills = [s for s in self.running if id(s) in starts]
         windows = [s for s in idle if not s.needs_lane_prefill() and self.window_ready(s)]
         ready = prefills + windows
         if not ready:
@@ -181,7 +199,7 @@ class Scheduler:
         for s in ready:
             if s.ready_step is None:
                 s.ready_step = self.step_count
-        wanted = sum(s.num_committed - s.num_lane_kv for s in prefills)
+        wanted = sum(s.num_committed - starts[id(s)] for s in prefills)
         wanted += sum(s.num_candidates + 1 for s in windows)
         still_decoding = len(idle) > len(ready)
         oldest = min(s.ready_step for s in ready if s.ready_step is not None)
@@ -200,6 +218,7 @@ class Scheduler:
             items.append(LaneItem(s, "window", s.num_committed - 1, s.num_tokens,
                                   tuple(s.token_ids[s.num_committed:])))
             s.in_lane = True  # from now on no later allocation may preempt it
+            s.lane_items += 1
             s.lane_end = s.num_tokens
             rows_left -= n
         for s in sorted(prefills, key=lambda s: s.arrival):
@@ -207,10 +226,13 @@ class Scheduler:
                 break
             if s.status is not Status.RUNNING:
                 continue
-            end = min(s.num_committed, s.num_lane_kv + rows_left)
-            items.append(LaneItem(s, "prefill", s.num_lane_kv, end, ()))
+            start = starts[id(s)]
+            end = min(s.num_committed, start + rows_left)
+            items.append(LaneItem(s, "prefill", start, end, ()))
             s.in_lane = True
-            rows_left -= end - s.num_lane_kv
+            s.lane_items += 1
+            s.lane_sent = end
+            rows_left -= end - start
         for it in items:
             it.seq.ready_step = None
         return items
@@ -322,15 +344,28 @@ class Scheduler:
             seq.token_ids.append(token)
             seq.num_committed += 1
 
+    @staticmethod
+    def lane_item_done(seq: Sequence) -> bool:
+        """One of ``seq``'s lane items came back; True when it was the last in flight (the
+        sequence is out of the lane: it may decode, be preempted or be freed)."""
+        seq.lane_items -= 1
+        assert seq.lane_items >= 0, "more lane results than items sent"
+        if seq.lane_items:
+            return False
+        seq.in_lane = False
+        seq.lane_sent = 0
+        return True
+
     def on_lane_result(self, item: LaneItem, tokens: list[int]) -> int:
         """Apply a lane decision. ``tokens`` are the newly committed tokens (for a window:
         the accepted candidates plus the lane's next token). Returns the fast-path tokens
         thrown away (rejected candidates and what was decoded past them)."""
         seq = item.seq
-        seq.in_lane = False
+        self.lane_item_done(seq)
         seq.stats.verify_passes += 1
         seq.stats.lane_rows += item.rows
         if item.kind == "prefill":
+            assert item.start == seq.num_lane_kv, "prompt chunks came back out of order"
             seq.num_lane_kv = seq.num_computed = item.end
             if tokens:
                 assert len(tokens) == 1 and item.end == seq.num_committed

@@ -38,7 +38,9 @@ class Sequence:
     num_lane_kv: int = 0
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    in_lane: bool = False
+    in_lane: bool = False              # lane items in flight (lane_items of them)
+    lane_items: int = 0
+    lane_sent: int = 0                 # prompt chunks in the lane cover positions < lane_sent
     lane_end: int = 0                  # a window in the lane covers positions < lane_end
     ready_step: int | None = None      # step at which its lane work became ready
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -101,5 +103,7 @@ class Sequence:
         self.block_table = []
         self.block_digests = []
         self.in_lane = False
+        self.lane_items = 0
+        self.lane_sent = 0
         self.lane_end = 0
         self.ready_step = None

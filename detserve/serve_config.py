@@ -55,7 +55,8 @@ DEFAULT_ARGS: Mapping[str, Any] = {
 ARG_NAMES = tuple(DEFAULT_ARGS)
 # Accepted when given, never added to a default config: fault injection for tests
 # (probability that a fast-path token is corrupted; the lane must catch every one).
-OPTIONAL_ARGS: Mapping[str, Any] = {"fastpath_perturbation": 0.0, "stream_interval": 1}
+OPTIONAL_ARGS: Mapping[str, Any] = {"fastpath_perturbation": 0.0, "stream_interval": 1,
+                                    "pipeline_lane_prefill": True}
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,8 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError("http_port and grpc_port must differ")
     if "stream_interval" in args:
         _check_int("stream_interval", args["stream_interval"], lo=1, hi=4096)
+    if "pipeline_lane_prefill" in args and not isinstance(args["pipeline_lane_prefill"], bool):
+        raise ValueError("pipeline_lane_prefill must be a boolean")
     if "fastpath_perturbation" in args:
         _check_number("fastpath_perturbation", args["fastpath_perturbation"], lo=0.0)
         if args["fastpath_perturbation"] > 1.0:

@@ -47,6 +47,9 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens a streamed chunk gathers before it is sent (first and last "
                         "chunks go at once); > 1 costs the decoder fewer messages per step")
+    p.add_argument("--no-pipeline-lane-prefill", action="store_true",
+                   help="send a long deterministic prompt's next chunk to the verifier only "
+                        "once the previous chunk came back (default: chunks pipeline)")
     p.add_argument("--host", default="0.0.0.0", help="HTTP bind address")
     p.add_argument("--port", type=int, default=d["http_port"], help="HTTP port")
     p.add_argument("--grpc-port", type=int, default=d["grpc_port"])
@@ -70,6 +73,8 @@ def serve_config_from(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
         overrides["fastpath_perturbation"] = a.fastpath_perturbation
     if a.stream_interval != 1:
         overrides["stream_interval"] = a.stream_interval
+    if a.no_pipeline_lane_prefill:
+        overrides["pipeline_lane_prefill"] = False
     return default_serve_config(http_host=a.host, **overrides)
 
 

@@ -227,9 +227,10 @@ def test_decode_rows_padded_only_when_the_lane_verifies_them(
     padded: list[int] = []
 
     class CountingPad(runner_mod.HeadPaddedOps):
-        def __init__(self, base, head: int, size: int) -> None:  # type: ignore[no-untyped-def]
+        def __init__(self, base, head: int, size: int,  # type: ignore[no-untyped-def]
+                     single_call=None) -> None:
             padded.append(head)
-            super().__init__(base, head, size)
+            super().__init__(base, head, size, single_call)
 
     monkeypatch.setattr(runner_mod, "HeadPaddedOps", CountingPad)
     engine = LLMEngine.from_args(model, "llm42", verify_window=8, verify_group=4,
@@ -275,3 +276,37 @@ def test_lane_row_chunks_on_cpu_keep_lane_only_equality(model: str, case: str) -
     assert engine.determinism_profile()["lane_gemm_rows"] == 8
     assert stats["rollbacks"] > 0 and stats["verify_passes"] > 0
     assert stats["lane_computed_rows"] < stats["lane_rows"]
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["in-process", "lane-thread"])
+def test_pipelined_prompt_chunks_equal_the_oracle(model: str, threaded: bool,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long deterministic prompts (4-6 lane passes each, W=8 G=4) beside others: pipelined,
+    several of a prompt's chunks are in the lane at once (each queued behind the one before
+    it); the output still equals lane_only's, as it does without pipelining. Control: the
+    unpipelined engine never has more than one lane item of a sequence in flight. (The
+    in-process verifier answers at submit, so there nothing is ever left in flight.)"""
+    from detserve.engine import LLMEngine
+
+    prompts = random_prompts(3, [100, 130, 150], seed=21)
+    reqs = [Req(p, SamplingParams(max_tokens=20, is_deterministic=True, logprobs=1,
+                                  temperature=0.6 * i, seed=i, ignore_eos=True), arrival=2 * i)
+            for i, p in enumerate(prompts)] + _others(3, det=False, seed=8)
+    oracle, _, o = run_engine(model, reqs[:3], mode="lane_only", window=8, group=4)
+    o.close()
+    peak = {True: 0, False: 0}
+    real = LLMEngine._submit_lane
+    for pipeline in (True, False):
+        def submit(self, items, _p=pipeline):  # type: ignore[no-untyped-def]
+            peak[_p] = max([peak[_p], *(it.seq.lane_items for it in items)])
+            real(self, items)
+
+        monkeypatch.setattr(LLMEngine, "_submit_lane", submit)
+        outs, stats, eng = run_engine(model, reqs, window=8, group=4, perturbation=0.2,
+                                      lane_threaded=threaded, pipeline_lane_prefill=pipeline)
+        eng.close()
+        assert stats["perturbed_tokens"] > 0
+        for a, b in zip(oracle, outs[:3], strict=True):
+            assert signature(a) == signature(b)
+    assert peak[False] == 1
+    assert peak[True] >= (3 if threaded else 1)

@@ -374,3 +374,23 @@ def test_serve_waits_for_a_signal_without_locking_in_the_handler() -> None:
         assert proc.returncode == 0 and out.strip() == str(int(signal.SIGINT))
     finally:
         proc.kill()
+
+
+def test_pipeline_lane_prefill_reaches_the_decoders_engine() -> None:
+    """On by default; ``detserve serve --no-pipeline-lane-prefill`` turns it off in the app
+    args, the decoder's settings and its engine config; anything but a bool is refused."""
+    from detserve.cli import build_parser
+    from services.cli import serve_config_from
+    from services.decoder.engine_factory import DecoderSettings
+
+    parse = build_parser().parse_args
+    on = serve_config_from(parse(["serve"]), "redis://127.0.0.1:1/0")["applications"][0]["args"]
+    assert "pipeline_lane_prefill" not in on
+    assert DecoderSettings.from_args(on).engine_config().scheduler.pipeline_lane_prefill
+    off = serve_config_from(parse(["serve", "--no-pipeline-lane-prefill"]),
+                            "redis://127.0.0.1:1/0")["applications"][0]["args"]
+    assert off["pipeline_lane_prefill"] is False
+    assert not DecoderSettings.from_args(off).engine_config().scheduler.pipeline_lane_prefill
+    for bad in (0, "no", None):
+        with pytest.raises(ValueError, match="pipeline_lane_prefill"):
+            default_serve_config(pipeline_lane_prefill=bad)

@@ -38,6 +38,7 @@ class DecoderSettings:
     redis_url: str
     fastpath_perturbation: float = 0.0
     seed: int = 0
+    pipeline_lane_prefill: bool = True
     stream_interval: int = 1  # a stream's chunk carries >= this many new tokens (not the last)
 
     @classmethod
@@ -54,7 +55,8 @@ class DecoderSettings:
             self.model, self.mode, device=self.device, dtype=self.dtype,
             verify_window=self.verify_window, verify_group=self.verify_group,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-            fastpath_perturbation=self.fastpath_perturbation, seed=self.seed)
+            fastpath_perturbation=self.fastpath_perturbation, seed=self.seed,
+            pipeline_lane_prefill=self.pipeline_lane_prefill)
 
 
 def build_engine(settings: DecoderSettings, decoder_id: str) -> tuple[LLMEngine, Callable[[], None]]:
