@@ -13,7 +13,7 @@ Metadata tensors are built once per forward (``GpuMeta``), not once per layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +30,9 @@ from detserve.kernels.kv_write import rope_kv_write
 from detserve.kernels.lane_attention import lane_attention
 from detserve.kernels.prefill_attention import prefill_attention
 
-__all__ = ["KERNEL_VERSION", "GpuFastOps", "GpuLaneOps", "GpuMeta", "Rope",
-           "TritonBatchInvariantOps", "fast_attention_gpu", "fast_decode_attention",
+__all__ = ["KERNEL_VERSION", "DecodeInputs", "GpuFastOps", "GpuLaneOps", "GpuMeta", "Rope",
+           "TritonBatchInvariantOps", "aligned_split_masks", "fast_attention_gpu",
+           "fast_decode_attention",
            "lane_attention_gpu", "rope_write"]
 
 Rope = tuple[Tensor, Tensor]  # the model's fp32 cos/sin tables, indexed by position
@@ -74,6 +75,18 @@ class TritonBatchInvariantOps:
         return _silu_mul(gate_up)  # elementwise: the same bits for a row in any batch
 
 
+@dataclass(frozen=True)
+class DecodeInputs:
+    """A step's decode rows as the decode kernels take them (built once per step)."""
+
+    tables: Tensor          # int32 block table of each decode row's sequence
+    context_lens: Tensor    # int32
+    row_seq: Tensor         # int32: row of ``tables`` of each decode row
+    row_pos: Tensor         # int32: position of each decode row
+    num_splits: int
+    masks: tuple[Tensor, Tensor, Tensor] | None  # aligned split-KV: ``aligned_split_masks``
+
+
 @dataclass
 class GpuMeta:
     seg_tables: Tensor      # int32 [S + 1, T] (last row: scratch, for padding rows)
@@ -88,6 +101,14 @@ class GpuMeta:
     cu_seqlens: Tensor      # int32 [P+1]
     max_q_len: int
     all_decode: bool        # every segment is one row, in segment order
+    # the decode rows are exactly rows [a, b), the prefill rows exactly rows [c, d) (the
+    # scheduler puts decode rows first): attention then reads and writes row slices, with
+    # no gather or scatter of q and of its output per layer
+    decode_span: tuple[int, int] | None = None
+    prefill_span: tuple[int, int] | None = None
+    # per-step tensors derived on the first layer and reused by the others
+    _decode: dict[tuple[int, bool], DecodeInputs] = field(default_factory=dict, repr=False)
+    _prefill: tuple[Tensor, Tensor] | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, batch: RowBatch) -> GpuMeta:
@@ -119,7 +140,45 @@ class GpuMeta:
                    max((lens[i] for i in dec_segs), default=0), t(pre_rows), t(pre_segs),
                    t(cu, torch.int32),
                    max((len(segs[i].input_ids) for i in pre_segs), default=0),
-                   all_decode=len(dec_rows) == batch.num_rows == len(segs))
+                   all_decode=len(dec_rows) == batch.num_rows == len(segs),
+                   decode_span=_span(dec_rows), prefill_span=_span(pre_rows))
+
+    def decode_inputs(self, num_kv_heads: int, device: torch.device,
+                      aligned: bool) -> DecodeInputs:
+        """The decode rows' kernel inputs (the same for every layer of the step)."""
+        key = (num_kv_heads, aligned)
+        got = self._decode.get(key)
+        if got is not None:
+            return got
+        rows, segs = self.decode_rows, self.decode_segs
+        splits = choose_num_splits(len(rows), num_kv_heads, self.max_decode_ctx,
+                                   num_sms(device), aligned=aligned)
+        if self.all_decode:  # the common case: the step's own tables and rows
+            got = DecodeInputs(self.seg_tables, self.context_lens, self.row_seg,
+                               self.lane_pos, splits, None)
+        else:
+            got = DecodeInputs(self.seg_tables[segs], self.context_lens[segs],
+                               torch.arange(len(rows), dtype=torch.int32, device=device),
+                               self.lane_pos[rows], splits, None)
+        if aligned and splits > 1:
+            got = DecodeInputs(got.tables, got.context_lens, got.row_seq, got.row_pos, splits,
+                               aligned_split_masks(got.context_lens, got.row_pos))
+        self._decode[key] = got
+        return got
+
+    def prefill_inputs(self) -> tuple[Tensor, Tensor]:
+        """Block tables and context lengths of the prefill segments."""
+        if self._prefill is None:
+            self._prefill = (self.seg_tables[self.prefill_segs],
+                             self.context_lens[self.prefill_segs])
+        return self._prefill
+
+
+def _span(rows: list[int]) -> tuple[int, int] | None:
+    """(a, b) if ``rows`` are exactly a, a+1, ..., b-1 (and not empty)."""
+    if rows and rows[-1] - rows[0] == len(rows) - 1:
+        return rows[0], rows[-1] + 1
+    return None
 
 
 def rope_write(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
@@ -129,9 +188,20 @@ def rope_write(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor, positi
                          slots)
 
 
+def aligned_split_masks(context_lens: Tensor, row_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """For aligned decode with split-KV: (row_pos for the lane kernel, -1 where the context
+    is too long for it; context_lens for split-KV, 0 where the lane kernel takes the row;
+    the rows the lane kernel takes, as [B, 1, 1] for ``torch.where``)."""
+    short = context_lens <= TABLE.decode.aligned_min_tokens_per_split
+    return (torch.where(short, row_pos, -1), torch.where(short, 0, context_lens),
+            short[:, None, None])
+
+
 def fast_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor,
                           context_lens: Tensor, row_seq: Tensor, row_pos: Tensor,
-                          num_splits: int, aligned: bool) -> Tensor:
+                          num_splits: int, aligned: bool,
+                          masks: tuple[Tensor, Tensor, Tensor] | None = None,
+                          out: Tensor | None = None) -> Tensor:
     """Fast-path decode attention, one token per row (row i: sequence ``row_seq[i]`` at
     position ``row_pos[i]`` = context length - 1, or -1 for a padding row).
 
@@ -139,40 +209,53 @@ def fast_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: T
     goes through the lane's own kernel (one row per program). The lane kernel's bits do not
     depend on the rows around a row, so the token gets exactly the attention the lane will
     recompute for it, and its window can verify. Longer rows in batches too small to fill
-    the GPU take split-KV (``num_splits`` > 1) instead. Graph-safe: no host sync.
+    the GPU take split-KV (``num_splits`` > 1) instead (``masks``: ``aligned_split_masks``
+    of these rows, when already built). Writes ``out`` when given. Graph-safe: no host sync.
     """
     if not aligned:
-        return decode_attention(q, k_cache, v_cache, tables, context_lens, num_splits=num_splits)
+        return decode_attention(q, k_cache, v_cache, tables, context_lens,
+                                num_splits=num_splits, out=out)
     if num_splits == 1:
-        return lane_attention(q, k_cache, v_cache, tables, row_seq, row_pos, rows_per_program=1)
-    short = context_lens <= TABLE.decode.aligned_min_tokens_per_split
-    near = lane_attention(q, k_cache, v_cache, tables, row_seq, torch.where(short, row_pos, -1),
-                          rows_per_program=1)
-    far = decode_attention(q, k_cache, v_cache, tables, torch.where(short, 0, context_lens),
-                           num_splits=num_splits)
-    return torch.where(short[:, None, None], near, far)
+        return lane_attention(q, k_cache, v_cache, tables, row_seq, row_pos,
+                              rows_per_program=1, out=out)
+    near_pos, far_ctx, short = masks or aligned_split_masks(context_lens, row_pos)
+    near = lane_attention(q, k_cache, v_cache, tables, row_seq, near_pos, rows_per_program=1)
+    far = decode_attention(q, k_cache, v_cache, tables, far_ctx, num_splits=num_splits)
+    if out is None:
+        return torch.where(short, near, far)
+    return torch.where(short, near, far, out=out)
 
 
 def fast_attention_gpu(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,
                        batch: RowBatch, meta: GpuMeta, rope: Rope, aligned: bool = True) -> Tensor:
     q = rope_write(pool, layer, q, k, v, batch.positions, batch.slots, rope)
     kc, vc = pool.k(layer), pool.v(layer)
-    out = torch.empty_like(q)
-    if meta.decode_rows.numel():
-        rows, segs = meta.decode_rows, meta.decode_segs
-        splits = choose_num_splits(len(rows), kc.shape[2], meta.max_decode_ctx, num_sms(q.device),
-                                   aligned=aligned)
-        if meta.all_decode:  # the common case: no gather/scatter of q
-            return fast_decode_attention(q, kc, vc, meta.seg_tables, meta.context_lens,
-                                         meta.row_seg, meta.lane_pos, splits, aligned)
-        seq = torch.arange(len(rows), dtype=torch.int32, device=q.device)
-        out[rows] = fast_decode_attention(q[rows], kc, vc, meta.seg_tables[segs],
-                                          meta.context_lens[segs], seq, meta.lane_pos[rows],
-                                          splits, aligned)
+    dec = meta.decode_inputs(kc.shape[2], q.device, aligned) if meta.decode_rows.numel() else None
+
+    def decode(qd: Tensor, out: Tensor | None = None) -> Tensor:
+        assert dec is not None
+        return fast_decode_attention(qd, kc, vc, dec.tables, dec.context_lens, dec.row_seq,
+                                     dec.row_pos, dec.num_splits, aligned, dec.masks, out)
+
+    if dec is not None and meta.all_decode:  # the common case: no gather/scatter of q
+        return decode(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if dec is not None:
+        if meta.decode_span is not None:
+            a, b = meta.decode_span
+            decode(q[a:b], out[a:b])
+        else:
+            out[meta.decode_rows] = decode(q[meta.decode_rows])
     if meta.prefill_rows.numel():
-        out[meta.prefill_rows] = prefill_attention(
-            q[meta.prefill_rows], kc, vc, meta.seg_tables[meta.prefill_segs], meta.cu_seqlens,
-            meta.context_lens[meta.prefill_segs], max_q_len=meta.max_q_len)
+        tables, ctx = meta.prefill_inputs()
+        if meta.prefill_span is not None:
+            a, b = meta.prefill_span
+            prefill_attention(q[a:b], kc, vc, tables, meta.cu_seqlens, ctx,
+                              max_q_len=meta.max_q_len, out=out[a:b])
+        else:
+            out[meta.prefill_rows] = prefill_attention(
+                q[meta.prefill_rows], kc, vc, tables, meta.cu_seqlens, ctx,
+                max_q_len=meta.max_q_len)
     return out
 
 
