@@ -9,6 +9,9 @@
 #   benchmarks/gpu_suite.sh align-step # decode step aligned vs split-KV, contexts 512 and 2048
 #   benchmarks/gpu_suite.sh align-smol # SmolLM2 rollbacks aligned vs not, per ratio (needs $TRACE;
 #                                      # $SWEEP, e.g. 16,32,64,128x1,4,8,16, adds a W x G sweep)
+#   benchmarks/gpu_suite.sh target10  # the 10 % target: nondeterministic vs llm42, interleaved x2
+#   benchmarks/gpu_suite.sh target100 # the 100 % target: batch_invariant vs llm42
+#   benchmarks/gpu_suite.sh mixed     # one eager mixed step per variant, profiled (p512, p128)
 # Results go to ${OUT:-results/gpu}; the SmolLM2 GGUF path comes from $SMOLLM2 (default:
 # the local cache, fetched once).
 set -uo pipefail
@@ -56,5 +59,16 @@ case "${1:-}" in
       --ratios 0.02,0.05,0.1,0.2,0.5,1.0 --out "$out/table4-smollm2.json" 2>&1 | tail -9
     [ -z "${SWEEP:-}" ] || python -m benchmarks.bench_offline "${common[@]}" --num-requests 256 \
       --modes nondeterministic --ratios 1.0 --sweep "$SWEEP" --out "$out/sweep-smollm2.json" 2>&1 | tail -18 ;;
-  *) sed -n 2,12p "$0"; exit 2 ;;
+  target10|target100)
+    [ "$1" = target10 ] && pick=(--modes nondeterministic,llm42 --ratios 0.1 --repeat "${REPEAT:-2}") \
+                        || pick=(--modes batch_invariant,llm42 --ratios 1.0)
+    python -m benchmarks.bench_offline --model random:llama3-8b --device cuda --dtype bfloat16 \
+      --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
+      --warmup-requests 256 "${pick[@]}" --out "$out/offline-$1.json" 2>&1 | tail -12 ;;
+  mixed)
+    for p in 512 128; do
+      python -m benchmarks.bench_mixed_step --model random:llama3-8b --prefill-tokens $p --profile \
+        --out "$out/mixed-p$p.json" 2>&1 | grep -v Warning | tail -6
+    done ;;
+  *) sed -n 2,15p "$0"; exit 2 ;;
 esac

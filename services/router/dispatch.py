@@ -142,7 +142,7 @@ class Dispatcher:
                 (replica,) = await stream.__anext__()
             except RayError as e:
                 done = True
-                raise DecoderFailure(f"decoder failed: {type(e).__name__}: {e}") from e
+                raise DecoderFailure(decoder_failed(e)) from e
             except StopAsyncIteration:
                 done = True
                 raise DecoderFailure("decoder stream ended before the request started") from None
@@ -172,7 +172,7 @@ class Dispatcher:
                 yield chunk
         except RayError as e:
             done = True
-            raise DecoderFailure(f"decoder failed: {type(e).__name__}: {e}") from e
+            raise DecoderFailure(decoder_failed(e)) from e
         finally:
             if not done:
                 stream.cancel()
@@ -189,7 +189,13 @@ async def _watch(stream: Any, queue: asyncio.Queue[Item], replica: str) -> None:
     except asyncio.CancelledError:
         raise
     except Exception as e:  # RayError: the replica died; after a cancel nobody reads this
-        queue.put_nowait(ChannelLost(f"decoder {replica} failed: {type(e).__name__}: {e}"))
+        queue.put_nowait(ChannelLost(decoder_failed(e, replica)))
+
+
+def decoder_failed(error: BaseException, replica: str = "") -> str:
+    """What a request whose decoder call failed is told."""
+    who = f"decoder {replica}" if replica else "decoder"
+    return f"{who} failed: {type(error).__name__}: {error}"
 
 
 def _event(index: int, chunk: DecodeChunk) -> ChoiceEvent:
