@@ -210,8 +210,8 @@ class LLMEngine:
             # nothing else to run, or most sequences wait on the lane: let its pass have the
             # GPU rather than run the next decode step (a full weight read) for the few others;
             # but a prompt's next chunk goes out first (it queues behind the pass in flight)
-            wait = ((not out.fast and not self.scheduler.lane_prefill_ready())
-                    or self.scheduler.lane_bound())
+            wait = (not self.scheduler.lane_prefill_ready()
+                    and (not out.fast or self.scheduler.lane_bound()))
             c["lane_bound_waits"] += wait and bool(out.fast)
         for result in self.verifier.poll(wait=wait):
             self._apply_lane(result)

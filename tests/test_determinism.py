@@ -294,19 +294,20 @@ def test_pipelined_prompt_chunks_equal_the_oracle(model: str, threaded: bool,
             for i, p in enumerate(prompts)] + _others(3, det=False, seed=8)
     oracle, _, o = run_engine(model, reqs[:3], mode="lane_only", window=8, group=4)
     o.close()
-    peak = {True: 0, False: 0}
     real = LLMEngine._submit_lane
-    for pipeline in (True, False):
-        def submit(self, items, _p=pipeline):  # type: ignore[no-untyped-def]
-            peak[_p] = max([peak[_p], *(it.seq.lane_items for it in items)])
-            real(self, items)
+    for batch in (reqs, reqs[:1]):  # with others, and a long prompt alone
+        peak = {True: 0, False: 0}
+        for pipeline in (True, False):
+            def submit(self, items, _p=pipeline, _peak=peak):  # type: ignore[no-untyped-def]
+                _peak[_p] = max([_peak[_p], *(it.seq.lane_items for it in items)])
+                real(self, items)
 
-        monkeypatch.setattr(LLMEngine, "_submit_lane", submit)
-        outs, stats, eng = run_engine(model, reqs, window=8, group=4, perturbation=0.2,
-                                      lane_threaded=threaded, pipeline_lane_prefill=pipeline)
-        eng.close()
-        assert stats["perturbed_tokens"] > 0
-        for a, b in zip(oracle, outs[:3], strict=True):
-            assert signature(a) == signature(b)
-    assert peak[False] == 1
-    assert peak[True] >= (3 if threaded else 1)
+            monkeypatch.setattr(LLMEngine, "_submit_lane", submit)
+            outs, stats, eng = run_engine(model, batch, window=8, group=4, perturbation=0.2,
+                                          lane_threaded=threaded, pipeline_lane_prefill=pipeline)
+            eng.close()
+            assert stats["perturbed_tokens"] > 0 or len(batch) == 1
+            for a, b in zip(oracle, outs[:3], strict=False):
+                assert signature(a) == signature(b)
+        assert peak[False] == 1
+        assert peak[True] >= (3 if threaded else 1)
