@@ -278,6 +278,10 @@ def ray_serve_env(http_port: int, grpc_port: int, *, direct_ingress: bool = True
     (against serving_overhead_cpu_tiny.md, before).
     """
     env = dict(THROUGHPUT_ENV)
+    # the controller gives a starting proxy actor this long before it kills and restarts it
+    # (default 5 s): on a loaded small machine the first proxy's worker can take longer to
+    # start, and `serve.start`, which waits for that very actor, then fails
+    env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] = "60"
     env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1" if direct_ingress else "0"
     if direct_ingress:
         for proto, port in (("HTTP", http_port), ("GRPC", grpc_port)):

@@ -28,6 +28,11 @@ def start_local_serve(stack: ExitStack, config: dict[str, Any], **ray_init: Any
     stack.callback(ray.shutdown)
     host = config["http_options"]["host"]
     http, grpc = serve_start_options(config, env, (free_port(host), free_port(host)))
-    serve.start(http_options=http, grpc_options=grpc)
+    try:
+        serve.start(http_options=http, grpc_options=grpc)
+    except ray.exceptions.RayActorError:
+        # the controller gave up on the first proxy before it was ready (a slow start) and
+        # restarts it; the controller is up, so a second call connects to it
+        serve.start(http_options=http, grpc_options=grpc)
     stack.callback(serve.shutdown)
     return env
