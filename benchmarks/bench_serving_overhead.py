@@ -313,6 +313,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="write <out>.json and <out>.md")
     a = ap.parse_args()
     gpu = a.device == "cuda"
+    if a.repeat < 1:
+        ap.error("--repeat must be >= 1")
     if gpu and not torch.cuda.is_available():
         ap.error("--device cuda but torch sees no CUDA device")
     if gpu and not 0.0 < a.verifier_gpu_fraction < 1.0:
@@ -345,8 +347,10 @@ def main() -> None:
             "verifier_gpu_fraction": a.verifier_gpu_fraction if gpu else 0.0,
             "mps": gpu and os.path.exists(mps_pipe),
             "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
-            "stream_interval": a.stream_interval, "repeat": a.repeat, **kw, "command": "python -m benchmarks.bench_serving_overhead " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v is not None)}
+            "stream_interval": a.stream_interval, "repeat": a.repeat, **kw,
+            "command": "python -m benchmarks.bench_serving_overhead " + " ".join(
+                f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+                for k, v in vars(a).items() if v is not None and v is not False)}
     report = markdown(results, meta)
     print(report)
     if a.out is not None:

@@ -110,7 +110,8 @@ class LLMEngine:
         weights = self.model.gemm_weights()
         step_rows = [sc.max_num_batched_tokens] * (len(weights) - 1) + [sc.max_num_seqs]
         return auto_alignment(weights, full, sc.lane_rows, c.lane_gemm_rows,
-                              step_rows if c.probe_single_calls else ())
+                              step_rows if c.probe_single_calls else (),
+                              self.model.gemm_biases())
 
     @staticmethod
     def _default_verifier_factory(config: EngineConfig) -> Callable[[ModelRunner], Verifier]:

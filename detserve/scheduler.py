@@ -18,6 +18,11 @@ from detserve.block_manager import BlockManager
 from detserve.config import SchedulerConfig
 from detserve.sequence import Sequence, Status
 
+# chunks of one prompt in the lane at once when they pipeline: two hide the round trip
+# between chunks; more would queue a long prompt's whole prefill ahead of the windows and
+# prompts of every other sequence (passes run in submission order)
+LANE_PREFILL_DEPTH = 2
+
 
 @dataclass(frozen=True)
 class FastItem:
@@ -173,13 +178,15 @@ class Scheduler:
 
     def _prefill_from(self, seq: Sequence) -> int | None:
         """Where ``seq``'s next prompt chunk for the lane starts, or None: nothing to send
-        now (no prompt left to prefill there, or a window of it in the lane)."""
-        if not seq.uses_lane:
+        now (no prompt left to prefill there, a window of it in the lane, aborted, or
+        ``LANE_PREFILL_DEPTH`` chunks of it in the lane already)."""
+        if not seq.uses_lane or seq.finish_reason is not None:
             return None
         if not seq.in_lane:
             return seq.num_lane_kv if seq.needs_lane_prefill() else None
-        if self.cfg.pipeline_lane_prefill and seq.lane_sent and \
-                seq.lane_sent < seq.num_committed - 1:
+        if (self.cfg.pipeline_lane_prefill and seq.lane_sent
+                and seq.lane_sent < seq.num_committed - 1
+                and seq.lane_items < LANE_PREFILL_DEPTH):
             return seq.lane_sent  # behind its chunks still in the lane
         return None
 
@@ -201,7 +208,7 @@ class Scheduler:
                 s.ready_step = self.step_count
         wanted = sum(s.num_committed - starts[id(s)] for s in prefills)
         wanted += sum(s.num_candidates + 1 for s in windows)
-        still_decoding = len(idle) > len(ready)
+        still_decoding = len(idle) > sum(not s.in_lane for s in ready)
         oldest = min(s.ready_step for s in ready if s.ready_step is not None)
         if (wanted < self.cfg.lane_rows and still_decoding
                 and self.step_count - oldest < self.cfg.lane_max_wait_steps):

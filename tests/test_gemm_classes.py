@@ -238,3 +238,23 @@ def test_mixed_step_decode_rows_keep_the_chunks_bits(monkeypatch: pytest.MonkeyP
     lane = gc.F.linear(torch.cat([x[:head], torch.zeros(chunk - head, 8)]), w)[:head]
     assert not torch.equal(HeadPaddedOps(Recording(), head, bucket, wrong).linear(x, w)[:head],
                            lane)
+
+
+def test_probes_run_the_product_with_its_bias(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bias can change cuBLAS's algorithm (an addmm epilogue): the probes call the product
+    as the model does, bias included, and find the switch only it has."""
+    import detserve.executor.gemm_classes as gc
+
+    def fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = x[:, :1] * w[:, 0]
+        if bias is None:
+            return out
+        return out + bias + (1e-3 if x.shape[0] > 64 else 0.0)
+
+    monkeypatch.setattr(gc.F, "linear", fake)
+    w, b = torch.randn(16, 8), torch.randn(16)
+    assert single_call_sizes(w, 32, 100) == frozenset(range(1, 101))
+    assert single_call_sizes(w, 32, 100, bias=b) == frozenset(range(1, 65))
+    assert row_classes(w, [16, 128], bias=b) == [[16], [128]]
+    al = auto_alignment([w, torch.randn(24, 8)], 32, 64, step_rows=[100, 0], biases=[b])
+    assert al.single_call == {(16, 8): frozenset(range(1, 65))}

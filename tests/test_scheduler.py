@@ -305,34 +305,51 @@ def test_long_prompt_chunks_pipeline_into_the_lane(pipeline: bool) -> None:
     each step sends the next chunk while the earlier ones are still in the lane (no round
     trip per chunk); results come back in order and the last chunk samples the first token.
     Without pipelining a chunk goes out only once the previous one came back."""
+    from detserve.scheduler import LANE_PREFILL_DEPTH
+
+    assert LANE_PREFILL_DEPTH == 2
     s = _sched(W=4, G=2, pipeline_lane_prefill=pipeline)
     seq = _seq(0, 21, det=True)
     s.add(seq)
     sent = []
-    for _ in range(3):
+    for _ in range(2):
         out = s.schedule()
         sent += out.lane
         assert not out.fast, "no fast rows while the prompt is in the lane"
-        assert s.lane_prefill_ready() == (pipeline and len(sent) < 3)
         if not pipeline:
             break
-    assert [(i.start, i.end) for i in sent] == ([(0, 8), (8, 16), (16, 21)] if pipeline
-                                                else [(0, 8)])
+    assert [(i.start, i.end) for i in sent] == ([(0, 8), (8, 16)] if pipeline else [(0, 8)])
     assert seq.in_lane and seq.lane_items == len(sent)
-    assert s.schedule().lane == [], "nothing more to send"
-    for n, item in enumerate(sent):
-        last = item.end == seq.num_committed
-        assert list(item.sample_rows) == ([item.rows - 1] if last else [])
-        s.on_lane_result(item, [9] if last else [])
-        assert seq.num_lane_kv == item.end and seq.in_lane == (n < len(sent) - 1)
-    if pipeline:
+    assert not s.lane_prefill_ready() and s.schedule().lane == [], "at most two in flight"
+    first = sent.pop(0)
+    s.on_lane_result(first, [])
+    assert seq.num_lane_kv == 8 and seq.in_lane == pipeline
+    if pipeline:  # room again: the last chunk goes out behind the second
+        assert s.lane_prefill_ready()
+        sent += s.schedule().lane
+        assert [(i.start, i.end) for i in sent] == [(8, 16), (16, 21)]
+        for n, item in enumerate(sent):
+            last = item.end == seq.num_committed
+            assert list(item.sample_rows) == ([item.rows - 1] if last else [])
+            s.on_lane_result(item, [9] if last else [])
+            assert seq.num_lane_kv == item.end and seq.in_lane == (n == 0)
         assert seq.num_committed == 22 and seq.token_ids[-1] == 9 and seq.lane_sent == 0
         s.check_integrity()
         out = s.schedule()  # out of the lane: decodes on the fast path now
         assert [(i.start, i.end) for i in out.fast] == [(21, 22)] and not out.lane
     else:
-        assert seq.num_lane_kv == 8 and not seq.in_lane
         assert [(i.start, i.end) for i in s.schedule().lane] == [(8, 16)]
+
+
+def test_an_aborted_prompt_sends_no_more_chunks() -> None:
+    s = _sched(W=4, G=2)
+    seq = _seq(0, 21, det=True)
+    s.add(seq)
+    first = s.schedule().lane[0]
+    seq.finish_reason = "abort"  # what LLMEngine.abort_request does to a sequence in the lane
+    assert not s.lane_prefill_ready() and s.schedule().lane == []
+    assert s.lane_item_done(seq) and not seq.in_lane  # its blocks may be freed now
+    assert first.end == 8
 
 
 def test_lane_results_out_of_order_are_refused() -> None:

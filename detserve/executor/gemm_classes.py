@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from detserve.executor.ops import run_in_row_chunks
+
 __all__ = ["Alignment", "auto_alignment", "joint_classes", "plan_alignment", "probe_sizes",
            "row_classes", "single_call_sizes", "smallest_at_least"]
 
@@ -28,17 +30,23 @@ def smallest_at_least(sizes: Iterable[int], n: int) -> int | None:
     return next((s for s in sizes if s >= n), None)
 
 
-def row_classes(weight: Tensor, sizes: Sequence[int], seed: int = 0) -> list[list[int]]:
-    """Group ``sizes`` (row counts M) by the bits ``F.linear(x[:M], weight)`` gives its first
-    row. Sizes in one class run the same arithmetic (one algorithm computes every row the
-    same way; another one differs somewhere in the row's N outputs)."""
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """The product as the model calls it (a bias can change cuBLAS's choice of algorithm)."""
+    return F.linear(x, weight) if bias is None else F.linear(x, weight, bias)
+
+
+def row_classes(weight: Tensor, sizes: Sequence[int], seed: int = 0,
+                bias: Tensor | None = None) -> list[list[int]]:
+    """Group ``sizes`` (row counts M) by the bits ``F.linear(x[:M], weight, bias)`` gives its
+    first row. Sizes in one class run the same arithmetic (one algorithm computes every row
+    the same way; another one differs somewhere in the row's N outputs)."""
     if not sizes or min(sizes) < 1:
         raise ValueError("sizes must be >= 1")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(max(sizes), weight.shape[1], generator=gen).to(weight.device, weight.dtype)
     classes: list[tuple[Tensor, list[int]]] = []
     for m in sizes:
-        row = F.linear(x[:m], weight)[0]
+        row = _linear(x[:m], weight, bias)[0]
         for ref, members in classes:
             if torch.equal(ref, row):
                 members.append(m)
@@ -48,24 +56,28 @@ def row_classes(weight: Tensor, sizes: Sequence[int], seed: int = 0) -> list[lis
     return [members for _, members in classes]
 
 
-def single_call_sizes(weight: Tensor, chunk: int, max_rows: int, seed: int = 0) -> frozenset[int]:
+def single_call_sizes(weight: Tensor, chunk: int, max_rows: int, seed: int = 0,
+                      bias: Tensor | None = None, head_rows: int = 0) -> frozenset[int]:
     """Row counts M in 1..``max_rows`` at which one ``F.linear`` call over M rows gives each
-    of its first min(M, ``chunk``) rows the bits a call of exactly ``chunk`` rows gives the
-    same row: M's algorithm is the chunk's. An eager step whose decode rows lead the batch
-    can then run that product once over all its rows (prefill rows included) instead of
-    padding the decode rows to their bucket and running the rest apart, and the decode
-    rows still get the lane's bits. Every M is probed (cuBLAS picks by the exact shape);
-    one host sync in all."""
+    of its first min(M, H) rows the bits the lane gives the same row, H = max(``chunk``,
+    ``head_rows``) (the most decode rows a step pads to) and the lane running its products
+    in calls of exactly ``chunk`` rows: M's algorithm is the chunk's. An eager step whose
+    decode rows lead the batch can then run that product once over all its rows (prefill
+    rows included) instead of padding the decode rows to their bucket and running the rest
+    apart, and the decode rows still get the lane's bits (a wrong answer here would only
+    roll windows back: the lane decides). Every M is probed (cuBLAS picks by the exact
+    shape); one host sync in all."""
     if chunk < 1 or max_rows < 1:
         raise ValueError("chunk and max_rows must be >= 1")
+    head = max(chunk, head_rows)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(max(max_rows, chunk), weight.shape[1], generator=gen)
+    x = torch.randn(max(max_rows, head), weight.shape[1], generator=gen)
     x = x.to(weight.device, weight.dtype)
-    ref = F.linear(x[:chunk], weight)
+    ref = run_in_row_chunks(lambda c: _linear(c, weight, bias), x[:head], chunk)
     same = torch.zeros(max_rows + 1, dtype=torch.bool, device=weight.device)
     for m in range(1, max_rows + 1):
-        k = min(m, chunk)
-        same[m] = torch.eq(F.linear(x[:m], weight)[:k], ref[:k]).all()
+        k = min(m, head)
+        same[m] = torch.eq(_linear(x[:m], weight, bias)[:k], ref[:k]).all()
     return frozenset(m for m, ok in enumerate(same.tolist()) if ok)
 
 
@@ -142,22 +154,25 @@ def plan_alignment(classes: Sequence[Sequence[int]], full_batch: int, lane_rows:
 
 
 def auto_alignment(weights: Sequence[Tensor], full_batch: int, lane_rows: int,
-                   chunk: int = 0, step_rows: Sequence[int] = ()) -> Alignment:
+                   chunk: int = 0, step_rows: Sequence[int] = (),
+                   biases: Sequence[Tensor | None] = ()) -> Alignment:
     """Probe the model's products on this GPU and plan the alignment for a fast path that
     decodes up to ``full_batch`` sequences next to a lane of ``lane_rows`` rows.
+    ``biases[i]``: ``weights[i]``'s bias as the model adds it (default none).
     ``step_rows[i]`` (optional): the most rows an eager step sends through ``weights[i]``;
     the sizes up to it that may run as one call are probed too (``single_call_sizes``)."""
     from detserve.executor.graphs import decode_buckets
 
+    bias = list(biases) + [None] * (len(weights) - len(biases))
     sizes = probe_sizes(full_batch, lane_rows)
     if chunk:
         sizes = sorted({*sizes, chunk})
-    joint = joint_classes(row_classes(w, sizes) for w in weights)
+    joint = joint_classes(row_classes(w, sizes, bias=b) for w, b in zip(weights, bias, strict=True))
     plan = plan_alignment(joint, full_batch, lane_rows, decode_buckets(full_batch), chunk)
     single: dict[tuple[int, int], frozenset[int]] = {}
-    for w, rows in zip(weights, step_rows, strict=False):
+    for w, b, rows in zip(weights, bias, step_rows, strict=False):
         if rows > 0:
             key = (int(w.shape[0]), int(w.shape[1]))
-            got = single_call_sizes(w, plan.chunk, rows)
+            got = single_call_sizes(w, plan.chunk, rows, bias=b, head_rows=plan.buckets[-1])
             single[key] = single[key] & got if key in single else got
     return Alignment(plan.chunk, plan.buckets, single)

@@ -123,6 +123,10 @@ class LlamaModel(nn.Module):
         return [first.qkv_proj, first.o_proj, first.gate_up_proj, first.down_proj,
                 self.lm_head_weight]
 
+    def gemm_biases(self) -> list[Tensor | None]:
+        """The biases the forward adds to ``gemm_weights``' products (qkv's, if any)."""
+        return [self.layer_list[0].qkv_bias, None, None, None, None]
+
     @torch.inference_mode()
     def logits(self, hidden: Tensor, ops: Ops) -> Tensor:
         return ops.linear(hidden, self.lm_head_weight).float()

@@ -161,12 +161,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                       mc.head_dim, handle.torch_dtype, self.device, storage=storage)
         runner = ModelRunner(self.model, pool, g.lane_rows, g.window, g.batch_invariant_rows,
                              lane_gemm_rows=g.lane_gemm_rows)
-        if self.cuda_graphs:  # a pass's block tables are at most the whole pool wide
-            runner.enable_cuda_graphs(None, lane=True, max_batch=1, max_blocks=handle.shape[2])
         numerics = codec.numerics_profile(runner)
         if hello.numerics != numerics:
             raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
                                f"numerics {hello.numerics!r} != {numerics!r}")
+        if self.cuda_graphs:  # a pass's block tables are at most the whole pool wide
+            runner.enable_cuda_graphs(None, lane=True, max_batch=1, max_blocks=handle.shape[2])
         with self._lock:  # a newer epoch replaces (and unmaps) the old one
             self._attached[hello.decoder_id] = _Attached(hello.epoch, handle, runner)
         return runner
