@@ -157,6 +157,20 @@ def oracle_prefix_checker(oracle: list[tuple]) -> Callable[[int, RequestOutput],
     return check
 
 
+def drive_against_oracle(engine: LLMEngine, oracle: list[tuple], verifier_address: str
+                         ) -> tuple[list[RequestOutput], dict[str, float], pb.HealthReply]:
+    """Run REQS (every released state checked against the oracle), check each deterministic
+    request's output equals it and that the verifier served every lane pass."""
+    outs = drive(engine, REQS, oracle_prefix_checker(oracle))
+    stats = engine.stats()
+    for i in DET:
+        assert signature(outs[i]) == oracle[i], f"r{i} differs from the oracle"
+    with grpc.insecure_channel(verifier_address) as ch:
+        health = pb_grpc.VerifierStub(ch).Health(pb.HealthRequest(), timeout=5)
+    assert health.passes >= stats["verify_passes"]
+    return outs, stats, health
+
+
 def test_codec_roundtrip_is_exact() -> None:
     spec = SamplingSpec(temperature=0.1 + 0.2, top_p=0.9, top_k=5, seed=2**63 - 1, logprobs=None,
                         min_tokens=2, prompt_len=7, stop_ids=(0, 2))
@@ -181,16 +195,11 @@ def test_remote_lane_equals_oracle(model: str, redis_url: str, oracle: list[tupl
     assert isinstance(remote, RemoteVerifier) and remote.verifier is not None
     registry = Registry(redis_url, prefix)
     try:
-        outs = drive(engine, REQS, oracle_prefix_checker(oracle))
-        stats = engine.stats()
+        outs, stats, health = drive_against_oracle(engine, oracle, procs[0].address)
         assert stats["perturbed_tokens"] > 0 and stats["rollbacks"] > 0
-        for i in DET:
-            assert signature(outs[i]) == oracle[i], f"r{i} differs from the oracle"
         assert all(o.finished and len(o.token_ids) == REQS[i].params.max_tokens
                    for i, o in enumerate(outs))
-        with grpc.insecure_channel(procs[0].address) as ch:
-            health = pb_grpc.VerifierStub(ch).Health(pb.HealthRequest(), timeout=5)
-        assert health.serving and health.passes >= stats["verify_passes"]
+        assert health.serving
         tables = registry.block_tables("dec-oracle", remote.record.epoch)
         assert set(tables) == {f"r{i}" for i in DET}, "deterministic requests' tables published"
         remote.drop_requests(["r0"])
@@ -217,14 +226,8 @@ def test_remote_lane_on_gpu_equals_oracle(model: str, redis_url: str) -> None:
                             extra=("--device", "cuda", "--dtype", "bfloat16"))
     engine, exporter = make_engine(model, redis_url, prefix, "dec-gpu", engine_kw=cuda)
     try:
-        outs = drive(engine, REQS, oracle_prefix_checker(oracle))
-        stats = engine.stats()
+        _, stats, _ = drive_against_oracle(engine, oracle, procs[0].address)
         assert stats["verify_passes"] > 0 and stats["perturbed_tokens"] > 0
-        for i in DET:
-            assert signature(outs[i]) == oracle[i], f"r{i} differs from the oracle"
-        with grpc.insecure_channel(procs[0].address) as ch:
-            health = pb_grpc.VerifierStub(ch).Health(pb.HealthRequest(), timeout=5)
-        assert health.passes >= stats["verify_passes"]
     finally:
         engine.verifier.close()
         exporter.close()
