@@ -224,8 +224,7 @@ class Scheduler:
                 continue  # preempted, by an earlier window's growth or by its own
             items.append(LaneItem(s, "window", s.num_committed - 1, s.num_tokens,
                                   tuple(s.token_ids[s.num_committed:])))
-            s.in_lane = True  # from now on no later allocation may preempt it
-            s.lane_items += 1
+            s.lane_items += 1  # in the lane: from now on no later allocation may preempt it
             s.lane_end = s.num_tokens
             rows_left -= n
         for s in sorted(prefills, key=lambda s: s.arrival):
@@ -236,7 +235,6 @@ class Scheduler:
             start = starts[id(s)]
             end = min(s.num_committed, start + rows_left)
             items.append(LaneItem(s, "prefill", start, end, ()))
-            s.in_lane = True
             s.lane_items += 1
             s.lane_sent = end
             rows_left -= end - start
@@ -359,7 +357,6 @@ class Scheduler:
         assert seq.lane_items >= 0, "more lane results than items sent"
         if seq.lane_items:
             return False
-        seq.in_lane = False
         seq.lane_sent = 0
         return True
 

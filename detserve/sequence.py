@@ -38,8 +38,7 @@ class Sequence:
     num_lane_kv: int = 0
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    in_lane: bool = False              # lane items in flight (lane_items of them)
-    lane_items: int = 0
+    lane_items: int = 0                # lane items (window, prompt chunks) in flight
     lane_sent: int = 0                 # prompt chunks in the lane cover positions < lane_sent
     lane_end: int = 0                  # a window in the lane covers positions < lane_end
     ready_step: int | None = None      # step at which its lane work became ready
@@ -58,6 +57,11 @@ class Sequence:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
             self.num_committed = len(self.prompt_token_ids)
+
+    @property
+    def in_lane(self) -> bool:
+        """Lane work of this sequence is in flight: no preemption, no freeing until back."""
+        return self.lane_items > 0
 
     @property
     def num_prompt(self) -> int:
@@ -102,7 +106,6 @@ class Sequence:
         self.num_lane_kv = 0
         self.block_table = []
         self.block_digests = []
-        self.in_lane = False
         self.lane_items = 0
         self.lane_sent = 0
         self.lane_end = 0

@@ -154,16 +154,13 @@ class GpuMeta:
         splits = choose_num_splits(len(rows), num_kv_heads, self.max_decode_ctx,
                                    num_sms(device), aligned=aligned)
         if self.all_decode:  # the common case: the step's own tables and rows
-            got = DecodeInputs(self.seg_tables, self.context_lens, self.row_seg,
-                               self.lane_pos, splits, None)
+            tables, ctx, row_seq, row_pos = (self.seg_tables, self.context_lens, self.row_seg,
+                                             self.lane_pos)
         else:
-            got = DecodeInputs(self.seg_tables[segs], self.context_lens[segs],
-                               torch.arange(len(rows), dtype=torch.int32, device=device),
-                               self.lane_pos[rows], splits, None)
-        if aligned and splits > 1:
-            got = DecodeInputs(got.tables, got.context_lens, got.row_seq, got.row_pos, splits,
-                               aligned_split_masks(got.context_lens, got.row_pos))
-        self._decode[key] = got
+            tables, ctx, row_pos = self.seg_tables[segs], self.context_lens[segs], self.lane_pos[rows]
+            row_seq = torch.arange(len(rows), dtype=torch.int32, device=device)
+        masks = aligned_split_masks(ctx, row_pos) if aligned and splits > 1 else None
+        got = self._decode[key] = DecodeInputs(tables, ctx, row_seq, row_pos, splits, masks)
         return got
 
     def prefill_inputs(self) -> tuple[Tensor, Tensor]:
