@@ -21,6 +21,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -308,7 +309,7 @@ def markdown(report: dict[str, Any], base: dict[str, Any] | None) -> str:
              f"Date {m['date']}, torch {m['torch']}, dtype {a['dtype']}, W={a['verify_window']}, "
              f"G={a['verify_group']}, {a['num_requests']} requests, lengths={a['lengths']} "
              f"(input {a['input_len']}, output {a['output_len']} when fixed).", "",
-             f"Command: `python -m benchmarks.bench_offline {' '.join(_argv(a))}`", "",
+             f"Command: `python -m benchmarks.bench_offline {' '.join(command_flags(a))}`", "",
              "| mode | det. ratio | W x G | output tok/s | total tok/s | vs nondet | rollbacks | "
              "recomputed % of decoded | lane padding |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -334,11 +335,13 @@ def markdown(report: dict[str, Any], base: dict[str, Any] | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _argv(a: dict[str, Any]) -> list[str]:
-    skip = {"out"}
+def command_flags(a: Mapping[str, Any], skip: Iterable[str] = ("out",)) -> list[str]:
+    """Parsed arguments back as the command-line flags that give them (unset ones left out;
+    a store_true flag bare)."""
+    skipped = set(skip)
     flags = []
     for k, v in a.items():
-        if v is None or v is False or k in skip:
+        if v is None or v is False or k in skipped:
             continue
         flags.append(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}"))
     return flags

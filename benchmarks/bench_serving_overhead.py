@@ -43,11 +43,12 @@ from typing import Any
 import httpx
 import torch
 
-from benchmarks.bench_offline import hardware
+from benchmarks.bench_offline import command_flags, hardware
 from detserve.engine import LLMEngine
 from detserve.model.loader import RANDOM_PREFIX, load_model
 from detserve.model.random_init import shape_config
 from detserve.params import SamplingParams
+from detserve.serve_config import APP_NAME, DECODER
 
 MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"  # as services.verifier.deployment.mps_running reads it
 
@@ -156,7 +157,7 @@ async def _served_phases(url: str, model: str, w: Workload, idle_requests: int, 
                          ) -> tuple[list[float], list[tuple[list[float], float, dict[str, float]]]]:
     from ray import serve
 
-    decoder = serve.get_deployment_handle("Decoder", app_name="detserve")  # the one replica
+    decoder = serve.get_deployment_handle(DECODER, app_name=APP_NAME)  # the one replica
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await asyncio.gather(*(_stream(client, model, p, w)  # warm-up
                                for p in (w.prompts if w.warmup_load else w.prompts[:1])))
@@ -202,7 +203,7 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
                           num_cpus=max(4, min(8, os.cpu_count() or 4)) if cuda else 4,
                           log_to_driver=False)
         args = config["applications"][0]["args"]
-        serve.run(compose(args, replica_cpus=1.0), name="detserve", route_prefix="/")
+        serve.run(compose(args, replica_cpus=1.0), name=APP_NAME, route_prefix="/")
         idle, phases = asyncio.run(_served_phases(
             f"http://127.0.0.1:{port}", model, w, idle_requests, repeat))
     ttft, wall, phase, walls = median_phase(phases)
@@ -348,9 +349,8 @@ def main() -> None:
             "mps": gpu and os.path.exists(mps_pipe),
             "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
             "stream_interval": a.stream_interval, "repeat": a.repeat, **kw,
-            "command": "python -m benchmarks.bench_serving_overhead " + " ".join(
-                f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
-                for k, v in vars(a).items() if v is not None and v is not False)}
+            "command": "python -m benchmarks.bench_serving_overhead "
+                       + " ".join(command_flags(vars(a), skip=()))}
     report = markdown(results, meta)
     print(report)
     if a.out is not None:
