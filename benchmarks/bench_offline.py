@@ -27,11 +27,12 @@ from typing import Any
 
 import torch
 
-from detserve.config import EngineConfig
+from detserve.config import EngineConfig, SchedulerConfig
 from detserve.engine import LLMEngine
 from detserve.model.loader import load_model, resolve_dtype
 from detserve.model.random_init import random_model
 from detserve.params import SamplingParams
+from detserve.scheduler import LANE_STATES
 
 
 def lengths(kind: str, n: int, input_len: int, output_len: int, seed: int
@@ -92,6 +93,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               lane_bound_fraction=args.lane_bound_fraction,
                               lane_priority=args.lane_priority, lane_sms=args.lane_sms,
                               lane_decode_in_mixed_steps=not args.lane_decode_sits_out,
+                              pipeline_lane_prefill=not args.no_pipeline_lane_prefill,
                               probe_single_calls=not args.no_single_calls)
     engine = LLMEngine(cfg, loaded=loaded)
     vocab = engine.model.config.vocab_size
@@ -133,6 +135,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "verify_window": args.verify_window, "verify_group": args.verify_group,
         "align_fast_path": not args.no_align, "lane_gemm_rows": gemm_rows,
         "single_calls": not args.no_single_calls,
+        "pipeline_lane_prefill": not args.no_pipeline_lane_prefill,
         "duration_s": elapsed,
         "request_throughput": len(shapes) / elapsed,
         "output_throughput": out_tokens / elapsed,
@@ -159,6 +162,12 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                            ("non_deterministic", finished[False]))},
         "fast_tokens_per_step": stats["fast_tokens"] / max(1, stats["decode_steps"]
                                                            + stats["mixed_steps"]),
+        # running lane sequences per step: on the fast path, waiting for their prompt in
+        # the lane, holding a full window not yet sent, decoded as far past the lane as allowed
+        "lane_seqs_per_step": {k: stats[f"lane_seqs_{k}"] for k in LANE_STATES},
+        # eager steps' products with lane-aligned decode rows: one call, or split in two
+        # (a second weight read; see ModelRunner._padded)
+        "head_products": {k: stats[f"head_products_{k}"] for k in ("one_call", "split")},
         "step_seconds": {k: stats[f"{k}_seconds"] for k in
                          ("schedule", "decode_step", "mixed_step", "lane_wait", "output")},
     }
@@ -200,12 +209,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lane-decode-sits-out", action="store_true",
                    help="deterministic sequences' decode rows sit out every other step that "
                         "carries prefill rows (lane_decode_in_mixed_steps=False)")
+    p.add_argument("--no-pipeline-lane-prefill", action="store_true",
+                   help="send a deterministic prompt's next chunk to the lane only after the "
+                        "previous one came back (pipeline_lane_prefill=False)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the whole list of modes this many times, interleaved; the "
                         "summary gives each mode's median (two identical runs can differ "
                         "by 10 %% and more on a GPU)")
-    p.add_argument("--lane-bound-fraction", type=float, default=0.5,
-                   help="wait for the lane when more than this share of sequences wait on it (1: never)")
+    p.add_argument("--lane-bound-fraction", type=float,
+                   default=SchedulerConfig.lane_bound_fraction,
+                   help="give a step to the lane pass in flight when more than this share of "
+                        "sequences wait on the lane (1: never)")
     p.add_argument("--trace", default=None,
                    help="loadgen JSONL trace (real prompts, e.g. ShareGPT); overrides --lengths")
     p.add_argument("--warmup-requests", type=int, default=4,
@@ -256,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(last['deterministic'])}, others {fmt(mean['non_deterministic'])} / "
               f"{fmt(last['non_deterministic'])}; {r['fast_tokens_per_step']:.1f} fast tokens "
               "a step", flush=True)
+        if r["mode"] == "llm42":
+            hp = r["head_products"]
+            print(f"{'':>16} lane sequences a step: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in r["lane_seqs_per_step"].items())
+                + f"; products with aligned decode rows: {hp['one_call']} one call, "
+                f"{hp['split']} split", flush=True)
         _save(args, runs)  # after every run: a cut-off job still leaves its figures
 
     for rep in range(args.repeat):  # interleaved: a slow spell hits every mode alike

@@ -46,9 +46,12 @@ class SchedulerConfig:
     # fast path (kept if the lane commits the whole window and agrees on its next token)
     overlap_windows: bool = True
     # when more than this share of the running sequences can only move once the lane
-    # answers (prompt chunks or windows queued there), a step first waits for a lane pass
-    # instead of spending a whole decode step on the few others (1: never wait)
-    lane_bound_fraction: float = 0.5
+    # answers (prompt chunks or windows queued there) and a lane pass is in flight, a step
+    # gives the GPU to that pass (no fast rows) instead of spending a decode step (a whole
+    # weight read) on the few others: the lane and the fast path share the GPU, so the next
+    # step carries more rows. 1: never. 0.2 measured best of 0.5/0.3/0.2 at 100 %
+    # deterministic traffic on an H100 (docs/benchmarks/gpu/README.md)
+    lane_bound_fraction: float = 0.2
     # whether lane sequences' decode rows join fast steps that also carry prefill rows. On
     # CUDA such rows must run their products as a call of their own, padded to a bucket in
     # the lane chunk's cuBLAS class (a second weight read for the step); with False they sit
@@ -149,7 +152,7 @@ class EngineConfig:
     def create(cls, model: str, mode: str = "llm42", *, verify_window: int = 64,
                verify_group: int = 8, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                max_model_len: int = 2048, lane_max_wait_steps: int = 8,
-               overlap_windows: bool = True, lane_bound_fraction: float = 0.5,
+               overlap_windows: bool = True, lane_bound_fraction: float = 0.2,
                lane_decode_in_mixed_steps: bool = True, pipeline_lane_prefill: bool = True,
                block_size: int = 16,
                num_blocks: int | None = None, enable_prefix_caching: bool = True,

@@ -33,7 +33,7 @@ from detserve.model.tokenizer import Tokenizer
 from detserve.outputs import RequestOutput
 from detserve.params import SamplingParams
 from detserve.sampler import SamplingSpec
-from detserve.scheduler import FastItem, LaneItem, Scheduler
+from detserve.scheduler import LANE_STATES, FastItem, LaneItem, Scheduler
 from detserve.sequence import Sequence
 from detserve.verifier import InProcessVerifier, ThreadedVerifier, Verifier
 
@@ -187,7 +187,11 @@ class LLMEngine:
         clock = time.perf_counter
         c = self.counters
         t0 = clock()
-        out = self.scheduler.schedule()
+        # most sequences wait on the lane and a pass is in flight: this step gives the GPU
+        # to the lane instead of a decode step (a full weight read) for the few others; the
+        # lane and the fast path share the GPU, so that is time the lane's queue gets back
+        yield_to_lane = bool(self.verifier.in_flight()) and self.scheduler.lane_bound()
+        out = self.scheduler.schedule(fast=not yield_to_lane)
         t1 = clock()
         c["schedule_us"] += int((t1 - t0) * 1e6)
         c["steps"] += 1
@@ -211,9 +215,9 @@ class LLMEngine:
             # nothing else to run, or most sequences wait on the lane: let its pass have the
             # GPU rather than run the next decode step (a full weight read) for the few others;
             # but a prompt's next chunk goes out first (it queues behind the pass in flight)
-            wait = (not self.scheduler.lane_prefill_ready()
-                    and (not out.fast or self.scheduler.lane_bound()))
-            c["lane_bound_waits"] += wait and bool(out.fast)
+            wait = yield_to_lane or (not self.scheduler.lane_prefill_ready()
+                                     and (not out.fast or self.scheduler.lane_bound()))
+            c["lane_bound_waits"] += yield_to_lane or (wait and bool(out.fast))
         for result in self.verifier.poll(wait=wait):
             self._apply_lane(result)
         t2 = clock()
@@ -383,6 +387,14 @@ class LLMEngine:
         # their results, building outputs
         for k in ("schedule", "decode_step", "mixed_step", "lane_wait", "output"):
             out[f"{k}_seconds"] = c[f"{k}_us"] / 1e6
+        # running lane sequences per step by state (Scheduler._count_lane_states)
+        states = self.scheduler.lane_state_steps
+        for k in LANE_STATES:
+            out[f"lane_seqs_{k}"] = states[k] / max(1, states["steps"])
+        # products of eager steps whose decode rows need the lane's bits: one call over all
+        # rows (the probe found that size runs the lane chunk's algorithm) or split in two
+        out["head_products_one_call"] = self.runner.head_products["one"]
+        out["head_products_split"] = self.runner.head_products["split"]
         out["decode_steps"] = c["decode_steps"]
         out["mixed_steps"] = c["mixed_steps"]
         out["running_requests"] = len(self.scheduler.running)

@@ -10,7 +10,7 @@ this sequence, recomputed in the lane".
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -76,6 +76,9 @@ class SchedulerOutput:
         return not self.fast and not self.lane
 
 
+LANE_STATES = ("fast", "prefill", "window", "capped")
+
+
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager,
                  eos_token_ids: Iterable[int] = (), prefix_caching: bool = True) -> None:
@@ -87,6 +90,9 @@ class Scheduler:
         self.step_count = 0
         self.prefix_caching = prefix_caching
         self.prefix_hit_tokens = 0
+        # where the running lane sequences sat, summed over the steps that planned fast
+        # rows ("steps"; see _count_lane_states)
+        self.lane_state_steps: Counter[str] = Counter()
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -113,13 +119,16 @@ class Scheduler:
         return seq.stop_set
 
     # ---- the step ---------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, fast: bool = True) -> SchedulerOutput:
+        """Plan one step: lane items, then (unless ``fast`` is False: the engine lets the
+        lane have the GPU this step) the fast path's rows."""
         self.step_count += 1
         out = SchedulerOutput(step=self.step_count)
         self._admit()
         if self.cfg.uses_lane:
             out.lane = self._plan_lane(out)
-        out.fast = self._plan_fast(out)
+        if fast:
+            out.fast = self._plan_fast(out)
         assert out.lane_rows_used <= self.cfg.lane_rows
         assert sum(i.end - i.start for i in out.fast) <= self.cfg.max_num_batched_tokens
         return out
@@ -226,6 +235,7 @@ class Scheduler:
                                   tuple(s.token_ids[s.num_committed:])))
             s.lane_items += 1  # in the lane: from now on no later allocation may preempt it
             s.lane_end = s.num_tokens
+            s.lane_step = self.step_count
             rows_left -= n
         for s in sorted(prefills, key=lambda s: s.arrival):
             if rows_left == 0:
@@ -268,6 +278,10 @@ class Scheduler:
         if seq.in_lane:
             past = seq.num_tokens - seq.lane_end
             ok = seq.lane_end and seq.num_computed == seq.num_tokens - 1
+            if past == 0 and seq.lane_step != self.step_count:
+                # this row would write K/V at lane_end - 1, which the pass in flight writes
+                # too: only ahead of the pass (queued before it) is the lane's write the last
+                return 0
             return 1 if ok and past < self.overlap_cap(seq) else 0
         if seq.uses_lane:
             if seq.needs_lane_prefill() or self.window_ready(seq):
@@ -279,6 +293,8 @@ class Scheduler:
     def _plan_fast(self, out: SchedulerOutput) -> list[FastItem]:
         budget = self.cfg.max_num_batched_tokens
         wants = [(s, self._fast_rows(s)) for s in self.running]
+        if self.cfg.uses_lane:
+            self._count_lane_states(wants)
         if not self.cfg.lane_decode_in_mixed_steps and any(r > 1 for _, r in wants):
             wants = [(s, 0 if self._sits_out(s, r) else r) for s, r in wants]
         # decode rows (one token) before prefill chunks, each group in arrival order
@@ -299,6 +315,24 @@ class Scheduler:
             items.append(FastItem(seq, seq.num_computed, end, sample=end == seq.num_tokens))
             budget -= n
         return items
+
+    def _count_lane_states(self, wants: list[tuple[Sequence, int]]) -> None:
+        """Tally this step's running lane sequences: ``fast`` (a row on the fast path),
+        ``prefill`` (prompt not yet all in the lane's K/V), ``window`` (a full window not
+        yet sent to the lane), ``capped`` (in the lane, decoded as far past it as allowed)."""
+        c = self.lane_state_steps
+        c["steps"] += 1
+        for seq, rows in wants:
+            if not seq.uses_lane:
+                continue
+            if rows:
+                c["fast"] += 1
+            elif seq.needs_lane_prefill():
+                c["prefill"] += 1
+            elif seq.in_lane:
+                c["capped"] += 1
+            else:
+                c["window"] += 1
 
     @staticmethod
     def _sits_out(seq: Sequence, rows: int) -> bool:

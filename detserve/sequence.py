@@ -6,7 +6,9 @@ Token positions: ``token_ids`` holds prompt + committed outputs + fast-path cand
 ``num_lane_kv`` positions hold K/V written by the lane; between lane passes
 ``num_lane_kv == num_committed - 1``: the last committed token is the next input. While a
 window is in the lane (positions < ``lane_end``) the fast path may append tokens past it:
-a speculative start of the next window.
+a speculative start of the next window. The first of those rows feeds the window's last
+candidate at ``lane_end - 1``, a slot the lane pass writes too; it runs only in the step
+that sends the window, ahead of the pass, so the lane's K/V is the one left there.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Sequence:
     lane_items: int = 0                # lane items (window, prompt chunks) in flight
     lane_sent: int = 0                 # prompt chunks in the lane cover positions < lane_sent
     lane_end: int = 0                  # a window in the lane covers positions < lane_end
+    lane_step: int = 0                 # the step that sent that window
     ready_step: int | None = None      # step at which its lane work became ready
     logprobs: list[TokenLogprob] = field(default_factory=list)
     candidate_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -109,4 +112,5 @@ class Sequence:
         self.lane_items = 0
         self.lane_sent = 0
         self.lane_end = 0
+        self.lane_step = 0
         self.ready_step = None

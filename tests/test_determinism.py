@@ -228,9 +228,9 @@ def test_decode_rows_padded_only_when_the_lane_verifies_them(
 
     class CountingPad(runner_mod.HeadPaddedOps):
         def __init__(self, base, head: int, size: int,  # type: ignore[no-untyped-def]
-                     single_call=None) -> None:
+                     single_call=None, counts=None) -> None:
             padded.append(head)
-            super().__init__(base, head, size, single_call)
+            super().__init__(base, head, size, single_call, counts)
 
     monkeypatch.setattr(runner_mod, "HeadPaddedOps", CountingPad)
     engine = LLMEngine.from_args(model, "llm42", verify_window=8, verify_group=4,
@@ -258,6 +258,8 @@ def test_decode_rows_padded_only_when_the_lane_verifies_them(
     assert any(not lane for lane, _, _ in steps) and any(lane for lane, _, _ in steps)
     mixed = [lane for lane, prefill, _ in steps if prefill]
     assert mixed and (all(mixed) if joins else not all(mixed))
+    stats = engine.stats()  # (no single-call sizes probed here: steps with prefill split)
+    assert stats["head_products_split"] > 0 and stats["head_products_one_call"] > 0
 
 
 @pytest.mark.parametrize("case", ["batch10", "batch3-mixed", "shared-prefix"])
@@ -312,3 +314,48 @@ def test_pipelined_prompt_chunks_equal_the_oracle(model: str, threaded: bool,
                 assert signature(a) == signature(b)
         assert peak[False] == 1
         assert peak[True] == (LANE_PREFILL_DEPTH if threaded else 1)
+
+
+def test_steps_yielded_to_the_lane_keep_the_oracle(model: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a pass in flight and most sequences waiting on the lane, the engine plans a step
+    without fast rows and waits for the pass; outputs still equal lane_only's, and no fast
+    row ever writes a slot of a pass in flight. Control: with lane_bound_fraction=1.0
+    (never lane-bound) no step is yielded."""
+    from detserve.engine import LLMEngine
+    from detserve.scheduler import Scheduler
+
+    run_fast = LLMEngine._run_fast
+
+    def checked(self, items):  # type: ignore[no-untyped-def]
+        # no fast row may write a slot that a lane pass in flight writes (its K/V would
+        # race the lane's: see Scheduler._fast_rows)
+        for item in items:
+            for sent in self._inflight.values():
+                lane = sent.get(item.seq.request_id)
+                assert lane is None or item.start >= lane.end or item.end <= lane.start
+        run_fast(self, items)
+
+    monkeypatch.setattr(LLMEngine, "_run_fast", checked)
+    reqs = [Req(TARGET, SAMPLED)] + _others(6, det=True, seed=17) + _others(2, False, seed=3)
+    oracle, _, o = run_engine(model, reqs, mode="lane_only")
+    o.close()
+    real = Scheduler.schedule
+    for fraction in (0.3, 1.0):
+        yielded: list[bool] = []
+
+        def schedule(self, fast=True, _y=yielded):  # type: ignore[no-untyped-def]
+            _y.append(not fast)
+            return real(self, fast)
+
+        monkeypatch.setattr(Scheduler, "schedule", schedule)
+        outs, stats, engine = run_engine(model, reqs, perturbation=0.2, lane_threaded=True,
+                                         lane_bound_fraction=fraction)
+        engine.close()
+        assert stats["perturbed_tokens"] > 0
+        for a, b in zip(oracle, outs[:7], strict=False):
+            assert signature(a) == signature(b)
+        if fraction < 1.0:
+            assert any(yielded) and stats["lane_bound_waits"] >= sum(yielded)
+        else:
+            assert not any(yielded)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -163,12 +165,18 @@ def test_head_padded_ops_split_the_decode_rows_from_the_rest() -> None:
             return super().linear(x, weight, bias)
 
     x, w = torch.randn(10, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
-    out = HeadPaddedOps(Recording(), 3, 8).linear(x, w)
-    assert calls == [8, 7]
+    counts: Counter[str] = Counter()
+    out = HeadPaddedOps(Recording(), 3, 8, counts=counts).linear(x, w)
+    assert calls == [8, 7] and counts == {"split": 1}
     assert torch.allclose(out, x @ w.T)
     calls.clear()
-    assert torch.allclose(HeadPaddedOps(Recording(), 3, 8).linear(x[:3], w), x[:3] @ w.T)
-    assert calls == [8]
+    ops = HeadPaddedOps(Recording(), 3, 8, counts=counts)
+    assert torch.allclose(ops.linear(x[:3], w), x[:3] @ w.T)
+    assert calls == [8] and counts == {"split": 1, "one": 1}
+    calls.clear()  # a row count the probe found single-call safe: one call over all rows
+    ops = HeadPaddedOps(Recording(), 3, 8, {(5, 6): frozenset({10})}, counts)
+    assert torch.allclose(ops.linear(x, w), x @ w.T)
+    assert calls == [10] and counts == {"split": 1, "one": 2}
     with pytest.raises(ValueError):
         HeadPaddedOps(TorchOps(), 4, 2)
 

@@ -177,7 +177,7 @@ def test_no_decoding_past_a_window_that_ends_in_a_stop_token() -> None:
 
 
 def test_lane_bound_when_most_sequences_wait_on_the_lane() -> None:
-    s = _sched(W=4, G=2)
+    s = _sched(W=4, G=2, lane_bound_fraction=0.5)
     det = [_seq(i, 6, det=True) for i in range(3)]
     other = _seq(3, 6, det=False)
     for q in (*det, other):
@@ -192,6 +192,82 @@ def test_lane_bound_when_most_sequences_wait_on_the_lane() -> None:
         never.add(_seq(i, 6, det=True))
     never.schedule()
     assert not never.lane_bound()
+
+
+def test_schedule_without_fast_rows_still_plans_the_lane() -> None:
+    """schedule(fast=False) (the engine gives the step to the lane) plans lane items and no
+    fast rows; the sequences it left out get their rows in the next ordinary step."""
+    s = _sched(W=4, G=2)
+    det, other = _seq(0, 6, det=True), _seq(1, 6, det=False)
+    for q in (det, other):
+        s.add(q)
+    out = s.schedule(fast=False)
+    assert [i.seq for i in out.lane] == [det] and not out.fast
+    assert other.num_computed == 0, "a step without fast rows must not advance the others"
+    out = s.schedule()
+    assert [i.seq for i in out.fast] == [other] and out.fast[0].end == 6
+
+
+def test_no_fast_row_writes_a_slot_the_lane_pass_in_flight_writes() -> None:
+    """A window's last candidate sits at lane_end - 1, a slot its lane pass writes. Its
+    decode row may run in the step that sends the window (queued ahead of the pass), never
+    in a later one, where it could land after the lane's write: sent by a step without
+    fast rows, the sequence waits for the lane's decision instead."""
+    for fast in (True, False):
+        s = _sched(W=4, G=1)
+        seq = _seq(0, 3, det=True)
+        s.add(seq)
+        s.on_lane_result(s.schedule().lane[0], [9])
+        for _ in range(3):
+            _fake_fast(s, s.schedule())
+        out = s.schedule(fast=fast)
+        (win,) = out.lane
+        assert win.end == seq.lane_end == seq.num_tokens
+        rows = [i for i in out.fast if i.seq is seq]
+        assert [(i.start, i.end) for i in rows] == ([(win.end - 1, win.end)] if fast else [])
+        _fake_fast(s, out)
+        later = s.schedule()
+        if fast:  # decoding past the window, beyond the lane's slots
+            assert [i.start for i in later.fast] == [win.end]
+        else:
+            assert not later.fast and not later.lane
+            s.on_lane_result(win, [*win.candidates, 11])
+            assert [i.start for i in s.schedule().fast] == [win.end]
+
+
+def test_lane_state_counts() -> None:
+    """Each step with fast rows tallies the running lane sequences by where they sit:
+    prompt in the lane (prefill), decoding (fast), a full window not yet sent (window: the
+    pass waits for more), in the lane and decoded as far past it as allowed (capped)."""
+    s = _sched(W=4, G=3, lane_max_wait_steps=100)
+    a, b = _seq(0, 3, det=True), _seq(1, 3, det=True)
+    short = _seq(2, 3, det=True, max_tokens=3)  # one candidate fills its window
+    for q in (_seq(3, 3, det=False), a, b, short):
+        s.add(q)
+    expected = [
+        {"prefill": 3},  # the three prompts go to the lane together
+        {"fast": 3},
+        {"fast": 2, "window": 1},  # short's window waits for a's and b's (G=3)
+        {"fast": 2, "window": 1},
+        {"fast": 3},  # the three windows leave; each decodes one past its window
+        {"fast": 2, "capped": 1},  # short may not decode further (max_tokens) until the
+        {"fast": 2, "capped": 1},  # lane's decision comes back (withheld here)
+    ]
+    for k, want in enumerate(expected):
+        before = s.lane_state_steps.copy()
+        out = s.schedule()
+        assert s.lane_state_steps - before == {"steps": 1, **want}, k
+        _fake_fast(s, out)
+        if k < 4:
+            for it in out.lane:
+                s.on_lane_result(it, [9])
+    before = s.lane_state_steps.copy()
+    s.schedule(fast=False)
+    assert s.lane_state_steps == before, "a step without fast rows counts nothing"
+    nothing = _sched(mode="nondeterministic")
+    nothing.add(_seq(0, 3, det=False))
+    nothing.schedule()
+    assert not nothing.lane_state_steps, "no lane, nothing counted"
 
 
 def test_lane_waits_to_fill_group_then_times_out() -> None:

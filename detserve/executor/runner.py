@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, cast
@@ -43,14 +44,18 @@ class HeadPaddedOps:
     count: there one call over all rows already gives the head the padded call's bits."""
 
     def __init__(self, base: Ops, head: int, padded: int,
-                 single_call: Mapping[tuple[int, int], frozenset[int]] | None = None) -> None:
+                 single_call: Mapping[tuple[int, int], frozenset[int]] | None = None,
+                 counts: Counter[str] | None = None) -> None:
         if not 0 < head <= padded:
             raise ValueError("need 0 < head <= padded")
         self.base, self.head, self.padded = base, head, padded
         self.single_call = single_call or {}
+        self.counts = Counter[str]() if counts is None else counts  # products: one / split
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        if x.shape[0] in self.single_call.get((weight.shape[0], weight.shape[1]), ()):
+        one = x.shape[0] in self.single_call.get((weight.shape[0], weight.shape[1]), ())
+        self.counts["one" if one or x.shape[0] == self.head else "split"] += 1
+        if one:
             return self.base.linear(x, weight, bias)
         h = self.head
         top = x[:h]
@@ -105,6 +110,8 @@ class ModelRunner:
         self.align_fast_path = align_fast_path
         self.decode_buckets = tuple(sorted(decode_buckets)) if decode_buckets else None
         self.single_call = dict(single_call or {})
+        # eager steps' products with padded decode rows: run as one call or split in two
+        self.head_products: Counter[str] = Counter()
         self.kernel_set = "torch-ref-1"
         self.decode_graphs: DecodeGraphs | None = None
         self.lane_graph: LaneGraph | None = None
@@ -219,7 +226,8 @@ class ModelRunner:
         if batch_invariant or not self.decode_buckets or not head:
             return ops
         b = smallest_at_least(self.decode_buckets, head)
-        return ops if b is None else HeadPaddedOps(ops, head, b, self.single_call)
+        return ops if b is None else HeadPaddedOps(ops, head, b, self.single_call,
+                                                    self.head_products)
 
     @torch.inference_mode()
     def run_lane(self, lane_pass: LanePass) -> LaneResult:
