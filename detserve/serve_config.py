@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from detserve.config import DTYPES, MODES
+from detserve.config import DTYPES, MODES, SchedulerConfig
 
 APP_NAME = "detserve"
 IMPORT_PATH = "services.app:build_app"
@@ -56,7 +56,8 @@ ARG_NAMES = tuple(DEFAULT_ARGS)
 # Accepted when given, never added to a default config: fault injection for tests
 # (probability that a fast-path token is corrupted; the lane must catch every one).
 OPTIONAL_ARGS: Mapping[str, Any] = {"fastpath_perturbation": 0.0, "stream_interval": 1,
-                                    "pipeline_lane_prefill": True}
+                                    "pipeline_lane_prefill": True,
+                                    "lane_bound_fraction": SchedulerConfig.lane_bound_fraction}
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,11 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
         _check_int("stream_interval", args["stream_interval"], lo=1, hi=4096)
     if "pipeline_lane_prefill" in args and not isinstance(args["pipeline_lane_prefill"], bool):
         raise ValueError("pipeline_lane_prefill must be a boolean")
+    if "lane_bound_fraction" in args:
+        _check_number("lane_bound_fraction", args["lane_bound_fraction"], lo=0.0)
+        if args["lane_bound_fraction"] > 1.0:
+            raise ValueError("lane_bound_fraction must be in [0, 1], got "
+                             f"{args['lane_bound_fraction']}")
     if "fastpath_perturbation" in args:
         _check_number("fastpath_perturbation", args["fastpath_perturbation"], lo=0.0)
         if args["fastpath_perturbation"] > 1.0:

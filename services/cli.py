@@ -50,6 +50,10 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pipeline-lane-prefill", action="store_true",
                    help="send a long deterministic prompt's next chunk to the verifier only "
                         "once the previous chunk came back (default: chunks pipeline)")
+    p.add_argument("--lane-bound-fraction", type=float, default=None,
+                   help="a decoder step gives the GPU to the lane pass in flight when more "
+                        "than this share of its sequences wait on the lane (1: never; "
+                        "default 0.2)")
     p.add_argument("--host", default="0.0.0.0", help="HTTP bind address")
     p.add_argument("--port", type=int, default=d["http_port"], help="HTTP port")
     p.add_argument("--grpc-port", type=int, default=d["grpc_port"])
@@ -75,6 +79,8 @@ def serve_config_from(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
         overrides["stream_interval"] = a.stream_interval
     if a.no_pipeline_lane_prefill:
         overrides["pipeline_lane_prefill"] = False
+    if a.lane_bound_fraction is not None:
+        overrides["lane_bound_fraction"] = a.lane_bound_fraction
     return default_serve_config(http_host=a.host, **overrides)
 
 

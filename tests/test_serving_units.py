@@ -394,3 +394,25 @@ def test_pipeline_lane_prefill_reaches_the_decoders_engine() -> None:
     for bad in (0, "no", None):
         with pytest.raises(ValueError, match="pipeline_lane_prefill"):
             default_serve_config(pipeline_lane_prefill=bad)
+
+
+def test_lane_bound_fraction_reaches_the_decoders_engine() -> None:
+    """``detserve serve --lane-bound-fraction F`` sets the decoder engine's yield threshold
+    (default: the engine's); values outside [0, 1] or not numbers are refused."""
+    from detserve.cli import build_parser
+    from detserve.config import SchedulerConfig
+    from services.cli import serve_config_from
+    from services.decoder.engine_factory import DecoderSettings
+
+    parse = build_parser().parse_args
+    plain = serve_config_from(parse(["serve"]), "redis://127.0.0.1:1/0")["applications"][0]["args"]
+    assert "lane_bound_fraction" not in plain
+    assert (DecoderSettings.from_args(plain).engine_config().scheduler.lane_bound_fraction
+            == SchedulerConfig.lane_bound_fraction)
+    set_ = serve_config_from(parse(["serve", "--lane-bound-fraction", "0.6"]),
+                             "redis://127.0.0.1:1/0")["applications"][0]["args"]
+    assert set_["lane_bound_fraction"] == 0.6
+    assert DecoderSettings.from_args(set_).engine_config().scheduler.lane_bound_fraction == 0.6
+    for bad in (-0.1, 1.5, "half", None, True, float("nan")):
+        with pytest.raises(ValueError, match="lane_bound_fraction"):
+            default_serve_config(lane_bound_fraction=bad)

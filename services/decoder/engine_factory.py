@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from detserve.config import EngineConfig
+from detserve.config import EngineConfig, SchedulerConfig
 from detserve.engine import LLMEngine
 from detserve.model.loader import load_model
 
@@ -39,6 +39,7 @@ class DecoderSettings:
     fastpath_perturbation: float = 0.0
     seed: int = 0
     pipeline_lane_prefill: bool = True
+    lane_bound_fraction: float = SchedulerConfig.lane_bound_fraction
     stream_interval: int = 1  # a stream's chunk carries >= this many new tokens (not the last)
 
     @classmethod
@@ -56,7 +57,8 @@ class DecoderSettings:
             verify_window=self.verify_window, verify_group=self.verify_group,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             fastpath_perturbation=self.fastpath_perturbation, seed=self.seed,
-            pipeline_lane_prefill=self.pipeline_lane_prefill)
+            pipeline_lane_prefill=self.pipeline_lane_prefill,
+            lane_bound_fraction=self.lane_bound_fraction)
 
 
 def build_engine(settings: DecoderSettings, decoder_id: str) -> tuple[LLMEngine, Callable[[], None]]:
