@@ -177,7 +177,7 @@ async def _served_phases(url: str, model: str, w: Workload, idle_requests: int, 
 def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
                idle_requests: int, verifier_gpu_fraction: float = 0.5,
                stream_interval: int = 1, repeat: int = 1,
-               pipeline_lane_prefill: bool = True) -> Result:
+               pipeline_lane_prefill: bool = True, switch_interval: float = 0.0) -> Result:
     from ray import serve
 
     from detserve.redis_server import EmbeddedRedis
@@ -193,6 +193,8 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
     placement: dict[str, Any] = (
         {"verifier_gpu_fraction": verifier_gpu_fraction if num_verifiers else 0.0}
         if cuda else {})
+    if switch_interval:
+        placement["switch_interval"] = switch_interval
     with EmbeddedRedis() as redis, ExitStack() as stack:
         config = default_serve_config(
             model=model, mode=mode, num_decoders=1, num_verifiers=num_verifiers,
@@ -308,6 +310,9 @@ def main() -> None:
     ap.add_argument("--no-pipeline-lane-prefill", action="store_true",
                     help="llm42 served: one lane round trip per prompt chunk (the offline "
                          "engine keeps its default)")
+    ap.add_argument("--switch-interval", type=float, default=0.0,
+                    help="served: the decoder replica's Python thread switch interval in "
+                         "seconds (detserve serve --switch-interval; 0 = Python's 5 ms)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the loaded phase this many times on each path (same engine, "
                          "same cluster); rows give the median-wall run")
@@ -334,7 +339,7 @@ def main() -> None:
         print(results[-1], flush=True)
         results.append(run_served(a.model, mode, kw, w, a.idle_requests,
                                   a.verifier_gpu_fraction, a.stream_interval, a.repeat,
-                                  not a.no_pipeline_lane_prefill))
+                                  not a.no_pipeline_lane_prefill, a.switch_interval))
         print(results[-1], flush=True)
     cpu = f"{hardware('cpu')}, {os.cpu_count()} cores"
     machine = cpu
@@ -348,7 +353,8 @@ def main() -> None:
             "verifier_gpu_fraction": a.verifier_gpu_fraction if gpu else 0.0,
             "mps": gpu and os.path.exists(mps_pipe),
             "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
-            "stream_interval": a.stream_interval, "repeat": a.repeat, **kw,
+            "stream_interval": a.stream_interval, "switch_interval": a.switch_interval,
+            "repeat": a.repeat, **kw,
             "command": "python -m benchmarks.bench_serving_overhead "
                        + " ".join(command_flags(vars(a), skip=()))}
     report = markdown(results, meta)

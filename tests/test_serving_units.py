@@ -416,3 +416,21 @@ def test_lane_bound_fraction_reaches_the_decoders_engine() -> None:
     for bad in (-0.1, 1.5, "half", None, True, float("nan")):
         with pytest.raises(ValueError, match="lane_bound_fraction"):
             default_serve_config(lane_bound_fraction=bad)
+
+
+def test_switch_interval_reaches_the_decoder_settings() -> None:
+    """``detserve serve --switch-interval S`` lands in the decoder's settings (0: Python's
+    own); negative, huge or non-numeric values are refused."""
+    from detserve.cli import build_parser
+    from services.cli import serve_config_from
+    from services.decoder.engine_factory import DecoderSettings
+
+    parse = build_parser().parse_args
+    plain = serve_config_from(parse(["serve"]), "redis://127.0.0.1:1/0")["applications"][0]["args"]
+    assert "switch_interval" not in plain and DecoderSettings.from_args(plain).switch_interval == 0
+    set_ = serve_config_from(parse(["serve", "--switch-interval", "0.0005"]),
+                             "redis://127.0.0.1:1/0")["applications"][0]["args"]
+    assert DecoderSettings.from_args(set_).switch_interval == 0.0005
+    for bad in (-1e-3, 2.0, "fast", None, False):
+        with pytest.raises(ValueError, match="switch_interval"):
+            default_serve_config(switch_interval=bad)

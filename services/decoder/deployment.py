@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +101,8 @@ def _deliver_on_event_loops(batch: list[tuple[Any, DecodeChunk]]) -> None:
 class Decoder:
     def __init__(self, args: Mapping[str, Any]) -> None:
         self.settings = DecoderSettings.from_args(args)
+        if self.settings.switch_interval:  # this process is the replica's alone
+            sys.setswitchinterval(self.settings.switch_interval)
         self.replica = _replica_id()
         engine, self._close = build_engine(self.settings, self.replica)
         self.loop = EngineLoop(engine, self.replica, deliver=_deliver_on_event_loops,

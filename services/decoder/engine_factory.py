@@ -40,6 +40,9 @@ class DecoderSettings:
     seed: int = 0
     pipeline_lane_prefill: bool = True
     lane_bound_fraction: float = SchedulerConfig.lane_bound_fraction
+    # the replica's Python thread switch interval (s; 0: Python's own, 5 ms): how long the
+    # event loop may hold the GIL while the engine thread waits for it after a GPU step
+    switch_interval: float = 0.0
     stream_interval: int = 1  # a stream's chunk carries >= this many new tokens (not the last)
 
     @classmethod
