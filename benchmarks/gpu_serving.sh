@@ -116,7 +116,7 @@ profile() {  # PROFILE=1: py-spy samples of the decoder replica while it lives (
   done
   [ -n "$pid" ] || { echo "profile: no decoder replica process"; return 0; }
   # who holds the GIL, and what every thread does (waiting included), sampled apart
-  timeout 300 py-spy record --pid "$pid" --gil --nonblocking -r 200 -f raw -o "$out/$1-gil.txt" \
+  timeout 300 py-spy record --pid "$pid" --gil --threads --nonblocking -r 200 -f raw -o "$out/$1-gil.txt" \
     >/dev/null 2>&1 &
   timeout 300 py-spy record --pid "$pid" --threads --idle --nonblocking -r 200 -f raw \
     -o "$out/$1-threads.txt" >/dev/null 2>&1 &
