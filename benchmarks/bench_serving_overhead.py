@@ -84,8 +84,12 @@ def median_phase(phases: list[tuple[list[float], float, dict[str, float]]]
     return statistics.median(ttfts), wall, eng, walls
 
 
-ENGINE_KEYS = ("steps", "decode_steps", "mixed_steps", "decode_step_seconds",
-               "mixed_step_seconds", "schedule_seconds", "output_seconds", "lane_wait_seconds")
+BUSY_KEYS = ("decode_step_seconds", "mixed_step_seconds", "schedule_seconds",
+             "output_seconds", "lane_wait_seconds")
+# decode_graph_gpu_s: GPU time of the decode steps' CUDA graph replays (CUDA events), the
+# part of decode_step_seconds the GPU spent computing
+ENGINE_KEYS = ("steps", "decode_steps", "mixed_steps", *BUSY_KEYS, "decode_graph_gpu_s",
+               "decode_graph_replays")
 
 
 def engine_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
@@ -256,16 +260,18 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
         f"{r.mode} {r.path.split()[0]} " + ", ".join(f"{x:.2f}" for x in r.load_walls_s)
         for r in results)]
     lines += ["", "The engine during the loaded phase (seconds; the served decoder's engine):", "",
-              "| mode | path | steps | decode-only | with prefill | decode-only s | with prefill s "
-              "| schedule s | outputs s | lane wait s | busy / wall |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| mode | path | steps | decode-only | with prefill | decode-only s | decode GPU s "
+              "| with prefill s | schedule s | outputs s | lane wait s | busy / wall |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         e = r.engine
         if not e:
             continue
-        busy = sum(e[k] for k in ENGINE_KEYS if k.endswith("_seconds"))
+        busy = sum(e.get(k, 0.0) for k in BUSY_KEYS)
+        gpu_s = e.get("decode_graph_gpu_s", 0.0)
         lines.append(f"| {r.mode} | {r.path} | {e['steps']:.0f} | {e['decode_steps']:.0f} | "
                      f"{e['mixed_steps']:.0f} | {e['decode_step_seconds']:.2f} | "
+                     f"{gpu_s:.2f} | "
                      f"{e['mixed_step_seconds']:.2f} | {e['schedule_seconds']:.2f} | "
                      f"{e['output_seconds']:.2f} | {e['lane_wait_seconds']:.2f} | "
                      f"{busy / r.load_wall_s:.2f} |")

@@ -395,6 +395,11 @@ class LLMEngine:
         # rows (the probe found that size runs the lane chunk's algorithm) or split in two
         out["head_products_one_call"] = self.runner.head_products["one"]
         out["head_products_split"] = self.runner.head_products["split"]
+        graphs = self.runner.decode_graphs
+        if graphs is not None:  # GPU time of the decode steps' graph replays
+            graphs.settle_timing()
+        out["decode_graph_gpu_s"] = graphs.gpu_seconds if graphs is not None else 0.0
+        out["decode_graph_replays"] = graphs.timed_replays if graphs is not None else 0
         out["decode_steps"] = c["decode_steps"]
         out["mixed_steps"] = c["mixed_steps"]
         out["running_requests"] = len(self.scheduler.running)

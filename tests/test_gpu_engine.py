@@ -68,9 +68,14 @@ def test_cuda_graphs_fast_path_close_to_eager(model: str) -> None:
     else: greedy tokens agree until the first near-tie and logprobs stay within bf16 noise."""
     reqs = [Req(r.prompt, SamplingParams(max_tokens=24, logprobs=0, ignore_eos=True), r.arrival)
             for r in _reqs(det=False)]
-    eager, _, _ = run_engine(model, reqs, mode="nondeterministic", cuda_graphs=False, **CUDA)
-    graphed, _, eng = run_engine(model, reqs, mode="nondeterministic", **CUDA)
+    eager, eager_stats, _ = run_engine(model, reqs, mode="nondeterministic", cuda_graphs=False,
+                                       **CUDA)
+    graphed, stats, eng = run_engine(model, reqs, mode="nondeterministic", **CUDA)
     assert eng.runner.decode_graphs is not None
+    # every graph replay is timed on the GPU, and takes less than its whole host-side step
+    assert eager_stats["decode_graph_replays"] == 0
+    assert 0 < stats["decode_graph_replays"] <= stats["decode_steps"]
+    assert 0 < stats["decode_graph_gpu_s"] < stats["decode_step_seconds"]
     common = []
     for a, b in zip(eager, graphed, strict=True):
         n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True))

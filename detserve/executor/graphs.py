@@ -98,6 +98,11 @@ class DecodeGraphs:
         self.tables = torch.full((size, max_blocks), SCRATCH_BLOCK, dtype=torch.int32,
                                  device=dev)
         self.row_seq = torch.arange(size, dtype=torch.int32, device=dev)
+        # GPU time of the replays (CUDA events around each; read once the next step runs,
+        # when the previous step's results have long been synchronised)
+        self.gpu_seconds = 0.0
+        self.timed_replays = 0
+        self._timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self._mempool = torch.cuda.graph_pool_handle()
         # (bucket, splits) -> graph. A fast bucket whose longest context needs split-KV also
         # gets a one-split graph, replayed while every context is short enough for one.
@@ -182,9 +187,22 @@ class DecodeGraphs:
             need = choose_num_splits(b, self._hkv, max_ctx, self._sms, aligned=self.aligned)
             splits = 1 if need == 1 else self._splits[b]
         graph, logits = self._graphs[(b, splits)]
+        self.settle_timing()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         graph.replay()
+        end.record()
+        self._timing = (start, end)
         self.last = graph
         return logits[:n]
+
+    def settle_timing(self) -> None:
+        """Add the last replay's GPU time to ``gpu_seconds`` if it has finished."""
+        if self._timing is not None and self._timing[1].query():
+            start, end = self._timing
+            self.gpu_seconds += start.elapsed_time(end) / 1e3
+            self.timed_replays += 1
+            self._timing = None
 
 
 class LaneGraph:
