@@ -50,7 +50,8 @@ class SchedulerConfig:
     # gives the GPU to that pass (no fast rows) instead of spending a decode step (a whole
     # weight read) on the few others: the lane and the fast path share the GPU, so the next
     # step carries more rows. 1: never. 0.2 measured best of 0.5/0.3/0.2 at 100 %
-    # deterministic traffic on an H100 (docs/benchmarks/gpu/README.md)
+    # deterministic traffic on an H100 (docs/benchmarks/gpu/README.md). A verifier on a
+    # GPU of its own would not share it: there, 1
     lane_bound_fraction: float = 0.2
     # whether lane sequences' decode rows join fast steps that also carry prefill rows. On
     # CUDA such rows must run their products as a call of their own, padded to a bucket in
