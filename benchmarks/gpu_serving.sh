@@ -125,10 +125,8 @@ profile() {  # PROFILE=1: py-spy samples of the decoder replica while it lives (
 
 for mode in ${MODES:-nondeterministic llm42}; do
   [ "${PROFILE:-0}" = 0 ] || profile "$mode" &
-  case $mode in
-    nondeterministic) bench nondeterministic "${T_NONDET:-150}" nondeterministic ;;
-    *) bench "$mode" "${T_LLM42:-170}" "$mode" ;;
-  esac
+  t=${T_LLM42:-170}; [ "$mode" = nondeterministic ] && t=${T_NONDET:-150}
+  bench "$mode" "$t" "$mode"
   wait
 done
 if [ "${MPS:-1}" != 0 ] && [ "$(left)" -ge 120 ] && command -v nvidia-cuda-mps-control >/dev/null; then

@@ -6,7 +6,8 @@ Per thread: its samples; for the engine thread (stacks through ``EngineLoop._run
 share spent idle (waiting for requests), and of the rest, the deepest frames of our code
 (``detserve/``, ``services/``) with the frame the sample ended in. With a ``--gil`` profile
 the samples are the threads holding the GIL; with ``--threads --idle``, wall time.
-Start-up (imports, model build) lands on the threads that did it; filter with ``--skip``.
+Start-up (imports, model build) lands on the threads that did it; ``--skip-startup``
+drops those stacks.
 """
 
 from __future__ import annotations

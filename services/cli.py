@@ -18,7 +18,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
-from detserve.config import MODES
+from detserve.config import MODES, SchedulerConfig
 from detserve.serve_config import APP_NAME, DEFAULT_ARGS
 
 
@@ -53,7 +53,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lane-bound-fraction", type=float, default=None,
                    help="a decoder step gives the GPU to the lane pass in flight when more "
                         "than this share of its sequences wait on the lane (1: never; "
-                        "default 0.2)")
+                        f"default {SchedulerConfig.lane_bound_fraction})")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="decoder replicas' Python thread switch interval in seconds (default: "
                         "Python's 0.005): how long their event loop may keep the GIL from the "
