@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (launch-bound baseline)")
     p.add_argument("--no-align", action="store_true",
                    help="split-KV decode attention for every context (no lane-kernel decode)")
+    p.add_argument("--sync", action="store_true",
+                   help="read each step's tokens before planning the next (no asynchronous "
+                        "scheduling: the host's work between steps is not hidden)")
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile the steps: GPU kernel time per step and the "
                         "kernels that take it (shows launch gaps and the slowest kernels)")
@@ -113,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                                   max_num_seqs=bsz, max_model_len=a.context + gen + 8,
                                   num_blocks=bsz * (a.context + gen + 32) // 16 + 64,
                                   max_num_batched_tokens=budget,
-                                  cuda_graphs=not a.eager, align_fast_path=not a.no_align)
+                                  cuda_graphs=not a.eager, align_fast_path=not a.no_align,
+                                  async_scheduling=False if a.sync else None)
         eng = LLMEngine(cfg, loaded=loaded)
         for i in range(bsz):
             eng.add_request(str(i), None, SamplingParams(max_tokens=gen + 4, ignore_eos=True,

@@ -94,7 +94,8 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               lane_priority=args.lane_priority, lane_sms=args.lane_sms,
                               lane_decode_in_mixed_steps=not args.lane_decode_sits_out,
                               pipeline_lane_prefill=not args.no_pipeline_lane_prefill,
-                              probe_single_calls=not args.no_single_calls)
+                              probe_single_calls=not args.no_single_calls,
+                              async_scheduling=False if args.sync_scheduling else None)
     engine = LLMEngine(cfg, loaded=loaded)
     vocab = engine.model.config.vocab_size
     rng = random.Random(args.seed)
@@ -124,6 +125,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     stats = engine.stats()
     gemm_rows = engine.lane_gemm_rows
     buckets = engine.alignment.buckets if engine.alignment else None
+    async_scheduling = engine.async_scheduling
     engine.close()
     del engine
     if args.device.startswith("cuda"):
@@ -168,6 +170,10 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         # eager steps' products with lane-aligned decode rows: one call, or split in two
         # (a second weight read; see ModelRunner._padded)
         "head_products": {k: stats[f"head_products_{k}"] for k in ("one_call", "split")},
+        # asynchronous scheduling: rows fed the previous step's token on the device, rows
+        # run after a stop token nobody had read yet (dropped)
+        "async_scheduling": async_scheduling,
+        "fed_rows": stats["fed_rows"], "dropped_rows": stats["dropped_rows"],
         "step_seconds": {k: stats[f"{k}_seconds"] for k in
                          ("schedule", "decode_step", "mixed_step", "lane_wait", "output")},
     }
@@ -212,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-pipeline-lane-prefill", action="store_true",
                    help="send a deterministic prompt's next chunk to the lane only after the "
                         "previous one came back (pipeline_lane_prefill=False)")
+    p.add_argument("--sync-scheduling", action="store_true",
+                   help="read each step's tokens before planning the next "
+                        "(async_scheduling=False; by default on CUDA the next step is queued "
+                        "first)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the whole list of modes this many times, interleaved; the "
                         "summary gives each mode's median (two identical runs can differ "

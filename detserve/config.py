@@ -119,6 +119,9 @@ class EngineConfig:
     # products give the leading decode rows the lane chunk's bits in one call over all the
     # step's rows; those products then run unsplit (gemm_classes.single_call_sizes)
     probe_single_calls: bool = True
+    # plan and queue each step's fast batch before reading the previous step's tokens, so
+    # the host's work between steps overlaps the device's (None: on for CUDA, off on CPU)
+    async_scheduling: bool | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 

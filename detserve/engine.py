@@ -16,6 +16,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -25,7 +26,7 @@ from detserve.config import EngineConfig
 from detserve.executor.attention import RowSegment
 from detserve.executor.gemm_classes import Alignment, auto_alignment
 from detserve.executor.kv_pool import KVPool
-from detserve.executor.runner import ModelRunner
+from detserve.executor.runner import LaunchedBatch, ModelRunner
 from detserve.lane import LanePass, LaneResult, LaneSegment
 from detserve.model.llama import LlamaModel
 from detserve.model.loader import ModelInfo, load_model
@@ -34,8 +35,20 @@ from detserve.outputs import RequestOutput
 from detserve.params import SamplingParams
 from detserve.sampler import SamplingSpec
 from detserve.scheduler import LANE_STATES, FastItem, LaneItem, Scheduler
-from detserve.sequence import Sequence
+from detserve.sequence import PLACEHOLDER, Sequence
 from detserve.verifier import InProcessVerifier, ThreadedVerifier, Verifier
+
+
+@dataclass
+class _Launch:
+    """A fast batch queued on the device, its tokens not yet read back."""
+
+    items: list[FastItem]
+    batch: LaunchedBatch
+    rows: dict[int, int]                  # id(sequence) -> its row of the sampled tokens
+    offsets: dict[int, int] = field(default_factory=dict)  # fault injection per row
+    fed: torch.Tensor | None = None       # the tokens the next step is fed (on the device)
+    dropped: set[int] = field(default_factory=set)  # id(sequence): rows after a stop
 
 
 class LLMEngine:
@@ -97,6 +110,11 @@ class LLMEngine:
         # fault injection models fast-path drift: it hits every fast-path token (lane-verified
         # candidates and final non-deterministic tokens alike), never lane or batch-invariant math
         self._perturbs_fast_path = config.mode in ("llm42", "nondeterministic")
+        # plan and queue step n+1 before reading step n's tokens (see ``step``); off on CPU
+        # by default, where the host runs the forward itself and nothing would overlap
+        self.async_scheduling = (cuda if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._launch: _Launch | None = None  # the fast batch whose tokens are unread
 
     def _alignment(self) -> Alignment | None:
         """On CUDA with ``align_fast_path``: the lane's GEMM chunk and the fast path's decode
@@ -180,10 +198,21 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         # (aborted requests still owe their final output to the next step)
-        return self.scheduler.has_work() or bool(self._inflight) or bool(self._touched)
+        return (self.scheduler.has_work() or bool(self._inflight) or bool(self._touched)
+                or self._launch is not None)
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Plan and run one step; returns the outputs it released.
+
+        With asynchronous scheduling the step queues its fast batch on the device first
+        and only then reads the previous step's tokens and does that step's host work
+        (stop checks, lane submissions and decisions, outputs) while the device runs this
+        one: the device never waits for the host between decode steps. Its own tokens
+        enter the scheduler's state as placeholders (``Sequence``) and are read by the
+        next step, or now where a lane decision needs one. A row planned after what turns
+        out to be a stop token is dropped (the step that planned it could not know).
+        """
         clock = time.perf_counter
         c = self.counters
         t0 = clock()
@@ -201,14 +230,26 @@ class LLMEngine:
         # fast first: a sequence whose window just left for the lane may decode past it in
         # this step, writing its last candidate's K/V; the lane pass, queued behind this
         # step's kernels, then overwrites that position with its own K/V
-        if out.fast:
-            self._run_fast(out.fast)
+        prev, self._launch = self._launch, None
+        launch = self._launch_fast(out.fast, prev) if out.fast else None
+        if prev is not None:
+            self._settle(prev)
+        if launch is not None:
+            self._place(launch)
+            if self.async_scheduling:
+                self._launch = launch
+            else:
+                self._settle(launch)
             t2 = clock()
             decode_only = all(i.end - i.start == 1 for i in out.fast)
             c["decode_steps" if decode_only else "mixed_steps"] += 1
             c["decode_step_us" if decode_only else "mixed_step_us"] += int((t2 - t1) * 1e6)
             t1 = t2
         if out.lane:
+            if self._launch is not None and not self.verifier.stream_ordered:
+                # a verifier in another process sees the K/V only once it is written: the
+                # batch in flight may write a slot the pass writes too (see Sequence)
+                self._settle(self._launch)
             self._submit_lane(out.lane)
         wait = False
         if self.verifier.in_flight():
@@ -228,50 +269,118 @@ class LLMEngine:
         for seq in sorted(seqs, key=lambda s: s.arrival):
             rid = seq.request_id
             start = touched[rid]
-            if seq.num_committed > start and not seq.finished:
+            if seq.num_settled > start and not seq.finished:
                 self._check_stop(seq, start)
-            new = max(0, seq.num_committed - start)
+            new = max(0, seq.num_settled - start)
             if new and seq.stats.first_token_time is None:
                 seq.stats.first_token_time = time.monotonic()
             if seq.finished or (new and seq.params.output_kind == "cumulative"):
                 outputs.append(self._output(seq, new))
                 if seq.finished:
                     del self._seqs[rid]
+            elif seq.num_settled < seq.num_committed:  # its placeholder: out next step
+                self._touched.setdefault(rid, seq.num_settled)
         c["output_us"] += int((clock() - t2) * 1e6)
         return outputs
 
     def _touch(self, seq: Sequence) -> None:
-        self._touched.setdefault(seq.request_id, seq.num_committed)
+        self._touched.setdefault(seq.request_id, seq.num_settled)
 
-    def _run_fast(self, items: list[FastItem]) -> None:
+    def _launch_fast(self, items: list[FastItem], prev: _Launch | None) -> _Launch:
+        """Queue the fast batch on the device. A row whose input token is a placeholder
+        takes it from ``prev``'s tokens on the device."""
         segs = [RowSegment(tuple(i.seq.token_ids[i.start:i.end]), i.start, tuple(i.seq.block_table))
                 for i in items]
+        feed = None
+        waiting = [(n, i) for n, i in enumerate(items) if i.seq.token_ids[i.start] == PLACEHOLDER]
+        if waiting:
+            assert prev is not None and prev.fed is not None, "placeholder with no launch"
+            assert all(i.end - i.start == 1 for _, i in waiting), "placeholder inside a chunk"
+            feed = (prev.fed, [(n, prev.rows[id(i.seq)]) for n, i in waiting])
+            self.counters["fed_rows"] += len(waiting)
         specs = [i.seq.spec if i.sample else None for i in items]
         # decode rows the lane will verify need the lane's bits (see ModelRunner._padded)
         align = any(i.seq.uses_lane and i.end - i.start == 1 for i in items)
-        results = self.runner.run_batch(segs, specs,
-                                        batch_invariant=self.config.mode == "batch_invariant",
-                                        align_decode=align)
-        self.counters["fast_passes"] += 1
-        self.counters["fast_rows"] += sum(i.end - i.start for i in items)
+        batch = self.runner.launch_batch(segs, specs,
+                                         batch_invariant=self.config.mode == "batch_invariant",
+                                         align_decode=align, feed=feed)
+        c = self.counters
+        c["fast_passes"] += 1
+        c["fast_rows"] += sum(i.end - i.start for i in items)
+        launch = _Launch(items, batch, {id(items[n].seq): j for j, n in enumerate(batch.want)})
+        c["fast_tokens"] += len(batch.want)
+        # fault injection, drawn per sampled row in batch order; the next step is fed the
+        # perturbed tokens, as it would read them on the host
+        p = self.config.fastpath_perturbation
+        if p > 0 and self._perturbs_fast_path:
+            vocab = self.model.config.vocab_size
+            for j in range(len(batch.want)):
+                if self._perturb_rng.random() < p:
+                    launch.offsets[j] = 1 + self._perturb_rng.randrange(vocab - 1)
+            c["perturbed_tokens"] += len(launch.offsets)
+        launch.fed = batch.tokens
+        if launch.offsets and batch.tokens is not None:
+            at = torch.tensor(list(launch.offsets), device=batch.tokens.device)
+            add = torch.tensor(list(launch.offsets.values()), device=batch.tokens.device)
+            fed = batch.tokens.clone()
+            fed[at] = (fed[at] + add) % self.model.config.vocab_size
+            launch.fed = fed
+        return launch
+
+    def _place(self, launch: _Launch) -> None:
+        """The launch's rows enter the scheduler's state, sampled tokens as placeholders
+        (what a synchronous step would apply with their values). A row whose input token
+        is a stop token (known only now) is dropped: it should not have run."""
+        for item in launch.items:
+            seq = item.seq
+            if self._after_stop(item):
+                launch.dropped.add(id(seq))
+                self.counters["dropped_rows"] += 1
+                continue
+            self._touch(seq)
+            self.scheduler.on_fast_result(item, PLACEHOLDER if item.sample else None)
+
+    def _after_stop(self, item: FastItem) -> bool:
+        """A decode row fed a sampled stop token that ends its sequence (for a lane
+        sequence: its window), so the row should not have run."""
+        seq = item.seq
+        if item.end - item.start != 1 or item.start < seq.num_prompt:
+            return False
+        if seq.token_ids[item.start] not in self.scheduler.stop_ids(seq):
+            return False
+        return seq.uses_lane or item.start - seq.num_prompt >= seq.params.min_tokens
+
+    def _settle(self, launch: _Launch) -> None:
+        """Read the launch's tokens and put them where its placeholders still stand (a
+        lane decision, preemption or stop may have removed them since)."""
+        if launch is self._launch:
+            self._launch = None
+        results = launch.batch.result()
         vocab = self.model.config.vocab_size
-        for item, res in zip(items, results, strict=True):
-            token = None if res is None else res[0]
-            if token is not None:
-                self.counters["fast_tokens"] += 1
-                p = self.config.fastpath_perturbation
-                if p > 0 and self._perturbs_fast_path and self._perturb_rng.random() < p:
-                    token = (token + 1 + self._perturb_rng.randrange(vocab - 1)) % vocab
-                    self.counters["perturbed_tokens"] += 1
-            self._touch(item.seq)
-            self.scheduler.on_fast_result(item, token)
-            if token is not None and not item.seq.uses_lane and res is not None and res[1]:
-                item.seq.logprobs.append(res[1])
+        for item, res in zip(launch.items, results, strict=True):
+            if res is None:
+                continue
+            seq = item.seq
+            if id(seq) in launch.dropped or seq.finished:
+                continue
+            pos = item.end
+            if pos >= seq.num_tokens or seq.token_ids[pos] != PLACEHOLDER:
+                continue
+            j = launch.rows[id(seq)]
+            token = (res[0] + launch.offsets.get(j, 0)) % vocab
+            seq.token_ids[pos] = token
+            if not seq.uses_lane:
+                self._touched.setdefault(seq.request_id, pos)
+                if res[1]:
+                    seq.logprobs.append(res[1])
 
     def _submit_lane(self, items: list[LaneItem]) -> None:
         segs = []
-        for it in items:
+        for n, it in enumerate(items):
             seq = it.seq
+            if it.kind == "window":  # planned while its last candidate was a placeholder
+                it = items[n] = replace(it, candidates=tuple(seq.token_ids[it.start + 1:it.end]))
+                assert PLACEHOLDER not in it.candidates, "window sent before its tokens were read"
             segs.append(LaneSegment(seq.request_id, it.kind, it.start,
                                     tuple(seq.token_ids[it.start:it.end]), tuple(seq.block_table),
                                     it.candidates, tuple(it.sample_rows), seq.spec))
@@ -297,6 +406,10 @@ class LLMEngine:
                 if self.scheduler.lane_item_done(seq):  # its blocks are the lane's no more
                     self._finish(seq, "abort")
                 continue
+            launch = self._launch
+            if (launch is not None and it.kind == "window" and it.end < seq.num_tokens
+                    and seq.token_ids[it.end] == PLACEHOLDER):
+                self._settle(launch)  # whether the run past the window goes on depends on it
             rejected = self.scheduler.on_lane_result(it, list(d.tokens))
             seq.logprobs.extend(lp for lp in d.logprobs if lp is not None)
             if rejected:
@@ -307,7 +420,7 @@ class LLMEngine:
         p = seq.params
         stop_ids = self.scheduler.stop_ids(seq)
         limit = self.config.scheduler.max_model_len
-        for idx in range(first_new, seq.num_committed):
+        for idx in range(first_new, seq.num_settled):
             out_index = idx - seq.num_prompt
             reason = None
             if seq.token_ids[idx] in stop_ids and out_index >= p.min_tokens:
@@ -351,6 +464,10 @@ class LLMEngine:
         return text
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        settled = seq.num_settled
+        if settled < seq.num_committed:  # a placeholder after the end: never read
+            del seq.token_ids[settled:]
+            seq.num_committed = settled
         seq.finish_reason = reason
         seq.stats.finish_time = time.monotonic()
         self.scheduler.remove(seq)
@@ -377,7 +494,8 @@ class LLMEngine:
             "steps", "fast_passes", "fast_rows", "fast_tokens", "verify_passes", "windows",
             "rollbacks", "tokens_rolled_back", "lane_rows", "lane_padding_rows",
             "lane_computed_rows", "lane_bound_waits", "lane_prefill_rows", "committed_tokens",
-            "preemptions", "perturbed_tokens", "finished_requests")}
+            "preemptions", "perturbed_tokens", "finished_requests", "fed_rows",
+            "dropped_rows")}
         out["recomputed_tokens"] = c["tokens_rolled_back"] + c["preempted_tokens"]
         out["prefix_cache_hit_tokens"] = self.scheduler.prefix_hit_tokens
         out["lane_padding_fraction"] = c["lane_padding_rows"] / c["lane_rows"] if c["lane_rows"] else 0.0
@@ -385,6 +503,8 @@ class LLMEngine:
         # where the engine's wall time goes (seconds): scheduling, fast-path steps (decode
         # only, or with prefill rows), submitting lane passes and waiting for or applying
         # their results, building outputs
+        # asynchronous scheduling: rows fed the previous step's token on the device, and
+        # rows planned after what turned out to be a stop token (run, then dropped)
         for k in ("schedule", "decode_step", "mixed_step", "lane_wait", "output"):
             out[f"{k}_seconds"] = c[f"{k}_us"] / 1e6
         # running lane sequences per step by state (Scheduler._count_lane_states)

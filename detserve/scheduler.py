@@ -288,6 +288,9 @@ class Scheduler:
                 return 0
             assert seq.num_computed == seq.num_tokens - 1, "lane seq out of sync"
             return 1
+        if (seq.num_output_committed >= seq.params.max_tokens
+                or seq.num_committed >= self.cfg.max_model_len):
+            return 0  # at its length limit (its last token, maybe still a placeholder)
         return seq.num_tokens - seq.num_computed
 
     def _plan_fast(self, out: SchedulerOutput) -> list[FastItem]:

@@ -9,6 +9,12 @@ window is in the lane (positions < ``lane_end``) the fast path may append tokens
 a speculative start of the next window. The first of those rows feeds the window's last
 candidate at ``lane_end - 1``, a slot the lane pass writes too; it runs only in the step
 that sends the window, ahead of the pass, so the lane's K/V is the one left there.
+
+With asynchronous scheduling the engine plans step n+1 before step n's tokens are read
+back: each of step n's sampled tokens sits in ``token_ids`` as ``PLACEHOLDER`` (counted
+like any token; step n+1 takes its value on the device) until the engine reads it. Only
+the newest token of a sequence can be a placeholder; ``num_settled`` leaves it out of
+what is released.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from dataclasses import dataclass, field
 
 from detserve.outputs import RequestStats, TokenLogprob
 from detserve.params import SamplingParams, SamplingSpec
+
+PLACEHOLDER = -1  # a sampled token whose value is still on the device
 
 
 class Status(enum.Enum):
@@ -83,8 +91,14 @@ class Sequence:
         return self.num_tokens - self.num_committed
 
     @property
+    def num_settled(self) -> int:
+        """Committed tokens whose value is known (a placeholder can only be the last)."""
+        n = self.num_committed
+        return n - 1 if n > self.num_prompt and self.token_ids[n - 1] == PLACEHOLDER else n
+
+    @property
     def committed_output(self) -> list[int]:
-        return self.token_ids[self.num_prompt:self.num_committed]
+        return self.token_ids[self.num_prompt:self.num_settled]
 
     @property
     def finished(self) -> bool:

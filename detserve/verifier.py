@@ -15,6 +15,10 @@ from detserve.lane import LanePass, LaneResult
 
 
 class Verifier(Protocol):
+    # a pass submitted now runs after everything already queued on the engine's device
+    # stream (in-process verifiers); else the engine reads its batch in flight first
+    stream_ordered: bool
+
     def submit(self, lane_pass: LanePass) -> None:
         """Queue a pass. Must not block on other passes' results."""
 
@@ -28,6 +32,8 @@ class Verifier(Protocol):
 
 
 class InProcessVerifier:
+    stream_ordered = True
+
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self._done: deque[LaneResult] = deque()
@@ -56,6 +62,8 @@ class ThreadedVerifier:
     a pass waits for everything the engine queued before it (the fast path's K/V of its
     window), and results are only handed out once the pass's kernels have completed.
     """
+
+    stream_ordered = True
 
     def __init__(self, runner: ModelRunner, lane_sms: int | None = None,
                  high_priority: bool = True) -> None:

@@ -10,6 +10,7 @@ from detserve.engine import LLMEngine
 from detserve.model.testing import make_random_llama
 from detserve.outputs import RequestOutput
 from detserve.params import SamplingParams
+from detserve.sequence import PLACEHOLDER
 
 
 def tiny_model(**kw: object) -> str:
@@ -50,6 +51,7 @@ def drive(engine: LLMEngine, reqs: list[Req],
             engine.add_request(f"r{i}", None, reqs[i].params, prompt_token_ids=reqs[i].prompt)
         for out in engine.step():
             assert out.num_new_tokens >= 0
+            assert PLACEHOLDER not in out.token_ids, "a token released before it was read"
             i = int(out.request_id[1:])
             if on_output is not None:
                 on_output(i, out)

@@ -238,16 +238,17 @@ def test_decode_rows_padded_only_when_the_lane_verifies_them(
                                  lane_decode_in_mixed_steps=joins)
     engine.runner.decode_buckets = (4, 8, 16, 32)  # what the CUDA alignment would plan
     steps: list[tuple[bool, bool, int]] = []  # (lane decode rows?, prefill rows?, pads)
-    real = engine.runner.run_batch
+    real = engine.runner.launch_batch
 
-    def spy(segs, specs, batch_invariant=False, align_decode=True):  # type: ignore[no-untyped-def]
+    def spy(segs, specs, batch_invariant=False, align_decode=True,  # type: ignore[no-untyped-def]
+            feed=None):
         before = len(padded)
-        res = real(segs, specs, batch_invariant, align_decode)
+        res = real(segs, specs, batch_invariant, align_decode, feed)
         steps.append((align_decode, any(len(s.input_ids) > 1 for s in segs),
                       len(padded) - before))
         return res
 
-    engine.runner.run_batch = spy  # type: ignore[method-assign]
+    engine.runner.launch_batch = spy  # type: ignore[method-assign]
     others = [Req(r.prompt, r.params, arrival=6 + 5 * i)
               for i, r in enumerate(_others(6, det=False, seed=2))]
     outs = drive(engine, [Req(TARGET, params), *others])
@@ -325,18 +326,18 @@ def test_steps_yielded_to_the_lane_keep_the_oracle(model: str,
     from detserve.engine import LLMEngine
     from detserve.scheduler import Scheduler
 
-    run_fast = LLMEngine._run_fast
+    launch_fast = LLMEngine._launch_fast
 
-    def checked(self, items):  # type: ignore[no-untyped-def]
+    def checked(self, items, prev):  # type: ignore[no-untyped-def]
         # no fast row may write a slot that a lane pass in flight writes (its K/V would
         # race the lane's: see Scheduler._fast_rows)
         for item in items:
             for sent in self._inflight.values():
                 lane = sent.get(item.seq.request_id)
                 assert lane is None or item.start >= lane.end or item.end <= lane.start
-        run_fast(self, items)
+        return launch_fast(self, items, prev)
 
-    monkeypatch.setattr(LLMEngine, "_run_fast", checked)
+    monkeypatch.setattr(LLMEngine, "_launch_fast", checked)
     reqs = [Req(TARGET, SAMPLED)] + _others(6, det=True, seed=17) + _others(2, False, seed=3)
     oracle, _, o = run_engine(model, reqs, mode="lane_only")
     o.close()

@@ -173,14 +173,21 @@ class DecodeGraphs:
                 torch.frombuffer(flat, dtype=torch.int32).view(n, width), non_blocking=True)
         return b
 
-    def run(self, segments: list[RowSegment]) -> Tensor:
-        """fp32 logits [n, vocab] of the segments' next tokens (a view of a static buffer)."""
+    def run(self, segments: list[RowSegment],
+            feed: tuple[Tensor, list[tuple[int, int]]] | None = None) -> Tensor:
+        """fp32 logits [n, vocab] of the segments' next tokens (a view of a static buffer).
+        ``feed`` (tokens on the device, [(segment, row of tokens)]): those segments' input
+        token, copied on the device (their ``input_ids`` hold a placeholder)."""
         n = len(segments)
         if not 0 < n <= self.max_batch or any(len(s.input_ids) != 1 for s in segments):
             raise ValueError("decode graphs take 1..max_batch single-token segments")
         if any(len(s.block_table) > self.max_blocks for s in segments):
             raise ValueError("block table longer than the graphs' max_blocks")
         b = self._fill(segments)
+        if feed is not None:
+            tokens, pairs = feed
+            at = torch.tensor(pairs, dtype=torch.long).to(tokens.device, non_blocking=True)
+            self.longs[0].index_copy_(0, at[:, 0], tokens.index_select(0, at[:, 1]))
         splits = 1
         if self.kind == "fast" and self._splits[b] > 1:
             max_ctx = max(s.start for s in segments) + 1

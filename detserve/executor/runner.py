@@ -25,7 +25,7 @@ from detserve.executor.ops import FixedShapeOps, TorchOps
 from detserve.lane import LaneDecision, LanePass, LaneResult, decide
 from detserve.model.llama import LlamaModel, Ops
 from detserve.outputs import TokenLogprob
-from detserve.sampler import SamplingSpec, sample_row, sample_rows
+from detserve.sampler import PickedRows, SamplingSpec, launch_rows, sample_rows
 
 if TYPE_CHECKING:
     from detserve.executor.graphs import DecodeGraphs, LaneGraph
@@ -35,6 +35,33 @@ log = logging.getLogger(__name__)
 
 class GraphCaptureError(RuntimeError):
     """A CUDA graph could not be captured (nothing was replayed from it)."""
+
+
+# a launch's sampled tokens on the device and [(segment of the new launch, row of those
+# tokens)]: where a segment's input token comes from (``ModelRunner.launch_batch``)
+Feed = tuple[Tensor, list[tuple[int, int]]]
+
+
+class LaunchedBatch:
+    """A fast-path forward queued on the device; ``result()`` waits for its tokens."""
+
+    def __init__(self, num_segments: int, want: list[int], picked: PickedRows | None) -> None:
+        self.want = want  # segments that sample, in the order of ``tokens``' rows
+        self.picked = picked
+        self._n = num_segments
+
+    @property
+    def tokens(self) -> Tensor | None:
+        """The sampled tokens on the device (row j: segment ``want[j]``), or None."""
+        return self.picked.tokens if self.picked is not None else None
+
+    def result(self) -> list[tuple[int, TokenLogprob | None] | None]:
+        """One (token, logprob) or None per segment."""
+        results: list[tuple[int, TokenLogprob | None] | None] = [None] * self._n
+        if self.picked is not None:
+            for i, res in zip(self.want, self.picked.result(), strict=True):
+                results[i] = res
+        return results
 
 
 class HeadPaddedOps:
@@ -184,17 +211,33 @@ class ModelRunner:
         whose spec is not None. Returns one (token, logprob) or None per segment.
         ``align_decode=False``: no decode row here will be verified by the lane, so an eager
         step runs its products as one call (no bucket padding)."""
+        return self.launch_batch(segments, sample_specs, batch_invariant,
+                                 align_decode).result()
+
+    @torch.inference_mode()
+    def launch_batch(self, segments: list[RowSegment], sample_specs: list[SamplingSpec | None],
+                     batch_invariant: bool = False, align_decode: bool = True,
+                     feed: Feed | None = None) -> LaunchedBatch:
+        """``run_batch`` without waiting for the device: the forward and the sampling are
+        queued and the result is read later (``LaunchedBatch.result``), so the host can
+        plan and queue the next step meanwhile. ``feed`` (tokens on the device, [(segment,
+        row of tokens)]) gives those segments' single input token from an earlier launch
+        whose tokens have not been read back (their ``input_ids`` hold a placeholder)."""
         want = [i for i, s in enumerate(sample_specs) if s is not None]
-        results: list[tuple[int, TokenLogprob | None] | None] = [None] * len(segments)
         ops = self.bi_ops if batch_invariant else self.fast_ops
         graphs = self.decode_graphs
         if (graphs is not None and want and len(segments) <= graphs.max_batch
                 and all(len(s.input_ids) == 1 for s in segments)):
-            logits = graphs.run(segments)
+            logits = graphs.run(segments, feed)
             if len(want) < len(segments):
                 logits = logits[torch.tensor(want, device=self.device)]
         else:
             batch = build_rows(segments, self.pool.block_size, self.device)
+            if feed is not None:
+                tokens, pairs = feed
+                rows = [batch.seg_offsets[i] for i, _ in pairs]
+                batch.input_ids[torch.tensor(rows, device=self.device)] = tokens[
+                    torch.tensor([j for _, j in pairs], device=self.device)]
             head = next((i for i, s in enumerate(segments) if len(s.input_ids) != 1),
                         len(segments))
             if not align_decode:
@@ -202,21 +245,16 @@ class ModelRunner:
             hidden = self._forward(batch, self._padded(ops, head, batch_invariant),
                                    "bi" if batch_invariant else "fast")
             if not want:
-                return results
+                return LaunchedBatch(len(segments), want, None)
             last = torch.tensor([batch.seg_offsets[i] + len(segments[i].input_ids) - 1
                                  for i in want], device=self.device)
             logits = self.model.logits(hidden[last], self._padded(
                 ops, sum(i < head for i in want), batch_invariant))
         specs = [s for s in sample_specs if s is not None]
         positions = [segments[i].start + len(segments[i].input_ids) for i in want]
-        if batch_invariant:  # sample row by row: nothing may depend on the batch
-            picked = [sample_row(logits[j], s, p) for j, (s, p) in
-                      enumerate(zip(specs, positions, strict=True))]
-        else:
-            picked = sample_rows(logits, specs, positions)
-        for i, res in zip(want, picked, strict=True):
-            results[i] = res
-        return results
+        # batch_invariant: row by row, nothing may depend on the batch
+        picked = launch_rows(logits, specs, positions, row_by_row=batch_invariant)
+        return LaunchedBatch(len(segments), want, picked)
 
     def _padded(self, ops: Ops, head: int, batch_invariant: bool) -> Ops:
         """Eager fast steps: the products of the leading ``head`` single-token rows run on

@@ -46,6 +46,10 @@ class VerifierError(RuntimeError):
 
 
 class RemoteVerifier:
+    # the verifier process reads the decoder's K/V through a handle, outside the decoder's
+    # stream order: the engine finishes its batch in flight before submitting a pass
+    stream_ordered = False
+
     def __init__(self, registry: Registry, record: DecoderRecord, *,
                  failover_timeout_s: float = 30.0, hello_timeout_s: float = 10.0,
                  pass_timeout_s: float = 120.0, retry_bad_after_s: float = 2.0,
