@@ -27,6 +27,7 @@ from detserve.executor.attention import RowSegment
 from detserve.executor.gemm_classes import Alignment, auto_alignment
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import LaunchedBatch, ModelRunner
+from detserve.executor.transfer import upload
 from detserve.lane import LanePass, LaneResult, LaneSegment
 from detserve.model.llama import LlamaModel
 from detserve.model.loader import ModelInfo, load_model
@@ -320,8 +321,8 @@ class LLMEngine:
             c["perturbed_tokens"] += len(launch.offsets)
         launch.fed = batch.tokens
         if launch.offsets and batch.tokens is not None:
-            at = torch.tensor(list(launch.offsets), device=batch.tokens.device)
-            add = torch.tensor(list(launch.offsets.values()), device=batch.tokens.device)
+            at = upload(list(launch.offsets), batch.tokens.device)
+            add = upload(list(launch.offsets.values()), batch.tokens.device)
             fed = batch.tokens.clone()
             fed[at] = (fed[at] + add) % self.model.config.vocab_size
             launch.fed = fed

@@ -13,6 +13,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
+from detserve.executor.transfer import upload
 from detserve.outputs import TokenLogprob
 from detserve.params import SamplingSpec
 
@@ -102,7 +103,7 @@ def _pick(logits: Tensor, spec: SamplingSpec, position: int
     row = logits.float()
     if spec.min_tokens and position - spec.prompt_len < spec.min_tokens and spec.stop_ids:
         row = row.clone()
-        row[list(spec.stop_ids)] = float("-inf")
+        row[upload(list(spec.stop_ids), row.device)] = float("-inf")
     if spec.temperature == 0.0:
         token = torch.argmax(row)  # first maximal index on ties
     else:
@@ -138,7 +139,7 @@ def launch_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
         if len(idx) == n:
             tokens = torch.argmax(logits, dim=-1)
         else:
-            at = torch.tensor(idx, device=logits.device)
+            at = upload(idx, logits.device)
             tokens[at] = torch.argmax(logits[at], dim=-1)
     for i, ok in enumerate(simple):
         if not ok:

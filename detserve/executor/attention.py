@@ -19,6 +19,7 @@ from torch import Tensor
 
 from detserve.block_manager import SCRATCH_BLOCK
 from detserve.executor.kv_pool import KVPool
+from detserve.executor.transfer import upload
 
 
 @dataclass(frozen=True)
@@ -89,9 +90,9 @@ def build_rows(segments: list[RowSegment], block_size: int, device: torch.device
         tables[i, :len(seg.block_table)] = torch.tensor(seg.block_table, dtype=torch.long)
 
     def as_long(xs: list[int]) -> Tensor:
-        return torch.tensor(xs, dtype=torch.long, device=device)
+        return upload(xs, device)
 
-    return RowBatch(as_long(ids), as_long(pos), as_long(slots), tables.to(device),
+    return RowBatch(as_long(ids), as_long(pos), as_long(slots), upload(tables, device),
                     as_long(row_seg), list(segments), offsets, n_real)
 
 

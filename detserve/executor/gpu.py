@@ -22,6 +22,7 @@ from torch import Tensor
 from detserve.executor.attention import RowBatch
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.ops import TorchOps, _silu_mul, run_in_row_chunks
+from detserve.executor.transfer import upload
 from detserve.kernels._utils import num_sms
 from detserve.kernels.batch_invariant import matmul_bi, rmsnorm_bi
 from detserve.kernels.config import KERNEL_VERSION, TABLE
@@ -132,7 +133,7 @@ class GpuMeta:
                 cu.append(cu[-1] + m)
 
         def t(x: list[int], dtype: torch.dtype = torch.long) -> Tensor:
-            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+            return upload(x, dev, dtype)
 
         lane_pos = batch.lane_positions.to(torch.int32)
         return cls(batch.seg_tables.to(torch.int32), t(lens, torch.int32),

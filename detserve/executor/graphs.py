@@ -33,6 +33,7 @@ from detserve.executor.attention import RowBatch, RowSegment
 from detserve.executor.gemm_classes import smallest_at_least
 from detserve.executor.gpu import Rope, fast_decode_attention, rope_write
 from detserve.executor.kv_pool import KVPool
+from detserve.executor.transfer import upload
 from detserve.kernels._utils import num_sms
 from detserve.kernels.decode_attention import choose_num_splits
 from detserve.kernels.lane_attention import lane_attention
@@ -157,9 +158,9 @@ class DecodeGraphs:
             slots.append(s.block_table[p // bs] * bs + p % bs)
         pad = b - n
         longs = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad],
-                             dtype=torch.long)
+                             dtype=torch.long, pin_memory=True)
         ints = torch.tensor([[p + 1 for p in pos] + [0] * pad, pos + [-1] * pad],
-                            dtype=torch.int32)
+                            dtype=torch.int32, pin_memory=True)
         self.longs[:, :b].copy_(longs, non_blocking=True)
         self.ints[:, :b].copy_(ints, non_blocking=True)
         if n:  # one flat int32 buffer: much cheaper than a nested list per step
@@ -170,7 +171,8 @@ class DecodeGraphs:
                 if len(s.block_table) < width:
                     flat.extend([SCRATCH_BLOCK] * (width - len(s.block_table)))
             self.tables[:n, :width].copy_(
-                torch.frombuffer(flat, dtype=torch.int32).view(n, width), non_blocking=True)
+                torch.frombuffer(flat, dtype=torch.int32).view(n, width).pin_memory(),
+                non_blocking=True)
         return b
 
     def run(self, segments: list[RowSegment],
@@ -186,7 +188,7 @@ class DecodeGraphs:
         b = self._fill(segments)
         if feed is not None:
             tokens, pairs = feed
-            at = torch.tensor(pairs, dtype=torch.long).to(tokens.device, non_blocking=True)
+            at = upload(pairs, tokens.device)
             self.longs[0].index_copy_(0, at[:, 0], tokens.index_select(0, at[:, 1]))
         splits = 1
         if self.kind == "fast" and self._splits[b] > 1:

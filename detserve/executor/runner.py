@@ -22,6 +22,7 @@ from detserve.executor.attention import (
 from detserve.executor.gemm_classes import smallest_at_least
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.ops import FixedShapeOps, TorchOps
+from detserve.executor.transfer import upload
 from detserve.lane import LaneDecision, LanePass, LaneResult, decide
 from detserve.model.llama import LlamaModel, Ops
 from detserve.outputs import TokenLogprob
@@ -230,14 +231,14 @@ class ModelRunner:
                 and all(len(s.input_ids) == 1 for s in segments)):
             logits = graphs.run(segments, feed)
             if len(want) < len(segments):
-                logits = logits[torch.tensor(want, device=self.device)]
+                logits = logits[upload(want, self.device)]
         else:
             batch = build_rows(segments, self.pool.block_size, self.device)
             if feed is not None:
                 tokens, pairs = feed
                 rows = [batch.seg_offsets[i] for i, _ in pairs]
-                batch.input_ids[torch.tensor(rows, device=self.device)] = tokens[
-                    torch.tensor([j for _, j in pairs], device=self.device)]
+                batch.input_ids[upload(rows, self.device)] = tokens[
+                    upload([j for _, j in pairs], self.device)]
             head = next((i for i, s in enumerate(segments) if len(s.input_ids) != 1),
                         len(segments))
             if not align_decode:
@@ -246,8 +247,8 @@ class ModelRunner:
                                    "bi" if batch_invariant else "fast")
             if not want:
                 return LaunchedBatch(len(segments), want, None)
-            last = torch.tensor([batch.seg_offsets[i] + len(segments[i].input_ids) - 1
-                                 for i in want], device=self.device)
+            last = upload([batch.seg_offsets[i] + len(segments[i].input_ids) - 1
+                           for i in want], self.device)
             logits = self.model.logits(hidden[last], self._padded(
                 ops, sum(i < head for i in want), batch_invariant))
         specs = [s for s in sample_specs if s is not None]
