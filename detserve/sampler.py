@@ -77,9 +77,21 @@ class PickedRows:
                  ) -> None:
         self.tokens = tokens
         self._logprobs = logprobs  # per row: (chosen logprob, top values, top ids) or None
+        self._host, self._done = tokens, None
+        if tokens.is_cuda:
+            # copy back now, behind this step's kernels: a copy queued when the result is
+            # read would wait for whatever was queued since (the next step's forward)
+            self._host = tokens.to("cpu", non_blocking=True)
+            self._logprobs = [None if lp is None else
+                              tuple(t.to("cpu", non_blocking=True) for t in lp)  # type: ignore[misc]
+                              for lp in logprobs]
+            self._done = torch.cuda.Event()
+            self._done.record()
 
     def result(self) -> list[tuple[int, TokenLogprob | None]]:
-        tokens = [int(t) for t in self.tokens.tolist()]
+        if self._done is not None:
+            self._done.synchronize()
+        tokens = [int(t) for t in self._host.tolist()]
         out: list[tuple[int, TokenLogprob | None]] = []
         for token, lp in zip(tokens, self._logprobs, strict=True):
             if lp is None:
