@@ -21,6 +21,7 @@ different streams.
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -103,7 +104,8 @@ class DecodeGraphs:
         # when the previous step's results have long been synchronised)
         self.gpu_seconds = 0.0
         self.timed_replays = 0
-        self._timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        # replays not yet added (with asynchronous scheduling several may be in flight)
+        self._timing: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self._mempool = torch.cuda.graph_pool_handle()
         # (bucket, splits) -> graph. A fast bucket whose longest context needs split-KV also
         # gets a one-split graph, replayed while every context is short enough for one.
@@ -201,17 +203,16 @@ class DecodeGraphs:
         start.record()
         graph.replay()
         end.record()
-        self._timing = (start, end)
+        self._timing.append((start, end))
         self.last = graph
         return logits[:n]
 
     def settle_timing(self) -> None:
-        """Add the last replay's GPU time to ``gpu_seconds`` if it has finished."""
-        if self._timing is not None and self._timing[1].query():
-            start, end = self._timing
+        """Add the GPU time of the replays that have finished to ``gpu_seconds``."""
+        while self._timing and self._timing[0][1].query():
+            start, end = self._timing.popleft()
             self.gpu_seconds += start.elapsed_time(end) / 1e3
             self.timed_replays += 1
-            self._timing = None
 
 
 class LaneGraph:
