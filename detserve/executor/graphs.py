@@ -34,7 +34,6 @@ from detserve.executor.attention import RowBatch, RowSegment
 from detserve.executor.gemm_classes import smallest_at_least
 from detserve.executor.gpu import Rope, fast_decode_attention, rope_write
 from detserve.executor.kv_pool import KVPool
-from detserve.executor.transfer import upload
 from detserve.kernels._utils import num_sms
 from detserve.kernels.decode_attention import choose_num_splits
 from detserve.kernels.lane_attention import lane_attention
@@ -95,7 +94,11 @@ class DecodeGraphs:
             raise ValueError(f"no captured size holds {max_batch} sequences")
         size = self.buckets[-1]
         self.rope: Rope = (model.rope_cos, model.rope_sin)  # type: ignore[assignment]
-        self.longs = torch.zeros((3, size), dtype=torch.long, device=dev)   # ids, pos, slots
+        # ids, positions, K/V slots, and where an id comes from: -1 (``ids``) or a row of
+        # ``prev``, the previous launch's sampled tokens (asynchronous scheduling feeds them
+        # on the device). Uploaded whole, as one contiguous copy, every replay
+        self.longs = torch.zeros((4, size), dtype=torch.long, device=dev)
+        self.prev = torch.zeros(size, dtype=torch.long, device=dev)
         self.ints = torch.zeros((2, size), dtype=torch.int32, device=dev)   # ctx, lane pos
         self.tables = torch.full((size, max_blocks), SCRATCH_BLOCK, dtype=torch.int32,
                                  device=dev)
@@ -117,7 +120,8 @@ class DecodeGraphs:
                         for b in self.buckets}
 
     def _forward(self, b: int, splits: int) -> Tensor:
-        ids, pos, slots = self.longs[0, :b], self.longs[1, :b], self.longs[2, :b]
+        pos, slots, src = self.longs[1, :b], self.longs[2, :b], self.longs[3, :b]
+        ids = torch.where(src >= 0, self.prev[src.clamp(min=0)], self.longs[0, :b])
         ctx, lane_pos, tables = self.ints[0, :b], self.ints[1, :b], self.tables[:b]
         row_seq = self.row_seq[:b]
         pool, rope, fast = self.pool, self.rope, self.kind == "fast"
@@ -136,7 +140,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first (smaller ones reuse its pool memory)."""
         self.longs.zero_()
-        self.longs[2].fill_(-1)  # warm-up rows write no K/V ...
+        self.longs[2:].fill_(-1)  # warm-up rows write no K/V ...
         self.ints[0].zero_()     # ... and attend to nothing
         self.ints[1].fill_(-1)
         for b in reversed(self.buckets):
@@ -148,50 +152,57 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int | None:
         return smallest_at_least(self.buckets, n)
 
-    def _fill(self, segments: list[RowSegment]) -> int:
+    def _fill(self, segments: list[RowSegment], src: list[int]) -> int:
+        """Upload the replay's inputs: three contiguous copies (the static buffers' whole
+        rows), since a copy into part of a row costs a second operation on the device."""
         n = len(segments)
         b = self.bucket(max(n, 1)) or self.max_batch
-        bs = self.block_size
+        size, bs = self.buckets[-1], self.block_size
         ids, pos, slots = [], [], []
         for s in segments:
             p = s.start
-            ids.append(s.input_ids[0])
+            ids.append(max(s.input_ids[0], 0))  # (a placeholder's id comes from ``prev``)
             pos.append(p)
             slots.append(s.block_table[p // bs] * bs + p % bs)
-        pad = b - n
-        longs = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad],
+        pad = size - n
+        longs = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad,
+                              src + [-1] * (size - len(src))],
                              dtype=torch.long, pin_memory=True)
         ints = torch.tensor([[p + 1 for p in pos] + [0] * pad, pos + [-1] * pad],
                             dtype=torch.int32, pin_memory=True)
-        self.longs[:, :b].copy_(longs, non_blocking=True)
-        self.ints[:, :b].copy_(ints, non_blocking=True)
-        if n:  # one flat int32 buffer: much cheaper than a nested list per step
-            width = max(len(s.block_table) for s in segments)
-            flat = array("i")
-            for s in segments:
-                flat.extend(s.block_table)
-                if len(s.block_table) < width:
-                    flat.extend([SCRATCH_BLOCK] * (width - len(s.block_table)))
-            self.tables[:n, :width].copy_(
-                torch.frombuffer(flat, dtype=torch.int32).view(n, width).pin_memory(),
-                non_blocking=True)
+        self.longs.copy_(longs, non_blocking=True)
+        self.ints.copy_(ints, non_blocking=True)
+        # one flat int32 buffer (much cheaper than a nested list per step), rows padded to
+        # the full width; rows past ``n`` keep old tables, read by no one (context 0)
+        width = self.max_blocks
+        flat = array("i")
+        for s in segments:
+            flat.extend(s.block_table)
+            flat.extend([SCRATCH_BLOCK] * (width - len(s.block_table)))
+        self.tables[:n].copy_(torch.frombuffer(flat, dtype=torch.int32).view(n, width)
+                              .pin_memory(), non_blocking=True)
         return b
 
     def run(self, segments: list[RowSegment],
             feed: tuple[Tensor, list[tuple[int, int]]] | None = None) -> Tensor:
         """fp32 logits [n, vocab] of the segments' next tokens (a view of a static buffer).
         ``feed`` (tokens on the device, [(segment, row of tokens)]): those segments' input
-        token, copied on the device (their ``input_ids`` hold a placeholder)."""
+        token, taken on the device (their ``input_ids`` hold a placeholder)."""
         n = len(segments)
         if not 0 < n <= self.max_batch or any(len(s.input_ids) != 1 for s in segments):
             raise ValueError("decode graphs take 1..max_batch single-token segments")
         if any(len(s.block_table) > self.max_blocks for s in segments):
             raise ValueError("block table longer than the graphs' max_blocks")
-        b = self._fill(segments)
+        src: list[int] = []
         if feed is not None:
             tokens, pairs = feed
-            at = upload(pairs, tokens.device)
-            self.longs[0].index_copy_(0, at[:, 0], tokens.index_select(0, at[:, 1]))
+            if tokens.numel() > self.prev.numel():
+                raise ValueError("more fed tokens than the graphs' largest batch")
+            self.prev[:tokens.numel()].copy_(tokens, non_blocking=True)
+            src = [-1] * n
+            for i, j in pairs:
+                src[i] = j
+        b = self._fill(segments, src)
         splits = 1
         if self.kind == "fast" and self._splits[b] > 1:
             max_ctx = max(s.start for s in segments) + 1
