@@ -94,6 +94,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               lane_priority=args.lane_priority, lane_sms=args.lane_sms,
                               lane_decode_in_mixed_steps=not args.lane_decode_sits_out,
                               pipeline_lane_prefill=not args.no_pipeline_lane_prefill,
+                              decode_past_queued_windows=not args.no_decode_past_queued_windows,
                               probe_single_calls=not args.no_single_calls,
                               async_scheduling=False if args.sync_scheduling else None)
     engine = LLMEngine(cfg, loaded=loaded)
@@ -138,6 +139,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "align_fast_path": not args.no_align, "lane_gemm_rows": gemm_rows,
         "single_calls": not args.no_single_calls,
         "pipeline_lane_prefill": not args.no_pipeline_lane_prefill,
+        "decode_past_queued_windows": not args.no_decode_past_queued_windows,
         "duration_s": elapsed,
         "request_throughput": len(shapes) / elapsed,
         "output_throughput": out_tokens / elapsed,
@@ -218,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-pipeline-lane-prefill", action="store_true",
                    help="send a deterministic prompt's next chunk to the lane only after the "
                         "previous one came back (pipeline_lane_prefill=False)")
+    p.add_argument("--no-decode-past-queued-windows", action="store_true",
+                   help="a full window waiting for the lane pass to fill stalls its sequence "
+                        "and waits at most lane_max_wait_steps steps (decode_past_queued_windows="
+                        "False)")
     p.add_argument("--sync-scheduling", action="store_true",
                    help="read each step's tokens before planning the next "
                         "(async_scheduling=False; by default on CUDA the next step is queued "

@@ -62,6 +62,13 @@ class SchedulerConfig:
     # while the previous one is still in the lane (passes run in order, so each chunk finds
     # the K/V of the ones before it), instead of one lane round trip per chunk
     pipeline_lane_prefill: bool = True
+    # a sequence whose full window waits for the pass to fill (``lane_max_wait_steps``)
+    # keeps decoding past it (the next window's candidates, kept if the lane commits the
+    # whole window, as with ``overlap_windows``), and windows then wait, past
+    # ``lane_max_wait_steps``, until the pass is full or one of their sequences may decode
+    # no further: fewer, fuller passes at low deterministic traffic, no sequence stalled
+    # for it. Prompt chunks still wait at most ``lane_max_wait_steps`` (time to first token)
+    decode_past_queued_windows: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -159,7 +166,7 @@ class EngineConfig:
                overlap_windows: bool = True,
                lane_bound_fraction: float = SchedulerConfig.lane_bound_fraction,
                lane_decode_in_mixed_steps: bool = True, pipeline_lane_prefill: bool = True,
-               block_size: int = 16,
+               decode_past_queued_windows: bool = True, block_size: int = 16,
                num_blocks: int | None = None, enable_prefix_caching: bool = True,
                **kw: object) -> EngineConfig:
         """Flat keyword constructor used by the offline API and the CLI."""
@@ -170,7 +177,8 @@ class EngineConfig:
                                 overlap_windows=overlap_windows,
                                 lane_bound_fraction=lane_bound_fraction,
                                 lane_decode_in_mixed_steps=lane_decode_in_mixed_steps,
-                                pipeline_lane_prefill=pipeline_lane_prefill)
+                                pipeline_lane_prefill=pipeline_lane_prefill,
+                                decode_past_queued_windows=decode_past_queued_windows)
         if num_blocks is None:
             # enough for a full lane of long sequences plus headroom
             num_blocks = max(1024, 2 * max_model_len // block_size + 1)

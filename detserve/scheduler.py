@@ -185,6 +185,30 @@ class Scheduler:
             return True
         return k > 0 and seq.token_ids[-1] in self.stop_ids(seq)
 
+    def window_end(self, seq: Sequence) -> int:
+        """Where the window ``seq`` would send now ends (its candidates past that, decoded
+        while it waited for the pass, stay on as the next window's)."""
+        return seq.num_committed + min(seq.num_candidates, self.candidate_cap(seq))
+
+    def _past_cap(self, seq: Sequence, end: int) -> int:
+        """How many tokens ``seq`` may decode past a window ending at ``end``: the lane's
+        next token plus the next window's candidates, as if the window commits whole (0
+        once the window or what follows it ends in a stop token)."""
+        if seq.token_ids[-1] in self.stop_ids(seq):
+            return 0
+        k = end - seq.num_committed  # candidates in the window
+        remaining = seq.params.max_tokens - seq.num_output_committed - k - 1
+        room = self.cfg.max_model_len - end - 1
+        return 1 + max(0, min(self.cfg.max_candidates, remaining - 1, room - 1))
+
+    def _decodes_past_window(self, seq: Sequence) -> bool:
+        """A sequence with a full window not yet sent may decode one more token past it."""
+        if not (self.cfg.decode_past_queued_windows and self.cfg.overlap_windows
+                and self.cfg.max_candidates):
+            return False
+        end = self.window_end(seq)
+        return seq.num_tokens - end < self._past_cap(seq, end)
+
     def _prefill_from(self, seq: Sequence) -> int | None:
         """Where ``seq``'s next prompt chunk for the lane starts, or None: nothing to send
         now (no prompt left to prefill there, a window of it in the lane, aborted, or
@@ -216,25 +240,27 @@ class Scheduler:
             if s.ready_step is None:
                 s.ready_step = self.step_count
         wanted = sum(s.num_committed - starts[id(s)] for s in prefills)
-        wanted += sum(s.num_candidates + 1 for s in windows)
+        wanted += sum(self.window_end(s) - s.num_committed + 1 for s in windows)
         still_decoding = len(idle) > sum(not s.in_lane for s in ready)
         oldest = min(s.ready_step for s in ready if s.ready_step is not None)
-        if (wanted < self.cfg.lane_rows and still_decoding
-                and self.step_count - oldest < self.cfg.lane_max_wait_steps):
+        if wanted < self.cfg.lane_rows and still_decoding and (
+                self.step_count - oldest < self.cfg.lane_max_wait_steps
+                or (not prefills and all(self._decodes_past_window(s) for s in windows))):
             return []  # wait for more windows to fill the fixed-size pass
         items: list[LaneItem] = []
         rows_left = self.cfg.lane_rows
         windows.sort(key=lambda s: (s.ready_step, s.arrival))
         for s in windows:
-            n = s.num_candidates + 1
+            end = self.window_end(s)
+            n = end - s.num_committed + 1
             if n > rows_left:
                 continue
             if s.status is not Status.RUNNING or not self._grow(s, s.num_tokens, out):
                 continue  # preempted, by an earlier window's growth or by its own
-            items.append(LaneItem(s, "window", s.num_committed - 1, s.num_tokens,
-                                  tuple(s.token_ids[s.num_committed:])))
+            items.append(LaneItem(s, "window", s.num_committed - 1, end,
+                                  tuple(s.token_ids[s.num_committed:end])))
             s.lane_items += 1  # in the lane: from now on no later allocation may preempt it
-            s.lane_end = s.num_tokens
+            s.lane_end = end
             s.lane_step = self.step_count
             rows_left -= n
         for s in sorted(prefills, key=lambda s: s.arrival):
@@ -253,18 +279,11 @@ class Scheduler:
         return items
 
     def overlap_cap(self, seq: Sequence) -> int:
-        """How many tokens a sequence whose window is in the lane may decode past it: the
-        lane's next token plus the next window's candidates, as if the window commits
-        whole (0 once the window or what follows it ends in a stop token)."""
+        """How many tokens a sequence whose window is in the lane may decode past it."""
         if not (self.cfg.overlap_windows and self.cfg.max_candidates and seq.in_lane
                 and seq.lane_end):
             return 0  # (lane_only: every token comes from the lane, none from the fast path)
-        if seq.token_ids[-1] in self.stop_ids(seq):
-            return 0
-        k = seq.lane_end - seq.num_committed  # candidates in the lane
-        remaining = seq.params.max_tokens - seq.num_output_committed - k - 1
-        room = self.cfg.max_model_len - seq.lane_end - 1
-        return 1 + max(0, min(self.cfg.max_candidates, remaining - 1, room - 1))
+        return self._past_cap(seq, seq.lane_end)
 
     def lane_bound(self) -> bool:
         """More than ``lane_bound_fraction`` of the running sequences wait on the lane."""
@@ -284,7 +303,9 @@ class Scheduler:
                 return 0
             return 1 if ok and past < self.overlap_cap(seq) else 0
         if seq.uses_lane:
-            if seq.needs_lane_prefill() or self.window_ready(seq):
+            if seq.needs_lane_prefill():
+                return 0
+            if self.window_ready(seq) and not self._decodes_past_window(seq):
                 return 0
             assert seq.num_computed == seq.num_tokens - 1, "lane seq out of sync"
             return 1

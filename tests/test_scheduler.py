@@ -7,7 +7,7 @@ import pytest
 from detserve.block_manager import SCRATCH_BLOCK, BlockManager
 from detserve.config import SchedulerConfig
 from detserve.params import SamplingParams
-from detserve.scheduler import Scheduler
+from detserve.scheduler import LaneItem, Scheduler
 from detserve.sequence import Sequence, Status
 
 EOS = 2
@@ -239,7 +239,9 @@ def test_lane_state_counts() -> None:
     """Each step with fast rows tallies the running lane sequences by where they sit:
     prompt in the lane (prefill), decoding (fast), a full window not yet sent (window: the
     pass waits for more), in the lane and decoded as far past it as allowed (capped)."""
-    s = _sched(W=4, G=3, lane_max_wait_steps=100)
+    # (full windows wait without decoding past them here: the old rule, and the states are
+    # easier to tell apart)
+    s = _sched(W=4, G=3, lane_max_wait_steps=100, decode_past_queued_windows=False)
     a, b = _seq(0, 3, det=True), _seq(1, 3, det=True)
     short = _seq(2, 3, det=True, max_tokens=3)  # one candidate fills its window
     for q in (_seq(3, 3, det=False), a, b, short):
@@ -436,3 +438,61 @@ def test_lane_results_out_of_order_are_refused() -> None:
     with pytest.raises(AssertionError, match="out of order"):
         s.on_lane_result(second, [])
     assert first.start == 0
+
+
+def _run_lane(s: Scheduler, steps: int, hold: dict[str, int] | None = None) -> list:  # type: ignore[type-arg]
+    """Step ``s`` with fast token 7 everywhere and every lane item answered at once (prompt
+    chunks: token 9; windows: all candidates accepted, next token 7), except prompt chunks
+    of the sequences in ``hold``, answered that many steps late. Returns each step's output."""
+    held: list[tuple[int, LaneItem]] = []
+    outs = []
+    for t in range(steps):
+        out = s.schedule()
+        _fake_fast(s, out)
+        outs.append(out)
+        for it in out.lane:
+            late = (hold or {}).get(it.seq.request_id, 0) if it.kind == "prefill" else 0
+            held.append((t + late, it))
+        for due, it in [h for h in held if h[0] <= t]:
+            held.remove((due, it))
+            rejected = s.on_lane_result(it, [9] if it.kind == "prefill" else [*it.candidates, 7])
+            assert rejected == 0
+    return outs
+
+
+def test_queued_window_decodes_past_itself_and_waits_for_a_fuller_pass() -> None:
+    """a's full window waits for b's (still decoding) past ``lane_max_wait_steps`` because
+    a keeps decoding past it; the two leave together, a's at its window's size, and the
+    tokens a decoded past it stay when the lane commits the whole window. With the old rule
+    (``decode_past_queued_windows=False``) a stalls, and its window leaves alone."""
+    for on in (True, False):
+        s = _sched(W=4, G=2, lane_max_wait_steps=1, decode_past_queued_windows=on)
+        a, b = _seq(0, 3, det=True, max_tokens=40), _seq(1, 3, det=True, max_tokens=40)
+        s.add(a)
+        s.add(b)
+        outs = _run_lane(s, 8, hold={"s1": 2})  # b starts decoding two steps after a
+        sent = [(t, [(i.seq.request_id, i.start, i.end) for i in o.lane])
+                for t, o in enumerate(outs) if o.lane and t > 0]
+        a_rows = [t for t, o in enumerate(outs) if any(i.seq is a for i in o.fast)]
+        if on:
+            # a's window (positions 3..6) was full after step 3; it decoded on each step
+            assert sent[0] == (6, [("s0", 3, 7), ("s1", 3, 7)]), sent
+            assert a_rows == list(range(1, 8)), "a never stalled"
+            assert a.num_committed == 8 and a.num_tokens == 11, "a's tokens past the window kept"
+        else:
+            assert sent[0] == (5, [("s0", 3, 7)]), sent
+            assert a_rows == [1, 2, 3, 5, 6, 7], "a stalled while its window waited"
+
+
+def test_queued_window_leaves_once_its_sequence_may_decode_no_further() -> None:
+    """a (max_tokens 3: a window of one candidate, one token past it) waits for b only
+    while it can decode past its window: then its window leaves alone, b still decoding."""
+    s = _sched(W=4, G=2, lane_max_wait_steps=1)
+    a, b = _seq(0, 3, det=True, max_tokens=3), _seq(1, 3, det=True, max_tokens=40)
+    s.add(a)
+    s.add(b)
+    outs = _run_lane(s, 4)
+    assert not outs[2].lane and [(i.start, i.end) for i in outs[2].fast if i.seq is a] == [(4, 5)]
+    assert [(i.seq.request_id, i.start, i.end) for i in outs[3].lane] == [("s0", 3, 5)]
+    assert not any(i.seq is a for i in outs[3].fast), "a was at its limit past the window"
+    assert a.num_committed == a.num_tokens == 6, "the token past the window committed too"
