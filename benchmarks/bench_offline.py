@@ -95,6 +95,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               lane_decode_in_mixed_steps=not args.lane_decode_sits_out,
                               pipeline_lane_prefill=not args.no_pipeline_lane_prefill,
                               decode_past_queued_windows=not args.no_decode_past_queued_windows,
+                              prefill_batch_tokens=args.prefill_batch_tokens,
                               probe_single_calls=not args.no_single_calls,
                               async_scheduling=False if args.sync_scheduling else None)
     engine = LLMEngine(cfg, loaded=loaded)
@@ -127,6 +128,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     gemm_rows = engine.lane_gemm_rows
     buckets = engine.alignment.buckets if engine.alignment else None
     async_scheduling = engine.async_scheduling
+    prefill_batch_tokens = engine.scheduler.cfg.prefill_batch_tokens
     engine.close()
     del engine
     if args.device.startswith("cuda"):
@@ -140,6 +142,8 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "single_calls": not args.no_single_calls,
         "pipeline_lane_prefill": not args.no_pipeline_lane_prefill,
         "decode_past_queued_windows": not args.no_decode_past_queued_windows,
+        "prefill_batch_tokens": prefill_batch_tokens,
+        "prefill_held_steps": stats["prefill_held_steps"],
         "duration_s": elapsed,
         "request_throughput": len(shapes) / elapsed,
         "output_throughput": out_tokens / elapsed,
@@ -224,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="a full window waiting for the lane pass to fill stalls its sequence "
                         "and waits at most lane_max_wait_steps steps (decode_past_queued_windows="
                         "False)")
+    p.add_argument("--prefill-batch-tokens", type=int, default=None,
+                   help="new prompts wait (decode-only steps) until this many of their tokens "
+                        "are pending, at most prefill_max_wait_steps steps; 0: never (default: "
+                        "max_num_batched_tokens // 4 on CUDA, 0 on CPU)")
     p.add_argument("--sync-scheduling", action="store_true",
                    help="read each step's tokens before planning the next "
                         "(async_scheduling=False; by default on CUDA the next step is queued "
@@ -279,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'':>16} steps: {st['decode_steps']:.0f} decode-only "
               f"({sec['decode_step']:.1f} s), {st['mixed_steps']:.0f} with prefill "
               f"({sec['mixed_step']:.1f} s); schedule {sec['schedule']:.1f} s, lane "
-              f"submit/wait {sec['lane_wait']:.1f} s, outputs {sec['output']:.1f} s", flush=True)
+              f"submit/wait {sec['lane_wait']:.1f} s, outputs {sec['output']:.1f} s; "
+              f"{r['prefill_held_steps']:.0f} steps held prompts back", flush=True)
         last, mean = r["last_finish_s"], r["mean_finish_s"]
         fmt = lambda x: "-" if x is None else f"{x:.1f} s"  # noqa: E731
         print(f"{'':>16} finish (mean / last): deterministic {fmt(mean['deterministic'])} / "

@@ -88,7 +88,8 @@ BUSY_KEYS = ("decode_step_seconds", "mixed_step_seconds", "schedule_seconds",
              "output_seconds", "lane_wait_seconds")
 # decode_graph_gpu_s: GPU time of the decode steps' CUDA graph replays (CUDA events), the
 # part of decode_step_seconds the GPU spent computing
-ENGINE_KEYS = ("steps", "decode_steps", "mixed_steps", *BUSY_KEYS, "decode_graph_gpu_s",
+ENGINE_KEYS = ("steps", "decode_steps", "mixed_steps", *BUSY_KEYS, "decode_graph_gpu_s", "fast_rows",
+               "preemptions", "recomputed_tokens", "prefix_cache_hit_tokens",
                "decode_graph_replays")
 
 
@@ -162,7 +163,11 @@ async def _served_phases(url: str, model: str, w: Workload, idle_requests: int, 
     from ray import serve
 
     decoder = serve.get_deployment_handle(DECODER, app_name=APP_NAME)  # the one replica
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+    # one connection per request in flight: httpx's default pool (100 connections) would hold
+    # back all requests past the 100th until others finish, which the offline engine never
+    # does (it has every request queued at t=0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(w.prompts))
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         await asyncio.gather(*(_stream(client, model, p, w)  # warm-up
                                for p in (w.prompts if w.warmup_load else w.prompts[:1])))
         idle = [await _stream(client, model, p, w) for p in w.prompts[:idle_requests]]

@@ -69,6 +69,15 @@ class SchedulerConfig:
     # no further: fewer, fuller passes at low deterministic traffic, no sequence stalled
     # for it. Prompt chunks still wait at most ``lane_max_wait_steps`` (time to first token)
     decode_past_queued_windows: bool = True
+    # prompts not yet started wait (the step stays decode-only: a CUDA graph replay) until
+    # this many of their tokens are pending or the oldest has waited
+    # ``prefill_max_wait_steps`` steps: on CUDA an eager step with prefill rows costs the
+    # host about the same whatever its size up to a few hundred tokens, so arrivals one by
+    # one would each cost such a step. Never while the step is eager anyway (a prompt's
+    # later chunks) or has no decode row. None: max_num_batched_tokens // 4 on CUDA, 0 (no
+    # wait) on CPU, where the engine decides
+    prefill_batch_tokens: int | None = None
+    prefill_max_wait_steps: int = 8
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -78,8 +87,11 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.lane_max_wait_steps < 0:
-            raise ValueError("lane_max_wait_steps must be >= 0")
+        for name in ("lane_max_wait_steps", "prefill_max_wait_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.prefill_batch_tokens is not None and self.prefill_batch_tokens < 0:
+            raise ValueError("prefill_batch_tokens must be >= 0 (None: chosen by device)")
         if not 0.0 <= self.lane_bound_fraction <= 1.0:
             raise ValueError("lane_bound_fraction must be in [0, 1]")
 
@@ -166,7 +178,8 @@ class EngineConfig:
                overlap_windows: bool = True,
                lane_bound_fraction: float = SchedulerConfig.lane_bound_fraction,
                lane_decode_in_mixed_steps: bool = True, pipeline_lane_prefill: bool = True,
-               decode_past_queued_windows: bool = True, block_size: int = 16,
+               decode_past_queued_windows: bool = True,
+               prefill_batch_tokens: int | None = None, block_size: int = 16,
                num_blocks: int | None = None, enable_prefix_caching: bool = True,
                **kw: object) -> EngineConfig:
         """Flat keyword constructor used by the offline API and the CLI."""
@@ -178,7 +191,8 @@ class EngineConfig:
                                 lane_bound_fraction=lane_bound_fraction,
                                 lane_decode_in_mixed_steps=lane_decode_in_mixed_steps,
                                 pipeline_lane_prefill=pipeline_lane_prefill,
-                                decode_past_queued_windows=decode_past_queued_windows)
+                                decode_past_queued_windows=decode_past_queued_windows,
+                                prefill_batch_tokens=prefill_batch_tokens)
         if num_blocks is None:
             # enough for a full lane of long sequences plus headroom
             num_blocks = max(1024, 2 * max_model_len // block_size + 1)

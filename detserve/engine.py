@@ -78,8 +78,10 @@ class LLMEngine:
                            mc.head_dim, dtype, config.device, storage=storage)
         self.blocks = BlockManager(cc.num_blocks, cc.block_size)
         eos = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
-        self.scheduler = Scheduler(sc, self.blocks, eos, prefix_caching=cc.enable_prefix_caching)
         cuda = config.device.startswith("cuda")
+        if sc.prefill_batch_tokens is None:
+            sc = replace(sc, prefill_batch_tokens=sc.max_num_batched_tokens // 4 if cuda else 0)
+        self.scheduler = Scheduler(sc, self.blocks, eos, prefix_caching=cc.enable_prefix_caching)
         self.alignment = self._alignment() if cuda and sc.uses_lane else None
         self.lane_gemm_rows = (self.alignment.chunk if self.alignment else
                                config.lane_gemm_rows if sc.uses_lane else 0)
@@ -499,6 +501,7 @@ class LLMEngine:
             "dropped_rows")}
         out["recomputed_tokens"] = c["tokens_rolled_back"] + c["preempted_tokens"]
         out["prefix_cache_hit_tokens"] = self.scheduler.prefix_hit_tokens
+        out["prefill_held_steps"] = self.scheduler.prefill_held_steps
         out["lane_padding_fraction"] = c["lane_padding_rows"] / c["lane_rows"] if c["lane_rows"] else 0.0
         out["lane_seconds"] = c["lane_seconds_us"] / 1e6
         # where the engine's wall time goes (seconds): scheduling, fast-path steps (decode

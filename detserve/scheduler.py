@@ -93,6 +93,8 @@ class Scheduler:
         # where the running lane sequences sat, summed over the steps that planned fast
         # rows ("steps"; see _count_lane_states)
         self.lane_state_steps: Counter[str] = Counter()
+        self.prefill_held_steps = 0  # steps that held new prompts back (_hold_prompts)
+        self._prompt_held_since: dict[int, int] = {}  # id(seq) -> first step it could run
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -323,6 +325,8 @@ class Scheduler:
             wants = [(s, 0 if self._sits_out(s, r) else r) for s, r in wants]
         # decode rows (one token) before prefill chunks, each group in arrival order
         order = [w for w in wants if w[1] == 1] + [w for w in wants if w[1] > 1]
+        if self._hold_prompts(order):
+            order = [w for w in order if w[1] == 1]
         items: list[FastItem] = []
         for seq, rows in order:
             if budget == 0:
@@ -339,6 +343,21 @@ class Scheduler:
             items.append(FastItem(seq, seq.num_computed, end, sample=end == seq.num_tokens))
             budget -= n
         return items
+
+    def _hold_prompts(self, order: list[tuple[Sequence, int]]) -> bool:
+        """Whether this step leaves out the prompts not yet started (``prefill_batch_tokens``):
+        only when the step would otherwise carry decode rows and no other prefill chunk,
+        fewer than ``prefill_batch_tokens`` prompt tokens wait, and the first of them has
+        waited less than ``prefill_max_wait_steps`` steps."""
+        fresh = [(s, r) for s, r in order if r > 1 and s.num_computed == 0]
+        since = {id(s): self._prompt_held_since.get(id(s), self.step_count) for s, _ in fresh}
+        self._prompt_held_since = since  # (a prompt's wait counts from its first chance)
+        hold = (bool(fresh) and sum(r for _, r in fresh) < (self.cfg.prefill_batch_tokens or 0)
+                and any(r == 1 for _, r in order)
+                and not any(r > 1 and s.num_computed > 0 for s, r in order)
+                and self.step_count - min(since.values()) < self.cfg.prefill_max_wait_steps)
+        self.prefill_held_steps += hold
+        return hold
 
     def _count_lane_states(self, wants: list[tuple[Sequence, int]]) -> None:
         """Tally this step's running lane sequences: ``fast`` (a row on the fast path),

@@ -161,3 +161,23 @@ def test_abort_with_a_launch_in_flight(model: str) -> None:
     assert len(finished) == 6
     assert finished["r1"].finish_reason == "abort" and finished["r0"].finish_reason == "abort"
     assert eng.blocks.num_free == eng.blocks.num_blocks - 1
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_held_prompts_change_no_deterministic_output(model: str, async_scheduling: bool) -> None:
+    """Prompts held back for company (``prefill_batch_tokens``, on by default on CUDA) move
+    the fast path's batches around: deterministic requests still release the lane_only
+    oracle's tokens and logprobs, every request its full length, and prompts were held."""
+    reqs = [Req(r.prompt, r.params, arrival=3 * i) for i, r in
+            enumerate(_mix(10, det_every=2, seed=5, ignore_eos=True))]
+    oracle, _, eng = run_engine(model, reqs, "lane_only")
+    eng.close()
+    for held in (0, 48):
+        outs, stats, eng = run_engine(model, reqs, "llm42", async_scheduling=async_scheduling,
+                                      prefill_batch_tokens=held)
+        eng.close()
+        assert (stats["prefill_held_steps"] > 0) == bool(held)
+        for r, out, ref in zip(reqs, outs, oracle, strict=True):
+            assert len(out.token_ids) == r.params.max_tokens
+            if r.params.is_deterministic:
+                assert signature(out) == signature(ref)

@@ -496,3 +496,56 @@ def test_queued_window_leaves_once_its_sequence_may_decode_no_further() -> None:
     assert [(i.seq.request_id, i.start, i.end) for i in outs[3].lane] == [("s0", 3, 5)]
     assert not any(i.seq is a for i in outs[3].fast), "a was at its limit past the window"
     assert a.num_committed == a.num_tokens == 6, "the token past the window committed too"
+
+
+def test_new_prompts_wait_for_company_while_others_decode() -> None:
+    """With ``prefill_batch_tokens`` a prompt that arrives while others decode waits
+    (decode-only steps) until enough prompt tokens are pending or it has waited
+    ``prefill_max_wait_steps`` steps; never when no decode row would run, and a prompt
+    already started is never held."""
+    s = _sched(mode="nondeterministic", prefill_batch_tokens=8, prefill_max_wait_steps=2,
+               max_num_batched_tokens=6)
+    a = _seq(0, 3, det=False)
+    s.add(a)
+    out = s.schedule()
+    assert [(i.seq, i.start, i.end) for i in out.fast] == [(a, 0, 3)], "no decode row: no wait"
+    _fake_fast(s, out)
+    b = _seq(1, 5, det=False)
+    s.add(b)
+    for _ in range(2):  # b (5 tokens < 8) waits two steps
+        out = s.schedule()
+        assert [i.seq for i in out.fast] == [a]
+        _fake_fast(s, out)
+    out = s.schedule()  # waited long enough; the budget (6) takes a's row and 5 of b
+    assert [(i.seq, i.end - i.start) for i in out.fast] == [(a, 1), (b, 5)]
+    _fake_fast(s, out)
+    assert s.prefill_held_steps == 2
+    c, d = _seq(2, 4, det=False), _seq(3, 4, det=False)
+    s.add(c)
+    out = s.schedule()
+    assert {i.seq.request_id for i in out.fast} == {"s0", "s1"}, "c waits"
+    _fake_fast(s, out)
+    s.add(d)  # c + d: 8 tokens pending, enough to go now
+    out = s.schedule()
+    assert [(i.seq.request_id, i.end - i.start) for i in out.fast] == [
+        ("s0", 1), ("s1", 1), ("s2", 4)]
+    _fake_fast(s, out)
+    # d's prompt did not fit the budget; alone now, it waits, counted from that step
+    held = s.prefill_held_steps
+    out = s.schedule()
+    assert s.prefill_held_steps == held + 1 and "s3" not in {i.seq.request_id for i in out.fast}
+    _fake_fast(s, out)
+    out = s.schedule()
+    assert "s3" in {i.seq.request_id for i in out.fast}, "d waited two steps in all"
+
+
+def test_prompt_wait_is_off_by_default_outside_the_engine_and_on_cpu() -> None:
+    s = _sched(mode="nondeterministic")
+    assert s.cfg.prefill_batch_tokens is None
+    a, b = _seq(0, 3, det=False), _seq(1, 3, det=False)
+    s.add(a)
+    _fake_fast(s, s.schedule())
+    s.add(b)
+    assert {i.seq.request_id for i in s.schedule().fast} == {"s0", "s1"}
+    with pytest.raises(ValueError, match="prefill_batch_tokens"):
+        SchedulerConfig(prefill_batch_tokens=-1)
