@@ -58,7 +58,9 @@ ARG_NAMES = tuple(DEFAULT_ARGS)
 OPTIONAL_ARGS: Mapping[str, Any] = {"fastpath_perturbation": 0.0, "stream_interval": 1,
                                     "pipeline_lane_prefill": True,
                                     "lane_bound_fraction": SchedulerConfig.lane_bound_fraction,
-                                    "switch_interval": 0.0}
+                                    "switch_interval": 0.0,
+                                    # None (absent): the engine's default for its device
+                                    "prefill_batch_tokens": None}
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,9 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError("http_port and grpc_port must differ")
     if "stream_interval" in args:
         _check_int("stream_interval", args["stream_interval"], lo=1, hi=4096)
+    if "prefill_batch_tokens" in args:  # (up to a whole model length of prompt tokens)
+        _check_int("prefill_batch_tokens", args["prefill_batch_tokens"], lo=0,
+                   hi=args["max_model_len"])
     if "pipeline_lane_prefill" in args and not isinstance(args["pipeline_lane_prefill"], bool):
         raise ValueError("pipeline_lane_prefill must be a boolean")
     for name in ("switch_interval", "lane_bound_fraction", "fastpath_perturbation"):

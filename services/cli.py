@@ -54,6 +54,11 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="a decoder step gives the GPU to the lane pass in flight when more "
                         "than this share of its sequences wait on the lane (1: never; "
                         f"default {SchedulerConfig.lane_bound_fraction})")
+    p.add_argument("--prefill-batch-tokens", type=int, default=None,
+                   help="while others decode, new prompts wait until this many of their "
+                        "tokens are pending (at most 8 steps): fewer eager steps with prefill "
+                        "rows; 0: never wait (default: max_num_batched_tokens / 4 on CUDA, 0 "
+                        "on CPU)")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="decoder replicas' Python thread switch interval in seconds (default: "
                         "Python's 0.005): how long their event loop may keep the GIL from the "
@@ -87,6 +92,8 @@ def serve_config_from(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
         overrides["switch_interval"] = a.switch_interval
     if a.lane_bound_fraction is not None:
         overrides["lane_bound_fraction"] = a.lane_bound_fraction
+    if a.prefill_batch_tokens is not None:
+        overrides["prefill_batch_tokens"] = a.prefill_batch_tokens
     return default_serve_config(http_host=a.host, **overrides)
 
 

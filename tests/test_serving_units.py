@@ -418,6 +418,26 @@ def test_lane_bound_fraction_reaches_the_decoders_engine() -> None:
             default_serve_config(lane_bound_fraction=bad)
 
 
+def test_prefill_batch_tokens_reaches_the_decoders_engine() -> None:
+    """``detserve serve --prefill-batch-tokens N`` sets how many new prompt tokens a decoder
+    waits for (absent: the engine picks by device, 0 on CPU); bad values are refused."""
+    from detserve.cli import build_parser
+    from services.cli import serve_config_from
+    from services.decoder.engine_factory import DecoderSettings
+
+    parse = build_parser().parse_args
+    plain = serve_config_from(parse(["serve"]), "redis://127.0.0.1:1/0")["applications"][0]["args"]
+    assert "prefill_batch_tokens" not in plain
+    assert DecoderSettings.from_args(plain).engine_config().scheduler.prefill_batch_tokens is None
+    set_ = serve_config_from(parse(["serve", "--prefill-batch-tokens", "256"]),
+                             "redis://127.0.0.1:1/0")["applications"][0]["args"]
+    assert set_["prefill_batch_tokens"] == 256
+    assert DecoderSettings.from_args(set_).engine_config().scheduler.prefill_batch_tokens == 256
+    for bad in (-1, 1 << 20, "many", None, True, 2.5):
+        with pytest.raises(ValueError, match="prefill_batch_tokens"):
+            default_serve_config(prefill_batch_tokens=bad)
+
+
 def test_switch_interval_reaches_the_decoder_settings() -> None:
     """``detserve serve --switch-interval S`` lands in the decoder's settings (0: Python's
     own); negative, huge or non-numeric values are refused."""

@@ -44,6 +44,7 @@ class DecoderSettings:
     # event loop may hold the GIL while the engine thread waits for it after a GPU step
     switch_interval: float = 0.0
     stream_interval: int = 1  # a stream's chunk carries >= this many new tokens (not the last)
+    prefill_batch_tokens: int | None = None  # None: the engine's default for its device
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> DecoderSettings:
@@ -61,7 +62,8 @@ class DecoderSettings:
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             fastpath_perturbation=self.fastpath_perturbation, seed=self.seed,
             pipeline_lane_prefill=self.pipeline_lane_prefill,
-            lane_bound_fraction=self.lane_bound_fraction)
+            lane_bound_fraction=self.lane_bound_fraction,
+            prefill_batch_tokens=self.prefill_batch_tokens)
 
 
 def build_engine(settings: DecoderSettings, decoder_id: str) -> tuple[LLMEngine, Callable[[], None]]:
