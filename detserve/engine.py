@@ -497,8 +497,10 @@ class LLMEngine:
             "steps", "fast_passes", "fast_rows", "fast_tokens", "verify_passes", "windows",
             "rollbacks", "tokens_rolled_back", "lane_rows", "lane_padding_rows",
             "lane_computed_rows", "lane_bound_waits", "lane_prefill_rows", "committed_tokens",
-            "preemptions", "perturbed_tokens", "finished_requests", "fed_rows",
-            "dropped_rows")}
+            "preemptions", "perturbed_tokens", "finished_requests",
+            # asynchronous scheduling: rows fed the previous step's token on the device, and
+            # rows planned after what turned out to be a stop token (run, then dropped)
+            "fed_rows", "dropped_rows")}
         out["recomputed_tokens"] = c["tokens_rolled_back"] + c["preempted_tokens"]
         out["prefix_cache_hit_tokens"] = self.scheduler.prefix_hit_tokens
         out["prefill_held_steps"] = self.scheduler.prefill_held_steps
@@ -507,8 +509,6 @@ class LLMEngine:
         # where the engine's wall time goes (seconds): scheduling, fast-path steps (decode
         # only, or with prefill rows), submitting lane passes and waiting for or applying
         # their results, building outputs
-        # asynchronous scheduling: rows fed the previous step's token on the device, and
-        # rows planned after what turned out to be a stop token (run, then dropped)
         for k in ("schedule", "decode_step", "mixed_step", "lane_wait", "output"):
             out[f"{k}_seconds"] = c[f"{k}_us"] / 1e6
         # running lane sequences per step by state (Scheduler._count_lane_states)

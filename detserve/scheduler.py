@@ -349,10 +349,12 @@ class Scheduler:
         only when the step would otherwise carry decode rows and no other prefill chunk,
         fewer than ``prefill_batch_tokens`` prompt tokens wait, and the first of them has
         waited less than ``prefill_max_wait_steps`` steps."""
+        if not self.cfg.prefill_batch_tokens:  # (off: nothing to track, every step)
+            return False
         fresh = [(s, r) for s, r in order if r > 1 and s.num_computed == 0]
         since = {id(s): self._prompt_held_since.get(id(s), self.step_count) for s, _ in fresh}
         self._prompt_held_since = since  # (a prompt's wait counts from its first chance)
-        hold = (bool(fresh) and sum(r for _, r in fresh) < (self.cfg.prefill_batch_tokens or 0)
+        hold = (bool(fresh) and sum(r for _, r in fresh) < self.cfg.prefill_batch_tokens
                 and any(r == 1 for _, r in order)
                 and not any(r > 1 and s.num_computed > 0 for s, r in order)
                 and self.step_count - min(since.values()) < self.cfg.prefill_max_wait_steps)
