@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--verify-window", "-W", type=int, default=64)
     p.add_argument("--verify-group", "-G", type=int, default=8)
+    p.add_argument("--eager-steps", action="store_true",
+                   help="run the step eagerly, not as a step graph (cuda_graph_step_rows=0)")
     p.add_argument("--profile", action="store_true",
                    help="also the GPU kernel time per step and the top kernels (CUDA)")
     p.add_argument("--out", default=None, help="JSON path")
@@ -113,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                                   max_num_seqs=max(128, a.decode_rows),
                                   max_num_batched_tokens=max(2048, a.decode_rows + a.prefill_tokens),
                                   max_model_len=max(a.context, a.prefill_tokens) + 64,
-                                  num_blocks=blocks + 1, block_size=BLOCK)
+                                  num_blocks=blocks + 1, block_size=BLOCK,
+                                  **({"cuda_graph_step_rows": 0} if a.eager_steps else {}))
         t0 = time.perf_counter()
         eng = LLMEngine(cfg, loaded=loaded)
         start_s = time.perf_counter() - t0  # with graph capture and the alignment probes
@@ -122,11 +125,13 @@ def main(argv: list[str] | None = None) -> int:
             ms = time_step(step, a.steps, sync)
             single = eng.alignment.single_call if eng.alignment else {}
             m = sum(len(x.input_ids) for x in segs)
+            graphed = eng.runner.step_graphs is not None and eng.runner.step_graphs.replays > 0
             row: dict[str, Any] = {"variant": name, "mode": mode, "align_decode": align,
                                    "step_ms": ms, "step_rows": m, "engine_start_s": start_s,
+                                   "step_graph": graphed,
                                    "unsplit_products": sorted(f"{n}x{k}" for (n, k), ok in
                                                               single.items() if m in ok)}
-            print(f"{name:<24} {ms:8.2f} ms/step  products unsplit at {m} rows: "
+            print(f"{name:<24} {ms:8.2f} ms/step ({'graph' if graphed else 'eager'})  products unsplit at {m} rows: "
                   f"{row['unsplit_products'] if align else 'all'} (engine start "
                   f"{start_s:.1f} s)", flush=True)
             if a.profile and cuda:

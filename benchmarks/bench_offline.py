@@ -97,7 +97,9 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               decode_past_queued_windows=not args.no_decode_past_queued_windows,
                               prefill_batch_tokens=args.prefill_batch_tokens,
                               probe_single_calls=not args.no_single_calls,
-                              async_scheduling=False if args.sync_scheduling else None)
+                              async_scheduling=False if args.sync_scheduling else None,
+                              cuda_graph_step_rows=(0 if args.eager_steps else
+                                                    EngineConfig.cuda_graph_step_rows))
     engine = LLMEngine(cfg, loaded=loaded)
     vocab = engine.model.config.vocab_size
     rng = random.Random(args.seed)
@@ -180,6 +182,8 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         # run after a stop token nobody had read yet (dropped)
         "async_scheduling": async_scheduling,
         "fed_rows": stats["fed_rows"], "dropped_rows": stats["dropped_rows"],
+        # steps with prompt chunks replayed as graphs (the others ran eagerly)
+        "step_graph_replays": stats["step_graph_replays"],
         "step_seconds": {k: stats[f"{k}_seconds"] for k in
                          ("schedule", "decode_step", "mixed_step", "lane_wait", "output")},
     }
@@ -232,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="new prompts wait (decode-only steps) until this many of their tokens "
                         "are pending, at most prefill_max_wait_steps steps; 0: never (default: "
                         "max_num_batched_tokens // 4 on CUDA, 0 on CPU)")
+    p.add_argument("--eager-steps", action="store_true",
+                   help="CUDA: steps that carry prompt chunks run eagerly, not as graphs "
+                        "(cuda_graph_step_rows=0)")
     p.add_argument("--sync-scheduling", action="store_true",
                    help="read each step's tokens before planning the next "
                         "(async_scheduling=False; by default on CUDA the next step is queued "
@@ -286,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         st, sec = r["steps"], r["step_seconds"]
         print(f"{'':>16} steps: {st['decode_steps']:.0f} decode-only "
               f"({sec['decode_step']:.1f} s), {st['mixed_steps']:.0f} with prefill "
-              f"({sec['mixed_step']:.1f} s); schedule {sec['schedule']:.1f} s, lane "
+              f"({sec['mixed_step']:.1f} s, {r['step_graph_replays']:.0f} as graphs); schedule {sec['schedule']:.1f} s, lane "
               f"submit/wait {sec['lane_wait']:.1f} s, outputs {sec['output']:.1f} s; "
               f"{r['prefill_held_steps']:.0f} steps held prompts back", flush=True)
         last, mean = r["last_finish_s"], r["mean_finish_s"]

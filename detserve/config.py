@@ -125,6 +125,10 @@ class EngineConfig:
     lane_priority: str = "high"
     cuda_graphs: bool = True        # CUDA: graphs for decode batches and the lane pass
     cuda_graph_max_batch: int = 256  # largest decode batch captured (bigger ones run eagerly)
+    # CUDA: steps that carry prompt chunks of up to this many rows (capped by the token
+    # budget) replay graphs too (executor/graphs.StepGraphs); bigger ones, and all with 0,
+    # run eagerly
+    cuda_graph_step_rows: int = 2048
     # CUDA: make the fast path and the lane agree bit for bit as often as possible, so that
     # few windows roll back. Fast-path decode rows whose context needs no split run the
     # lane's attention kernel, and the lane runs its products in chunks of
@@ -161,6 +165,8 @@ class EngineConfig:
             raise ValueError(f"lane_priority must be 'high' or 'normal', got {self.lane_priority!r}")
         if self.cuda_graph_max_batch <= 0:
             raise ValueError("cuda_graph_max_batch must be positive")
+        if self.cuda_graph_step_rows < 0:
+            raise ValueError("cuda_graph_step_rows must be >= 0 (0: eager steps)")
         if self.lane_gemm_rows < 0:
             raise ValueError("lane_gemm_rows must be >= 0 (0: chosen automatically)")
         if self.batch_invariant_rows <= 0:

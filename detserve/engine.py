@@ -96,7 +96,8 @@ class LLMEngine:
             self.runner.enable_cuda_graphs(
                 decode, lane=mode in ("llm42", "lane_only"),
                 max_batch=min(sc.max_num_seqs, config.cuda_graph_max_batch),
-                max_blocks=-(-sc.max_model_len // cc.block_size))
+                max_blocks=-(-sc.max_model_len // cc.block_size),
+                step_rows=min(config.cuda_graph_step_rows, sc.max_num_batched_tokens))
         if verifier_factory is None:
             verifier_factory = self._default_verifier_factory(config)
         self.verifier: Verifier = verifier_factory(self.runner)
@@ -524,6 +525,8 @@ class LLMEngine:
             graphs.settle_timing()
         out["decode_graph_gpu_s"] = graphs.gpu_seconds if graphs is not None else 0.0
         out["decode_graph_replays"] = graphs.timed_replays if graphs is not None else 0
+        steps = self.runner.step_graphs  # steps with prompt chunks replayed as graphs
+        out["step_graph_replays"] = steps.replays if steps is not None else 0
         out["decode_steps"] = c["decode_steps"]
         out["mixed_steps"] = c["mixed_steps"]
         out["running_requests"] = len(self.scheduler.running)

@@ -57,8 +57,9 @@ def test_cuda_graphs_batch_invariant_bitwise_equal_to_eager(model: str) -> None:
     padded decode graph must reproduce the eager path exactly."""
     reqs = _reqs(det=True)
     eager, _, e1 = run_engine(model, reqs, mode="batch_invariant", cuda_graphs=False, **CUDA)
-    graphed, _, e2 = run_engine(model, reqs, mode="batch_invariant", **CUDA)
+    graphed, stats, e2 = run_engine(model, reqs, mode="batch_invariant", **CUDA)
     assert e2.runner.decode_graphs is not None and e1.runner.decode_graphs is None
+    assert stats["step_graph_replays"] > 0  # steps with prompt chunks replayed graphs too
     for a, b in zip(eager, graphed, strict=True):
         assert signature(a) == signature(b)
 
@@ -72,6 +73,7 @@ def test_cuda_graphs_fast_path_close_to_eager(model: str) -> None:
                                        **CUDA)
     graphed, stats, eng = run_engine(model, reqs, mode="nondeterministic", **CUDA)
     assert eng.runner.decode_graphs is not None
+    assert eager_stats["step_graph_replays"] == 0 and stats["step_graph_replays"] > 0
     # every graph replay is timed on the GPU, and takes less than its whole host-side step
     assert eager_stats["decode_graph_replays"] == 0
     assert 0 < stats["decode_graph_replays"] <= stats["decode_steps"]
@@ -154,14 +156,18 @@ def test_lane_pass_runs_only_the_chunks_its_rows_fill(model: str,
     f.close()
 
 
-@pytest.mark.parametrize(("graphs", "probe"), [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize(("graphs", "probe", "steps"),
+                         [(True, True, False), (False, True, False), (True, False, False),
+                          (True, True, True), (True, False, True)])
 def test_aligned_decode_rows_verify_next_to_prefill_chunks(
-        model: str, graphs: bool, probe: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Deterministic requests decode while later ones arrive and prefill: eager steps that
-    mix decode rows with prefill chunks pad the decode rows' products to their bucket, or,
+        model: str, graphs: bool, probe: bool, steps: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deterministic requests decode while later ones arrive and prefill: steps that mix
+    decode rows with prefill chunks pad the decode rows' products to their bucket, or,
     where the start-up probe found the step's size in the lane chunk's algorithm, run them
     as one call over all rows; either way no window rolls back (the fast path computes what
-    the lane computes)."""
+    the lane computes). ``steps``: those steps replay step graphs (the products split at
+    the largest decode bucket), else they run eagerly."""
     from detserve.executor import runner as runner_mod
 
     unsplit: list[int] = []
@@ -177,10 +183,19 @@ def test_aligned_decode_rows_verify_next_to_prefill_chunks(
     reqs = [Req(p, SamplingParams(max_tokens=48, is_deterministic=i % 2 == 0, ignore_eos=True),
                 arrival=6 * i) for i, p in enumerate(prompts)]
     outs, stats, eng = run_engine(model, reqs, window=16, group=2, cuda_graphs=graphs,
-                                  max_num_batched_tokens=96, probe_single_calls=probe, **CUDA)
+                                  max_num_batched_tokens=96, probe_single_calls=probe,
+                                  cuda_graph_step_rows=96 if steps else 0,
+                                  # (steps: a small top decode bucket, so that graphs of
+                                  # 96 rows split their products after it)
+                                  **({"max_num_seqs": 8} if steps else {}), **CUDA)
     assert eng.alignment is not None and stats["windows"] >= 9
     assert stats["rollbacks"] == 0
-    assert bool(eng.alignment.single_call) == probe and bool(unsplit) == probe
+    assert bool(eng.alignment.single_call) == probe
+    if steps:  # the split ran while the graphs were captured
+        assert stats["step_graph_replays"] > 0 and eng.runner.step_graphs is not None
+        assert eng.runner.step_graphs.aligned_replays > 0
+    else:
+        assert bool(unsplit) == probe
     oracle, _, o = run_engine(model, reqs, mode="lane_only", window=16, group=2, **CUDA)
     for i in range(0, 6, 2):
         assert signature(outs[i]) == signature(oracle[i])

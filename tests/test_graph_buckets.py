@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from detserve.config import EngineConfig
-from detserve.executor.graphs import decode_buckets
+from detserve.executor.attention import RowSegment
+from detserve.executor.graphs import decode_buckets, step_layout, step_sizes
 
 
 @pytest.mark.parametrize("max_batch", [1, 3, 8, 64, 100, 256, 1000])
@@ -20,3 +21,35 @@ def test_buckets_cover_every_batch_size(max_batch: int) -> None:
 def test_graph_config_validated() -> None:
     with pytest.raises(ValueError, match="cuda_graph_max_batch"):
         EngineConfig.create("random:tiny", cuda_graph_max_batch=0)
+    with pytest.raises(ValueError, match="cuda_graph_step_rows"):
+        EngineConfig.create("random:tiny", cuda_graph_step_rows=-1)
+
+
+@pytest.mark.parametrize("max_rows", [16, 96, 512, 2048, 3000])
+def test_step_sizes_cover_every_step(max_rows: int) -> None:
+    sizes = step_sizes(max_rows)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == max_rows and sizes[0] <= 16
+    for n in range(1, max_rows + 1):
+        pad = next(x for x in sizes if x >= n) - n
+        assert pad <= max(15, n // 2), (n, pad)  # a graph never runs more than 1.5x the rows
+
+
+def test_step_layout_rows_and_padding() -> None:
+    """Decode rows attend one row per program, prompt rows several: each row carries its
+    position in exactly one of the two position rows; a placeholder's id comes from the
+    previous launch; padding rows write no K/V and attend to nothing."""
+    segs = [RowSegment((7,), 5, (3,)),                # a decode row at position 5
+            RowSegment((-1,), 20, (4, 9)),            # a placeholder, fed from row 2
+            RowSegment((11, 12, 13), 14, (6, 8))]     # a prompt chunk at 14..16 (block 16)
+    longs, ints = step_layout(segs, {1: 2}, 8, block_size=16)
+    ids, pos, slots, src = longs
+    seg, one, many = ints
+    assert ids == [7, 0, 11, 12, 13, 0, 0, 0]
+    assert pos == [5, 20, 14, 15, 16, 0, 0, 0]
+    assert slots == [3 * 16 + 5, 9 * 16 + 4, 6 * 16 + 14, 6 * 16 + 15, 8 * 16 + 0, -1, -1, -1]
+    assert src == [-1, 2, -1, -1, -1, -1, -1, -1]
+    assert seg == [0, 1, 2, 2, 2, 0, 0, 0]
+    assert one == [5, 20, -1, -1, -1, -1, -1, -1]
+    assert many == [-1, -1, 14, 15, 16, -1, -1, -1]
+    with pytest.raises(ValueError, match="do not fit"):
+        step_layout(segs, {}, 4, block_size=16)

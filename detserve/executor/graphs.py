@@ -8,6 +8,8 @@ costs more than the kernels themselves. Graphs remove the launch cost:
   nothing. For the fast path the padded shape may change cuBLAS's reduction order, which
   the fast path allows; batch-invariant kernels give a row the same bits at any size, so
   replaying a bigger graph changes nothing there.
+- ``StepGraphs``: steps that carry prompt chunks (alone or beside decode rows), padded
+  to the next captured row count, with the lane's attention kernel for every row.
 - ``LaneGraph``: the lane pass, always exactly G*W rows. Every lane pass of the engine
   runs through the same graph, so ``lane_only`` and DVR keep sharing one arithmetic.
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -39,7 +41,8 @@ from detserve.kernels.decode_attention import choose_num_splits
 from detserve.kernels.lane_attention import lane_attention
 from detserve.model.llama import LlamaModel, Ops
 
-__all__ = ["DecodeGraphs", "LaneGraph", "decode_buckets"]
+__all__ = ["DecodeGraphs", "LaneGraph", "StepGraphs", "decode_buckets", "step_layout",
+           "step_sizes"]
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -66,6 +69,34 @@ def _capture(fn: Callable[[], Tensor], pool: Any) -> tuple[torch.cuda.CUDAGraph,
         out = fn()
     cur.wait_stream(side)
     return graph, out
+
+
+def _upload_tables(dst: Tensor, segments: Sequence[RowSegment]) -> None:
+    """The segments' block tables into the first rows of ``dst`` [rows, width] (int32), as
+    one flat buffer (much cheaper than a nested list per step), each row padded to the full
+    width with the scratch block; one non-blocking copy."""
+    n, width = len(segments), dst.shape[1]
+    if not n:
+        return
+    flat = array("i")
+    for s in segments:
+        flat.extend(s.block_table)
+        flat.extend([SCRATCH_BLOCK] * (width - len(s.block_table)))
+    dst[:n].copy_(torch.frombuffer(flat, dtype=torch.int32).view(n, width).pin_memory(),
+                  non_blocking=True)
+
+
+def _feed_prev(prev: Tensor, feed: tuple[Tensor, list[tuple[int, int]]] | None
+               ) -> list[tuple[int, int]]:
+    """Asynchronous scheduling: copy the previous launch's tokens into ``prev`` on the
+    device and return the (segment, row of ``prev``) pairs whose input comes from there."""
+    if feed is None:
+        return []
+    tokens, pairs = feed
+    if tokens.numel() > prev.numel():
+        raise ValueError("more fed tokens than the graphs' buffer holds")
+    prev[:tokens.numel()].copy_(tokens, non_blocking=True)
+    return pairs
 
 
 class DecodeGraphs:
@@ -172,15 +203,8 @@ class DecodeGraphs:
                             dtype=torch.int32, pin_memory=True)
         self.longs.copy_(longs, non_blocking=True)
         self.ints.copy_(ints, non_blocking=True)
-        # one flat int32 buffer (much cheaper than a nested list per step), rows padded to
-        # the full width; rows past ``n`` keep old tables, read by no one (context 0)
-        width = self.max_blocks
-        flat = array("i")
-        for s in segments:
-            flat.extend(s.block_table)
-            flat.extend([SCRATCH_BLOCK] * (width - len(s.block_table)))
-        self.tables[:n].copy_(torch.frombuffer(flat, dtype=torch.int32).view(n, width)
-                              .pin_memory(), non_blocking=True)
+        # rows past ``n`` keep old tables, read by no one (context 0)
+        _upload_tables(self.tables, segments)
         return b
 
     def run(self, segments: list[RowSegment],
@@ -195,12 +219,8 @@ class DecodeGraphs:
             raise ValueError("block table longer than the graphs' max_blocks")
         src: list[int] = []
         if feed is not None:
-            tokens, pairs = feed
-            if tokens.numel() > self.prev.numel():
-                raise ValueError("more fed tokens than the graphs' largest batch")
-            self.prev[:tokens.numel()].copy_(tokens, non_blocking=True)
             src = [-1] * n
-            for i, j in pairs:
+            for i, j in _feed_prev(self.prev, feed):
                 src[i] = j
         b = self._fill(segments, src)
         splits = 1
@@ -224,6 +244,142 @@ class DecodeGraphs:
             start, end = self._timing.popleft()
             self.gpu_seconds += start.elapsed_time(end) / 1e3
             self.timed_replays += 1
+
+
+def step_sizes(max_rows: int) -> list[int]:
+    """Captured row counts of steps with prompt chunks: 16, 32, 48, 64, 96, then steps of 64
+    to 256, of 128 to 1024, of 256 beyond, and ``max_rows`` (the token budget) itself: a
+    step runs at most 1.5x its rows (past 16)."""
+    sizes = [16, 32, 48, 64, 96, *range(128, 257, 64), *range(384, 1025, 128),
+             *range(1280, max_rows, 256)]
+    return sorted({s for s in sizes if s < max_rows} | {max_rows})
+
+
+def step_layout(segments: Sequence[RowSegment], src: Mapping[int, int], size: int,
+                block_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """A step's rows as the graph's inputs, padded to ``size``: ``longs`` = [ids, positions,
+    K/V slots, source row in the previous launch's tokens or -1], ``ints`` = [segment of the
+    row, position if the row is a segment's only one (a decode row) else -1, position if it
+    is one of several (a prompt chunk's) else -1]. ``src``: segment -> row of the previous
+    launch's tokens that gives its (single) input. Padding rows write no K/V (slot -1) and
+    attend to nothing (both positions -1)."""
+    longs: list[list[int]] = [[], [], [], []]
+    ints: list[list[int]] = [[], [], []]
+    for i, seg in enumerate(segments):
+        n = len(seg.input_ids)
+        for r in range(n):
+            p = seg.start + r
+            longs[0].append(max(seg.input_ids[r], 0))  # (a placeholder's id comes from src)
+            longs[1].append(p)
+            longs[2].append(seg.block_table[p // block_size] * block_size + p % block_size)
+            longs[3].append(src.get(i, -1) if r == 0 else -1)
+            ints[0].append(i)
+            ints[1].append(p if n == 1 else -1)
+            ints[2].append(-1 if n == 1 else p)
+    pad = size - len(longs[0])
+    if pad < 0:
+        raise ValueError(f"{len(longs[0])} rows do not fit a step of {size}")
+    for row, fill in zip(longs + ints, (0, 0, -1, -1, 0, -1, -1), strict=True):
+        row.extend([fill] * pad)
+    return longs, ints
+
+
+class StepGraphs:
+    """Fast-path (or batch-invariant) steps that carry prompt chunks, as graphs.
+
+    Run eagerly, such a step of the 8B shape launches ~2,000 kernels from Python, ~23 ms of
+    host time whatever the chunk's size, where a decode step is one graph replay. Here every
+    row, a decode row or a prompt chunk's, is one query token of a segment (a sequence's
+    consecutive positions); the step is padded to the next of ``sizes``; padding rows write
+    no K/V and attend to nothing. Attention is the lane's kernel, which takes any mix of
+    segments in a fixed launch grid: decode rows one per program (as the decode graphs run
+    them), a chunk's rows several per program so that they read each KV tile once; a row's
+    bits do not depend on which (``lane_attention``'s invariant).
+
+    ``ops``: the products' reduction policy. ``head_ops`` (optional, the fast path aligned
+    with the lane): a second graph per size above ``head`` whose products run the step's
+    first ``head`` rows as a call of their own (``HeadPaddedOps``), so that leading decode
+    rows get the bits of that bucket's decode graph, and with them the lane's.
+    """
+
+    def __init__(self, model: LlamaModel, pool: KVPool, ops: Ops, sizes: Sequence[int],
+                 max_blocks: int, head_ops: Ops | None = None, head: int = 0) -> None:
+        dev = model.embed_tokens.device
+        self.model, self.pool, self.max_blocks = model, pool, max_blocks
+        self.sizes = sorted(sizes)
+        self.head = head if head_ops is not None else 0
+        self.rope: Rope = (model.rope_cos, model.rope_sin)  # type: ignore[assignment]
+        rows = self.sizes[-1]
+        self.longs = torch.zeros((4, rows), dtype=torch.long, device=dev)
+        self.ints = torch.zeros((3, rows), dtype=torch.int32, device=dev)
+        self.prev = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.tables = torch.full((rows, max_blocks), SCRATCH_BLOCK, dtype=torch.int32,
+                                 device=dev)
+        self._mempool = torch.cuda.graph_pool_handle()
+        self._ops = {False: ops, True: head_ops}
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.replays = 0
+        self.aligned_replays = 0  # of which the products split at ``head``
+
+    def _forward(self, n: int, ops: Ops) -> Tensor:
+        pos, slots, src = self.longs[1, :n], self.longs[2, :n], self.longs[3, :n]
+        ids = torch.where(src >= 0, self.prev[src.clamp(min=0)], self.longs[0, :n])
+        row_seg, one_pos, many_pos = self.ints[0, :n], self.ints[1, :n], self.ints[2, :n]
+        single = (one_pos >= 0)[:, None, None]
+        pool, rope, tables = self.pool, self.rope, self.tables
+
+        def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            q = rope_write(pool, layer, q, k, v, pos, slots, rope).contiguous()
+            kc, vc = pool.k(layer), pool.v(layer)
+            one = lane_attention(q, kc, vc, tables, row_seg, one_pos, rows_per_program=1)
+            many = lane_attention(q, kc, vc, tables, row_seg, many_pos)
+            return torch.where(single, one, many)
+
+        return self.model(ids, pos, attn, ops, rope_in_attention=True)
+
+    def capture(self) -> None:
+        """Capture every size and variant, largest first (smaller ones reuse its memory)."""
+        self.longs.zero_()
+        self.longs[2:].fill_(-1)  # warm-up rows write no K/V ...
+        self.ints[0].zero_()
+        self.ints[1:].fill_(-1)   # ... and attend to nothing
+        for n in reversed(self.sizes):
+            for aligned in (True, False):
+                ops = self._ops[aligned]
+                if ops is not None and (not aligned or n > self.head):
+                    self._graphs[(n, aligned)] = _capture(partial(self._forward, n, ops),
+                                                          self._mempool)
+
+    def size_for(self, segments: Sequence[RowSegment], aligned: bool) -> int | None:
+        """The captured size that runs these segments, or None (they run eagerly)."""
+        rows = sum(len(s.input_ids) for s in segments)
+        if any(len(s.block_table) > self.max_blocks for s in segments):
+            return None
+        if aligned:
+            head = next((i for i, s in enumerate(segments) if len(s.input_ids) != 1),
+                        len(segments))
+            if head > self.head:
+                return None
+            rows = max(rows, self.head + 1)
+        n = smallest_at_least(self.sizes, rows)
+        return n if n is not None and (n, aligned) in self._graphs else None
+
+    def run(self, segments: Sequence[RowSegment], size: int, aligned: bool,
+            feed: tuple[Tensor, list[tuple[int, int]]] | None = None) -> Tensor:
+        """Final-normed hidden states [size, hidden] of the step's rows, in segment order
+        (a static buffer; ``size`` from ``size_for``). ``feed``: as ``DecodeGraphs.run``."""
+        src = dict(_feed_prev(self.prev, feed))
+        longs, ints = step_layout(segments, src, size, self.pool.block_size)
+        self.longs[:, :size].copy_(torch.tensor(longs, dtype=torch.long, pin_memory=True),
+                                   non_blocking=True)
+        self.ints[:, :size].copy_(torch.tensor(ints, dtype=torch.int32, pin_memory=True),
+                                  non_blocking=True)
+        _upload_tables(self.tables, segments)
+        graph, hidden = self._graphs[(size, aligned)]
+        graph.replay()
+        self.replays += 1
+        self.aligned_replays += aligned
+        return hidden
 
 
 class LaneGraph:

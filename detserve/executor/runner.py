@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import Counter
@@ -29,7 +30,7 @@ from detserve.outputs import TokenLogprob
 from detserve.sampler import PickedRows, SamplingSpec, launch_rows, sample_rows
 
 if TYPE_CHECKING:
-    from detserve.executor.graphs import DecodeGraphs, LaneGraph
+    from detserve.executor.graphs import DecodeGraphs, LaneGraph, StepGraphs
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,7 @@ class ModelRunner:
         self.head_products: Counter[str] = Counter()
         self.kernel_set = "torch-ref-1"
         self.decode_graphs: DecodeGraphs | None = None
+        self.step_graphs: StepGraphs | None = None
         self.lane_graph: LaneGraph | None = None
         if self.cuda:
             from detserve.executor import gpu
@@ -154,10 +156,12 @@ class ModelRunner:
             self.kernel_set = gpu.KERNEL_VERSION
 
     def enable_cuda_graphs(self, decode: str | None, lane: bool, max_batch: int,
-                           max_blocks: int) -> None:
-        """Capture decode graphs now ("fast" or "bi", up to ``max_batch`` sequences) and
-        prepare the lane graph (captured by the lane's thread on its first pass)."""
-        from detserve.executor.graphs import DecodeGraphs, LaneGraph
+                           max_blocks: int, step_rows: int = 0) -> None:
+        """Capture decode graphs now ("fast" or "bi", up to ``max_batch`` sequences), with
+        ``step_rows`` > 0 also graphs of the same kind for steps with prompt chunks of up to
+        that many rows, and prepare the lane graph (captured by the lane's thread on its
+        first pass)."""
+        from detserve.executor.graphs import DecodeGraphs, LaneGraph, StepGraphs, step_sizes
 
         if not self.cuda:
             raise ValueError("CUDA graphs need a CUDA device")
@@ -168,6 +172,13 @@ class ModelRunner:
                                               max_blocks, aligned=self.align_fast_path,
                                               buckets=buckets)
             self.decode_graphs.capture()
+            if step_rows > 0:
+                head = self.decode_graphs.bucket(max_batch) or 0
+                head_ops = (HeadPaddedOps(ops, head, head, self.single_call, Counter())
+                            if decode == "fast" and self.decode_buckets and head else None)
+                self.step_graphs = StepGraphs(self.model, self.pool, ops, step_sizes(step_rows),
+                                              max_blocks, head_ops=head_ops, head=head)
+                self.step_graphs.capture()
         if lane:
             self.lane_graph = LaneGraph(self.model, self.pool, self.lane_ops,
                                         self.lane_sizes(), max_blocks)
@@ -233,22 +244,26 @@ class ModelRunner:
             if len(want) < len(segments):
                 logits = logits[upload(want, self.device)]
         else:
-            batch = build_rows(segments, self.pool.block_size, self.device)
-            if feed is not None:
-                tokens, pairs = feed
-                rows = [batch.seg_offsets[i] for i, _ in pairs]
-                batch.input_ids[upload(rows, self.device)] = tokens[
-                    upload([j for _, j in pairs], self.device)]
             head = next((i for i, s in enumerate(segments) if len(s.input_ids) != 1),
                         len(segments))
             if not align_decode:
                 head = 0
-            hidden = self._forward(batch, self._padded(ops, head, batch_invariant),
-                                   "bi" if batch_invariant else "fast")
+            step_ops = self._padded(ops, head, batch_invariant)
+            hidden = self._graphed_step(segments, batch_invariant,
+                                        isinstance(step_ops, HeadPaddedOps), feed)
+            if hidden is None:
+                batch = build_rows(segments, self.pool.block_size, self.device)
+                if feed is not None:
+                    tokens, pairs = feed
+                    rows = [batch.seg_offsets[i] for i, _ in pairs]
+                    batch.input_ids[upload(rows, self.device)] = tokens[
+                        upload([j for _, j in pairs], self.device)]
+                hidden = self._forward(batch, step_ops, "bi" if batch_invariant else "fast")
             if not want:
                 return LaunchedBatch(len(segments), want, None)
-            last = upload([batch.seg_offsets[i] + len(segments[i].input_ids) - 1
-                           for i in want], self.device)
+            offsets = list(itertools.accumulate((len(s.input_ids) for s in segments),
+                                                initial=0))
+            last = upload([offsets[i + 1] - 1 for i in want], self.device)
             logits = self.model.logits(hidden[last], self._padded(
                 ops, sum(i < head for i in want), batch_invariant))
         specs = [s for s in sample_specs if s is not None]
@@ -256,6 +271,17 @@ class ModelRunner:
         # batch_invariant: row by row, nothing may depend on the batch
         picked = launch_rows(logits, specs, positions, row_by_row=batch_invariant)
         return LaunchedBatch(len(segments), want, picked)
+
+    def _graphed_step(self, segments: list[RowSegment], batch_invariant: bool, aligned: bool,
+                      feed: Feed | None) -> Tensor | None:
+        """The step's final-normed hidden states from a step graph of the engine's kind,
+        or None when none runs it (no graphs, another kind, or too many rows)."""
+        graphs = self.step_graphs
+        decode = self.decode_graphs
+        if graphs is None or decode is None or (decode.kind == "bi") != batch_invariant:
+            return None
+        size = graphs.size_for(segments, aligned)
+        return None if size is None else graphs.run(segments, size, aligned, feed)
 
     def _padded(self, ops: Ops, head: int, batch_invariant: bool) -> Ops:
         """Eager fast steps: the products of the leading ``head`` single-token rows run on
