@@ -73,6 +73,51 @@ class Result:
     # ENGINE_KEYS' differences over the phase; where a served run's extra time goes
     engine: dict[str, float] = field(default_factory=dict)
     load_walls_s: list[float] = field(default_factory=list)  # every repeat's; the row: median
+    # served only: where the time to first token went (``split_ttft``), idle and loaded
+    ttft_split: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClientTiming:
+    """One served request as its client saw it (monotonic seconds): sent, first token
+    received, and the decoder's id of the request."""
+
+    sent: float
+    first: float
+    request_id: str
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.sent
+
+
+SPLIT_KEYS = ("to_decoder_ms", "engine_queue_ms", "engine_ttft_ms", "back_ms")
+
+
+def split_ttft(client: list[ClientTiming], server: Mapping[str, Any]) -> dict[str, float]:
+    """Medians over the requests of where their TTFT went, from the client's clock and the
+    decoder's ``RequestTiming`` (``server``: request id -> timing; one machine, one
+    monotonic clock): HTTP + router + handle call to the decoder replica (``to_decoder``),
+    waiting there for the engine's next step boundary (``engine_queue``), the engine until
+    the first token is committed (``engine_ttft``), and back to the client (``back``);
+    ``dispatch_spread_s``: first request sent to last one received by the decoder."""
+    parts: dict[str, list[float]] = {k: [] for k in SPLIT_KEYS}
+    received = []
+    for c in client:
+        t = server.get(c.request_id)
+        if t is None or t.first_token is None:
+            continue
+        received.append(t.received)
+        for key, (a, b) in zip(SPLIT_KEYS, ((c.sent, t.received), (t.received, t.arrival),
+                                            (t.arrival, t.first_token), (t.first_token, c.first)),
+                               strict=True):
+            parts[key].append(1e3 * (b - a))
+    if not received:
+        return {}
+    out = {k: statistics.median(v) for k, v in parts.items()}
+    out["dispatch_spread_s"] = max(received) - min(c.sent for c in client)
+    out["requests"] = float(len(received))
+    return out
 
 
 def median_phase(phases: list[tuple[list[float], float, dict[str, float]]]
@@ -144,22 +189,24 @@ def run_offline(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
 
 # ---- served -------------------------------------------------------------------------
 async def _stream(client: httpx.AsyncClient, model: str, ids: list[int], w: Workload
-                  ) -> float:
+                  ) -> ClientTiming:
     body = {"model": model, "prompt": ids, "max_tokens": w.output_len, "temperature": 0,
             "ignore_eos": True, "is_deterministic": w.deterministic, "stream": True}
-    start = time.perf_counter()
-    ttft = None
+    sent = time.monotonic()
+    first, rid = None, ""
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
-            if ttft is None and line.startswith("data: {") and '"token_ids":[]' not in line:
-                ttft = time.perf_counter() - start
-    assert ttft is not None, "no token streamed"
-    return ttft
+            if first is None and line.startswith("data: {") and '"token_ids":[]' not in line:
+                first = time.monotonic()
+                rid = f"{json.loads(line[len('data: '):])['id']}-0"  # the decoder's id (choice 0)
+    assert first is not None, "no token streamed"
+    return ClientTiming(sent, first, rid)
 
 
 async def _served_phases(url: str, model: str, w: Workload, idle_requests: int, repeat: int
-                         ) -> tuple[list[float], list[tuple[list[float], float, dict[str, float]]]]:
+                         ) -> tuple[list[float], list[tuple[list[float], float, dict[str, float]]],
+                                    dict[str, dict[str, float]]]:
     from ray import serve
 
     decoder = serve.get_deployment_handle(DECODER, app_name=APP_NAME)  # the one replica
@@ -171,16 +218,24 @@ async def _served_phases(url: str, model: str, w: Workload, idle_requests: int, 
         await asyncio.gather(*(_stream(client, model, p, w)  # warm-up
                                for p in (w.prompts if w.warmup_load else w.prompts[:1])))
         idle = [await _stream(client, model, p, w) for p in w.prompts[:idle_requests]]
-        phases = []
+        splits = {"idle": await _split(decoder, idle)}
+        phases, loads = [], []
         for _ in range(repeat):
             before = (await decoder.stats.remote()).engine
             start = time.perf_counter()
-            ttfts = await asyncio.gather(*(_stream(client, model, p, w) for p in w.prompts))
+            timings = await asyncio.gather(*(_stream(client, model, p, w) for p in w.prompts))
             wall = time.perf_counter() - start
             await asyncio.sleep(0.2)  # the engine loop publishes its stats after each step
             after = (await decoder.stats.remote()).engine
-            phases.append((list(ttfts), wall, engine_delta(before, after)))
-        return idle, phases
+            phases.append(([t.ttft for t in timings], wall, engine_delta(before, after)))
+            loads.append((wall, await _split(decoder, list(timings))))
+        splits["loaded"] = sorted(loads, key=lambda x: x[0])[(len(loads) - 1) // 2][1]
+        return [t.ttft for t in idle], phases, splits
+
+
+async def _split(decoder: Any, client: list[ClientTiming]) -> dict[str, float]:
+    timings = await decoder.request_timings.remote(min(c.sent for c in client))
+    return split_ttft(client, {t.request_id: t for t in timings})
 
 
 def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
@@ -215,11 +270,11 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
                           log_to_driver=False)
         args = config["applications"][0]["args"]
         serve.run(compose(args, replica_cpus=1.0), name=APP_NAME, route_prefix="/")
-        idle, phases = asyncio.run(_served_phases(
+        idle, phases, splits = asyncio.run(_served_phases(
             f"http://127.0.0.1:{port}", model, w, idle_requests, repeat))
     ttft, wall, phase, walls = median_phase(phases)
     return Result("served (HTTP)", mode, 1e3 * statistics.median(idle), 1e3 * ttft, wall,
-                  len(w.prompts) * w.output_len / wall, phase, walls)
+                  len(w.prompts) * w.output_len / wall, phase, walls, splits)
 
 
 # ---- report -------------------------------------------------------------------------
@@ -280,6 +335,19 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
                      f"{e['mixed_step_seconds']:.2f} | {e['schedule_seconds']:.2f} | "
                      f"{e['output_seconds']:.2f} | {e['lane_wait_seconds']:.2f} | "
                      f"{busy / r.load_wall_s:.2f} |")
+    split_rows = [(r, phase, r.ttft_split[phase]) for r in results
+                  for phase in ("idle", "loaded") if r.ttft_split.get(phase)]
+    if split_rows:
+        lines += ["", "Where a served request's time to first token went (medians, ms; one "
+                  "machine-wide monotonic clock; dispatch spread: first request sent to last "
+                  "one received by the decoder replica):", "",
+                  "| mode | phase | to decoder | engine queue | engine TTFT | back to client "
+                  "| dispatch spread s |", "|---|---|---:|---:|---:|---:|---:|"]
+        for r, phase, sp in split_rows:
+            lines.append(f"| {r.mode} | {phase} | {sp['to_decoder_ms']:.1f} | "
+                         f"{sp['engine_queue_ms']:.1f} | {sp['engine_ttft_ms']:.1f} | "
+                         f"{sp['back_ms']:.1f} | "
+                         f"{'-' if phase == 'idle' else format(sp['dispatch_spread_s'], '.3f')} |")
     lines += ["", "Overhead of the served path (served / offline):", ""]
     for mode in dict.fromkeys(r.mode for r in results):
         off, srv = (next(r for r in results if r.mode == mode and r.path.startswith(p))

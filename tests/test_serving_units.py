@@ -69,6 +69,31 @@ def test_engine_loop_streams_exactly_the_engine_output() -> None:
     ids = [t for c in a for t in c.token_ids]
     assert "".join(c.text for c in a) == engine.tokenizer.decode(ids)
     assert chunks["b"][-1].determinism is None and loop.outstanding_tokens == 0
+    # each finished request's time to first token, split on one monotonic clock
+    timings = {t.request_id: t for t in loop.timings()}
+    assert set(timings) == {"a", "b"}
+    for t in timings.values():
+        assert t.first_token is not None and t.received <= t.arrival <= t.first_token
+    assert loop.timings(since=time.monotonic()) == []
+
+
+def test_split_ttft_medians_and_spread() -> None:
+    """Served TTFT split into its parts: client -> decoder, queue, engine, back."""
+    from benchmarks.bench_serving_overhead import ClientTiming, split_ttft
+    from services.decoder.engine_loop import RequestTiming
+
+    client = [ClientTiming(10.0, 10.050, "x-0"), ClientTiming(10.010, 10.090, "y-0"),
+              ClientTiming(10.020, 10.5, "lost-0")]
+    server = {"x-0": RequestTiming("x-0", 10.004, 10.005, 10.045),
+              "y-0": RequestTiming("y-0", 10.020, 10.030, 10.080)}
+    sp = split_ttft(client, server)
+    assert sp["requests"] == 2  # a request the decoder did not report is left out
+    assert sp["to_decoder_ms"] == pytest.approx(7.0)     # median of 4 and 10
+    assert sp["engine_queue_ms"] == pytest.approx(5.5)   # of 1 and 10
+    assert sp["engine_ttft_ms"] == pytest.approx(45.0)   # of 40 and 50
+    assert sp["back_ms"] == pytest.approx(7.5)           # of 5 and 10
+    assert sp["dispatch_spread_s"] == pytest.approx(0.020)
+    assert split_ttft(client[2:], server) == {}
 
 
 def test_engine_loop_delivers_each_step_in_one_batch() -> None:

@@ -21,7 +21,7 @@ from ray import serve
 
 from detserve.serve_config import DECODER
 from services.decoder.engine_factory import DecoderSettings, build_engine
-from services.decoder.engine_loop import EngineLoop, deliver_each
+from services.decoder.engine_loop import EngineLoop, RequestTiming, deliver_each
 from services.decoder.messages import (
     ChannelOpen,
     DecodeChunk,
@@ -195,6 +195,11 @@ class Decoder:
         return ReplicaStats(self.replica, dict(self.loop.stats), self.loop.outstanding_tokens,
                             self.loop.num_streams, self.loop.healthy,
                             type(self.loop.engine.verifier).__name__)
+
+    def request_timings(self, since: float = 0.0) -> list[RequestTiming]:
+        """Where finished requests' time to first token went in this replica (see
+        ``RequestTiming``): benchmarks split a served TTFT with it."""
+        return self.loop.timings(since)
 
     def record_routing_stats(self) -> dict[str, Any]:
         return {"outstanding_tokens": self.loop.outstanding_tokens}

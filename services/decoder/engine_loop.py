@@ -16,8 +16,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from detserve.engine import LLMEngine
 from detserve.outputs import RequestOutput
@@ -39,6 +41,20 @@ def deliver_each(batch: list[tuple[Sink, DecodeChunk]]) -> None:
 class _Add:
     request: DecodeRequest
     sink: Sink
+    received: float = field(default_factory=time.monotonic)  # when submit() was called
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """Where a finished request's time to first token went inside the decoder, on the
+    machine-wide monotonic clock (comparable across the processes of one machine):
+    ``received`` when the replica handed it to the loop, ``arrival`` when the engine took
+    it (the next step boundary), ``first_token`` when its first token was committed."""
+
+    request_id: str
+    received: float
+    arrival: float
+    first_token: float | None
 
 
 @dataclass(frozen=True)
@@ -51,6 +67,7 @@ class _Stream:
     request: DecodeRequest
     sink: Sink
     tracker: DeltaTracker
+    received: float
 
 
 class EngineLoop:
@@ -70,6 +87,8 @@ class EngineLoop:
         self._streams: dict[str, _Stream] = {}
         self._stats: Mapping[str, float] = engine.stats()
         self._outstanding_tokens = 0
+        # the latest finished requests' timings (``timings``), for benchmarks and debugging
+        self._timings: deque[RequestTiming] = deque(maxlen=4096)
         self.healthy = True
         self._thread = threading.Thread(target=self._run, name=f"engine-{replica}", daemon=True)
 
@@ -109,6 +128,11 @@ class EngineLoop:
     def num_streams(self) -> int:
         return len(self._streams)
 
+    def timings(self, since: float = 0.0) -> list[RequestTiming]:
+        """Timings of the requests finished lately (at most 4,096) received at or after
+        ``since`` (monotonic seconds)."""
+        return [t for t in list(self._timings) if t.received >= since]
+
     # ---- engine thread --------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -147,11 +171,11 @@ class EngineLoop:
             except queue.Empty:
                 return
             if isinstance(command, _Add):
-                self._add(command.request, command.sink)
+                self._add(command.request, command.sink, command.received)
             else:
                 self._abort(command.request_id)
 
-    def _add(self, request: DecodeRequest, sink: Sink) -> None:
+    def _add(self, request: DecodeRequest, sink: Sink, received: float) -> None:
         rid = request.request_id
         try:
             self.engine.add_request(rid, None, request.params,
@@ -160,7 +184,7 @@ class EngineLoop:
             self._send(sink, DecodeChunk(rid, self.replica, finished=True, error=str(e),
                                          error_type="invalid_request"))
             return
-        self._streams[rid] = _Stream(request, sink, DeltaTracker(request.params.stop))
+        self._streams[rid] = _Stream(request, sink, DeltaTracker(request.params.stop), received)
         self._outstanding_tokens += request.cost_tokens
 
     def _abort(self, request_id: str) -> None:
@@ -188,6 +212,8 @@ class EngineLoop:
             engine_stats=self._stats if out.finished else {})
         if out.finished:
             self._streams.pop(out.request_id)
+            self._timings.append(RequestTiming(out.request_id, stream.received,
+                                               out.stats.arrival_time, out.stats.first_token_time))
             self._outstanding_tokens -= stream.request.cost_tokens
             if out.finish_reason == "abort":
                 chunk = DecodeChunk(out.request_id, self.replica, finished=True,
