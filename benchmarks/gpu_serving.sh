@@ -13,8 +13,9 @@
 # REPEAT=N runs the loaded phase N times per path (rows: the median-wall run).
 # SWITCH_INTERVAL=S sets the decoder replica's Python switch interval (default Python's).
 # MODES="nondeterministic llm42" (default) picks the runs. PROFILE=1 samples the served
-# decoder replica with py-spy (from the bundles) into <mode>-gil.txt (threads holding the
-# GIL) and <mode>-threads.txt (every thread, waiting included), collapsed stacks.
+# decoder replica (PROFILE_TARGET=Router: the router replica) with py-spy (from the bundles)
+# into <mode>-gil.txt (threads holding the GIL) and <mode>-threads.txt (every thread,
+# waiting included), collapsed stacks.
 # Everything ends within BUDGET_S seconds (default 360, so that with the unstaging the
 # command stays well inside 8 minutes): each run has a timeout (T_NONDET / T_LLM42, default
 # 150 / 170 s), and the third run (llm42 again, under the MPS daemon; MPS=0 skips it) starts
@@ -109,12 +110,13 @@ bench() {  # name timeout_s mode
   return 0
 }
 
-profile() {  # PROFILE=1: py-spy samples of the decoder replica while it lives (raw stacks)
+profile() {  # PROFILE=1: py-spy samples of a replica while it lives (raw stacks)
   local pid="" i
   for i in $(seq 120); do
-    pid=$(pgrep -f "ServeReplica:.*Decoder" | head -1); [ -n "$pid" ] && break; sleep 0.5
+    pid=$(pgrep -f "ServeReplica:.*${PROFILE_TARGET:-Decoder}" | head -1); [ -n "$pid" ] && break
+    sleep 0.5
   done
-  [ -n "$pid" ] || { echo "profile: no decoder replica process"; return 0; }
+  [ -n "$pid" ] || { echo "profile: no ${PROFILE_TARGET:-Decoder} replica process"; return 0; }
   # who holds the GIL, and what every thread does (waiting included), sampled apart
   timeout 300 py-spy record --pid "$pid" --gil --threads --nonblocking -r 200 -f raw -o "$out/$1-gil.txt" \
     >/dev/null 2>&1 &

@@ -20,6 +20,9 @@ class DecodeRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
+    # when the router sent it to a decoder (machine-wide monotonic seconds; 0: unknown):
+    # with the decoder's own times it splits a served request's time to first token
+    dispatched: float = 0.0
 
     @property
     def is_deterministic(self) -> bool:

@@ -9,6 +9,7 @@ the part the client has not seen yet is streamed (see ``replay``).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -135,7 +136,8 @@ class Dispatcher:
         assert hub is not None
         rid = request.request_id
         queue = hub.register(rid)
-        stream = self._decoder.generate.remote(request, hub.id)
+        stream = self._decoder.generate.remote(replace(request, dispatched=time.monotonic()),
+                                               hub.id)
         done = False
         try:
             try:
@@ -163,7 +165,7 @@ class Dispatcher:
                 stream.cancel()
 
     async def _decode_stream(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
-        stream = self._decoder.generate.remote(request)
+        stream = self._decoder.generate.remote(replace(request, dispatched=time.monotonic()))
         done = False
         try:
             async for wire in stream:
