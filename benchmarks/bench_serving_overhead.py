@@ -91,14 +91,17 @@ class ClientTiming:
         return self.first - self.sent
 
 
-SPLIT_KEYS = ("to_router_ms", "to_decoder_ms", "engine_queue_ms", "engine_ttft_ms", "back_ms")
+SPLIT_KEYS = ("to_router_ms", "router_ms", "to_decoder_ms", "engine_queue_ms", "engine_ttft_ms",
+              "back_ms")
 
 
 def split_ttft(client: list[ClientTiming], server: Mapping[str, Any]) -> dict[str, float]:
     """Medians over the requests of where their TTFT went, from the client's clock and the
     decoder's ``RequestTiming`` (``server``: request id -> timing; one machine, one
-    monotonic clock): HTTP and the router until it sends the request on (``to_router``),
-    the handle call to the decoder replica (``to_decoder``), waiting there for the engine's
+    monotonic clock): the client's HTTP request until the router's handler has it
+    (``to_router``), the router until it sends the request on (``router``: parsing,
+    validation, admission), the handle call to the decoder replica (``to_decoder``),
+    waiting there for the engine's
     next step boundary (``engine_queue``), the engine until the first token is committed
     (``engine_ttft``), and back to the client (``back``); ``dispatch_spread_s``: first
     request sent to last one received by the decoder."""
@@ -109,7 +112,8 @@ def split_ttft(client: list[ClientTiming], server: Mapping[str, Any]) -> dict[st
         if t is None or t.first_token is None:
             continue
         received.append(t.received)
-        for key, (a, b) in zip(SPLIT_KEYS, ((c.sent, t.dispatched), (t.dispatched, t.received),
+        for key, (a, b) in zip(SPLIT_KEYS, ((c.sent, t.accepted), (t.accepted, t.dispatched),
+                                            (t.dispatched, t.received),
                                             (t.received, t.arrival),
                                             (t.arrival, t.first_token), (t.first_token, c.first)),
                                strict=True):
@@ -343,12 +347,12 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
         lines += ["", "Where a served request's time to first token went (medians, ms; one "
                   "machine-wide monotonic clock; dispatch spread: first request sent to last "
                   "one received by the decoder replica):", "",
-                  "| mode | phase | client to router dispatch | router to decoder | engine "
-                  "queue | engine TTFT | back to client | dispatch spread s |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+                  "| mode | phase | client to router handler | router handler to dispatch "
+                  "| router to decoder | engine queue | engine TTFT | back to client "
+                  "| dispatch spread s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r, phase, sp in split_rows:
             lines.append(f"| {r.mode} | {phase} | {sp['to_router_ms']:.1f} | "
-                         f"{sp['to_decoder_ms']:.1f} | "
+                         f"{sp['router_ms']:.1f} | {sp['to_decoder_ms']:.1f} | "
                          f"{sp['engine_queue_ms']:.1f} | {sp['engine_ttft_ms']:.1f} | "
                          f"{sp['back_ms']:.1f} | "
                          f"{'-' if phase == 'idle' else format(sp['dispatch_spread_s'], '.3f')} |")

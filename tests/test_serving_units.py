@@ -74,7 +74,7 @@ def test_engine_loop_streams_exactly_the_engine_output() -> None:
     assert set(timings) == {"a", "b"}
     for t in timings.values():
         assert t.first_token is not None and t.received <= t.arrival <= t.first_token
-        assert t.dispatched == 0.0  # submitted here, not by a router
+        assert t.accepted == t.dispatched == 0.0  # submitted here, not by a router
     assert loop.timings(since=time.monotonic()) == []
 
 
@@ -85,11 +85,12 @@ def test_split_ttft_medians_and_spread() -> None:
 
     client = [ClientTiming(10.0, 10.050, "x-0"), ClientTiming(10.010, 10.090, "y-0"),
               ClientTiming(10.020, 10.5, "lost-0")]
-    server = {"x-0": RequestTiming("x-0", 10.001, 10.004, 10.005, 10.045),
-              "y-0": RequestTiming("y-0", 10.014, 10.020, 10.030, 10.080)}
+    server = {"x-0": RequestTiming("x-0", 10.0005, 10.001, 10.004, 10.005, 10.045),
+              "y-0": RequestTiming("y-0", 10.012, 10.014, 10.020, 10.030, 10.080)}
     sp = split_ttft(client, server)
     assert sp["requests"] == 2  # a request the decoder did not report is left out
-    assert sp["to_router_ms"] == pytest.approx(2.5)      # median of 1 and 4
+    assert sp["to_router_ms"] == pytest.approx(1.25)     # median of 0.5 and 2
+    assert sp["router_ms"] == pytest.approx(1.25)        # of 0.5 and 2
     assert sp["to_decoder_ms"] == pytest.approx(4.5)     # of 3 and 6
     assert sp["engine_queue_ms"] == pytest.approx(5.5)   # of 1 and 10
     assert sp["engine_ttft_ms"] == pytest.approx(45.0)   # of 40 and 50

@@ -47,12 +47,14 @@ class _Add:
 @dataclass(frozen=True)
 class RequestTiming:
     """Where a finished request's time to first token went, on the machine-wide monotonic
-    clock (comparable across the processes of one machine): ``dispatched`` when the router
-    sent it (0: unknown), ``received`` when the decoder replica handed it to the loop,
+    clock (comparable across the processes of one machine): ``accepted`` when the router's
+    HTTP handler got it and ``dispatched`` when the router sent it on (0: unknown),
+    ``received`` when the decoder replica handed it to the loop,
     ``arrival`` when the engine took it (the next step boundary), ``first_token`` when its
     first token was committed."""
 
     request_id: str
+    accepted: float
     dispatched: float
     received: float
     arrival: float
@@ -214,8 +216,9 @@ class EngineLoop:
             engine_stats=self._stats if out.finished else {})
         if out.finished:
             self._streams.pop(out.request_id)
-            self._timings.append(RequestTiming(out.request_id, stream.request.dispatched,
-                                               stream.received,
+            request = stream.request
+            self._timings.append(RequestTiming(out.request_id, request.accepted,
+                                               request.dispatched, stream.received,
                                                out.stats.arrival_time, out.stats.first_token_time))
             self._outstanding_tokens -= stream.request.cost_tokens
             if out.finish_reason == "abort":

@@ -20,8 +20,10 @@ class DecodeRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
-    # when the router sent it to a decoder (machine-wide monotonic seconds; 0: unknown):
-    # with the decoder's own times it splits a served request's time to first token
+    # when the router's handler got the client's request and when the router sent it to a
+    # decoder (machine-wide monotonic seconds; 0: unknown): with the decoder's own times
+    # they split a served request's time to first token
+    accepted: float = 0.0
     dispatched: float = 0.0
 
     @property
