@@ -228,15 +228,31 @@ async def _served_phases(url: str, model: str, w: Workload, idle_requests: int, 
         phases, loads = [], []
         for _ in range(repeat):
             before = (await decoder.stats.remote()).engine
+            lags: list[float] = []
+            probe = asyncio.create_task(_loop_lag(lags))
             start = time.perf_counter()
             timings = await asyncio.gather(*(_stream(client, model, p, w) for p in w.prompts))
             wall = time.perf_counter() - start
+            probe.cancel()
             await asyncio.sleep(0.2)  # the engine loop publishes its stats after each step
             after = (await decoder.stats.remote()).engine
             phases.append(([t.ttft for t in timings], wall, engine_delta(before, after)))
-            loads.append((wall, await _split(decoder, list(timings))))
+            split = await _split(decoder, list(timings))
+            if lags:  # how late this client's own event loop ran (its reading of the streams)
+                split["client_loop_lag_p90_ms"] = 1e3 * statistics.quantiles(lags, n=10)[-1] \
+                    if len(lags) > 1 else 1e3 * lags[0]
+                split["client_loop_lag_max_ms"] = 1e3 * max(lags)
+            loads.append((wall, split))
         splits["loaded"] = sorted(loads, key=lambda x: x[0])[(len(loads) - 1) // 2][1]
         return [t.ttft for t in idle], phases, splits
+
+
+async def _loop_lag(lags: list[float], period: float = 0.005) -> None:
+    """Append how late each ``period`` sleep of this event loop woke up (seconds)."""
+    while True:
+        t = time.monotonic()
+        await asyncio.sleep(period)
+        lags.append(max(0.0, time.monotonic() - t - period))
 
 
 async def _split(decoder: Any, client: list[ClientTiming]) -> dict[str, float]:
@@ -356,6 +372,12 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
                          f"{sp['engine_queue_ms']:.1f} | {sp['engine_ttft_ms']:.1f} | "
                          f"{sp['back_ms']:.1f} | "
                          f"{'-' if phase == 'idle' else format(sp['dispatch_spread_s'], '.3f')} |")
+        lag = [(r, sp) for r, phase, sp in split_rows if "client_loop_lag_max_ms" in sp]
+        if lag:
+            lines += ["", "The benchmark client's own event loop during the loaded phase (how "
+                      "late a 5 ms sleep woke up): " + "; ".join(
+                          f"{r.mode} p90 {sp['client_loop_lag_p90_ms']:.1f} ms, max "
+                          f"{sp['client_loop_lag_max_ms']:.1f} ms" for r, sp in lag)]
     lines += ["", "Overhead of the served path (served / offline):", ""]
     for mode in dict.fromkeys(r.mode for r in results):
         off, srv = (next(r for r in results if r.mode == mode and r.path.startswith(p))
