@@ -30,11 +30,13 @@ import asyncio
 import datetime as dt
 import gc
 import json
+import multiprocessing
 import os
 import random
 import statistics
 import time
 from collections.abc import Mapping
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -210,9 +212,46 @@ async def _stream(client: httpx.AsyncClient, model: str, ids: list[int], w: Work
     return ClientTiming(sent, first, rid)
 
 
-async def _served_phases(url: str, model: str, w: Workload, idle_requests: int, repeat: int
+async def _served_phases(url: str, model: str, w: Workload, idle_requests: int, repeat: int,
+                         client_procs: int = 1
                          ) -> tuple[list[float], list[tuple[list[float], float, dict[str, float]]],
                                     dict[str, dict[str, float]]]:
+    with ExitStack() as stack:
+        pool = None
+        if client_procs > 1:  # processes started (and their imports done) before any phase
+            ctx = multiprocessing.get_context("spawn")
+            pool = stack.enter_context(ProcessPoolExecutor(client_procs, mp_context=ctx))
+            list(pool.map(time.sleep, [0.0] * client_procs))
+        return await _phases(url, model, w, idle_requests, repeat, pool, client_procs)
+
+
+def _client_share(url: str, model: str, w: Workload, prompts: list[list[int]], start_at: float
+                  ) -> list[ClientTiming]:
+    """One client process's share of a loaded phase, sent together at ``start_at``
+    (monotonic seconds, one clock for the machine)."""
+    async def run() -> list[ClientTiming]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(prompts))
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+            await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+            return list(await asyncio.gather(*(_stream(client, model, p, w) for p in prompts)))
+    return asyncio.run(run())
+
+
+async def _pooled_load(pool: ProcessPoolExecutor, procs: int, url: str, model: str,
+                       w: Workload) -> list[ClientTiming]:
+    """The loaded phase's requests split over ``procs`` client processes (round robin),
+    all sent at one instant: one Python client reading 64+ token streams falls behind."""
+    start_at = time.monotonic() + 0.3
+    shares = [w.prompts[i::procs] for i in range(procs)]
+    done = await asyncio.gather(*(asyncio.wrap_future(pool.submit(
+        _client_share, url, model, w, share, start_at)) for share in shares if share))
+    return [t for share in done for t in share]
+
+
+async def _phases(url: str, model: str, w: Workload, idle_requests: int, repeat: int,
+                  pool: ProcessPoolExecutor | None, client_procs: int
+                  ) -> tuple[list[float], list[tuple[list[float], float, dict[str, float]]],
+                             dict[str, dict[str, float]]]:
     from ray import serve
 
     decoder = serve.get_deployment_handle(DECODER, app_name=APP_NAME)  # the one replica
@@ -229,22 +268,56 @@ async def _served_phases(url: str, model: str, w: Workload, idle_requests: int, 
         for _ in range(repeat):
             before = (await decoder.stats.remote()).engine
             lags: list[float] = []
+            router_before = await _router_lag(client)
             probe = asyncio.create_task(_loop_lag(lags))
+            cpu0 = time.process_time()  # this client's CPU (its sends and its stream reading)
             start = time.perf_counter()
-            timings = await asyncio.gather(*(_stream(client, model, p, w) for p in w.prompts))
+            if pool is None:
+                timings = await asyncio.gather(*(_stream(client, model, p, w)
+                                                 for p in w.prompts))
+            else:
+                timings = await _pooled_load(pool, client_procs, url, model, w)
             wall = time.perf_counter() - start
+            client_cpu = (time.process_time() - cpu0) / wall
             probe.cancel()
             await asyncio.sleep(0.2)  # the engine loop publishes its stats after each step
             after = (await decoder.stats.remote()).engine
             phases.append(([t.ttft for t in timings], wall, engine_delta(before, after)))
             split = await _split(decoder, list(timings))
-            if lags:  # how late this client's own event loop ran (its reading of the streams)
+            router = [b - a for a, b in zip(router_before, await _router_lag(client), strict=True)]
+            if router[0] > 0:  # the router's own loop (its /metrics histogram, this phase)
+                split["router_loop_lag_mean_ms"] = 1e3 * router[1] / router[0]
+                split["router_loop_late_50ms"] = (router[0] - router[2]) / router[0]
+            if lags and pool is None:  # how late the client's own event loop ran
                 split["client_loop_lag_p90_ms"] = 1e3 * statistics.quantiles(lags, n=10)[-1] \
                     if len(lags) > 1 else 1e3 * lags[0]
                 split["client_loop_lag_max_ms"] = 1e3 * max(lags)
+            if pool is None:
+                split["client_cpu_busy"] = client_cpu  # CPU seconds per wall second
             loads.append((wall, split))
         splits["loaded"] = sorted(loads, key=lambda x: x[0])[(len(loads) - 1) // 2][1]
         return [t.ttft for t in idle], phases, splits
+
+
+LAG_METRIC = "detserve:router_event_loop_lag_seconds"
+
+
+def parse_router_lag(text: str) -> tuple[float, float, float]:
+    """(count, sum, count <= 50 ms) of the router's event-loop lag histogram in a
+    Prometheus text page (zeros when absent)."""
+    vals = {"count": 0.0, "sum": 0.0, "le": 0.0}
+    for line in text.splitlines():
+        if line.startswith(LAG_METRIC + "_count"):
+            vals["count"] = float(line.split()[-1])
+        elif line.startswith(LAG_METRIC + "_sum"):
+            vals["sum"] = float(line.split()[-1])
+        elif line.startswith(LAG_METRIC + '_bucket{le="0.05"}'):
+            vals["le"] = float(line.split()[-1])
+    return vals["count"], vals["sum"], vals["le"]
+
+
+async def _router_lag(client: httpx.AsyncClient) -> tuple[float, float, float]:
+    return parse_router_lag((await client.get("/metrics")).text)
 
 
 async def _loop_lag(lags: list[float], period: float = 0.005) -> None:
@@ -263,7 +336,8 @@ async def _split(decoder: Any, client: list[ClientTiming]) -> dict[str, float]:
 def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
                idle_requests: int, verifier_gpu_fraction: float = 0.5,
                stream_interval: int = 1, repeat: int = 1,
-               pipeline_lane_prefill: bool = True, switch_interval: float = 0.0) -> Result:
+               pipeline_lane_prefill: bool = True, switch_interval: float = 0.0,
+               client_procs: int = 1) -> Result:
     from ray import serve
 
     from detserve.redis_server import EmbeddedRedis
@@ -293,7 +367,7 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
         args = config["applications"][0]["args"]
         serve.run(compose(args, replica_cpus=1.0), name=APP_NAME, route_prefix="/")
         idle, phases, splits = asyncio.run(_served_phases(
-            f"http://127.0.0.1:{port}", model, w, idle_requests, repeat))
+            f"http://127.0.0.1:{port}", model, w, idle_requests, repeat, client_procs))
     ttft, wall, phase, walls = median_phase(phases)
     return Result("served (HTTP)", mode, 1e3 * statistics.median(idle), 1e3 * ttft, wall,
                   len(w.prompts) * w.output_len / wall, phase, walls, splits)
@@ -330,7 +404,8 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
              f"output {meta['output_len']} tokens (ignore EOS, greedy), model "
              f"`{meta['model']}`, W={meta['verify_window']}, G={meta['verify_group']}; "
              "`llm42` rows send every request with `is_deterministic`; served stream "
-             f"interval {meta.get('stream_interval', 1)} token(s) per chunk; loaded phase "
+             f"interval {meta.get('stream_interval', 1)} token(s) per chunk; served loaded "
+             f"phase sent by {meta.get('client_procs', 1)} client process(es); loaded phase "
              f"run {meta.get('repeat', 1)} time(s) per path, rows from the median-wall run "
              "(walls of every run below).", "",
              "| mode | path | idle TTFT ms | loaded TTFT ms | loaded wall s | output tok/s |",
@@ -377,7 +452,16 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
             lines += ["", "The benchmark client's own event loop during the loaded phase (how "
                       "late a 5 ms sleep woke up): " + "; ".join(
                           f"{r.mode} p90 {sp['client_loop_lag_p90_ms']:.1f} ms, max "
-                          f"{sp['client_loop_lag_max_ms']:.1f} ms" for r, sp in lag)]
+                          f"{sp['client_loop_lag_max_ms']:.1f} ms, its process busy "
+                          f"{sp.get('client_cpu_busy', 0.0):.0%} of the wall"
+                          for r, sp in lag)]
+        rlag = [(r, sp) for r, phase, sp in split_rows if "router_loop_lag_mean_ms" in sp]
+        if rlag:
+            lines += ["", "The router's event loop during the loaded phase (its 10 ms wake-up, "
+                      "`detserve:router_event_loop_lag_seconds`): " + "; ".join(
+                          f"{r.mode} {sp['router_loop_lag_mean_ms']:.1f} ms late on average, "
+                          f"{sp['router_loop_late_50ms']:.0%} of wake-ups more than 50 ms late"
+                          for r, sp in rlag)]
     lines += ["", "Overhead of the served path (served / offline):", ""]
     for mode in dict.fromkeys(r.mode for r in results):
         off, srv = (next(r for r in results if r.mode == mode and r.path.startswith(p))
@@ -422,14 +506,18 @@ def main() -> None:
     ap.add_argument("--switch-interval", type=float, default=0.0,
                     help="served: the decoder replica's Python thread switch interval in "
                          "seconds (detserve serve --switch-interval; 0 = Python's 5 ms)")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="served loaded phase: split the requests over this many client "
+                         "processes sent at one instant (one Python client reading every "
+                         "token stream can fall behind the server)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the loaded phase this many times on each path (same engine, "
                          "same cluster); rows give the median-wall run")
     ap.add_argument("--out", type=Path, default=None, help="write <out>.json and <out>.md")
     a = ap.parse_args()
     gpu = a.device == "cuda"
-    if a.repeat < 1:
-        ap.error("--repeat must be >= 1")
+    if a.repeat < 1 or a.client_procs < 1:
+        ap.error("--repeat and --client-procs must be >= 1")
     if gpu and not torch.cuda.is_available():
         ap.error("--device cuda but torch sees no CUDA device")
     if gpu and not 0.0 < a.verifier_gpu_fraction < 1.0:
@@ -448,7 +536,8 @@ def main() -> None:
         print(results[-1], flush=True)
         results.append(run_served(a.model, mode, kw, w, a.idle_requests,
                                   a.verifier_gpu_fraction, a.stream_interval, a.repeat,
-                                  not a.no_pipeline_lane_prefill, a.switch_interval))
+                                  not a.no_pipeline_lane_prefill, a.switch_interval,
+                                  a.client_procs))
         print(results[-1], flush=True)
     cpu = f"{hardware('cpu')}, {os.cpu_count()} cores"
     machine = cpu
@@ -463,6 +552,7 @@ def main() -> None:
             "mps": gpu and os.path.exists(mps_pipe),
             "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
             "stream_interval": a.stream_interval, "switch_interval": a.switch_interval,
+            "client_procs": a.client_procs,
             "repeat": a.repeat, **kw,
             "command": "python -m benchmarks.bench_serving_overhead "
                        + " ".join(command_flags(vars(a), skip=()))}

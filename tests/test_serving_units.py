@@ -99,6 +99,20 @@ def test_split_ttft_medians_and_spread() -> None:
     assert split_ttft(client[2:], server) == {}
 
 
+def test_router_loop_lag_histogram_parsed() -> None:
+    from prometheus_client import generate_latest
+
+    from benchmarks.bench_serving_overhead import parse_router_lag
+    from services.router.metrics import RouterMetrics
+
+    m = RouterMetrics()
+    for lag in (0.002, 0.03, 0.2):
+        m.loop_lag.observe(lag)
+    count, total, on_time = parse_router_lag(generate_latest(m.registry).decode())
+    assert (count, on_time) == (3, 2) and total == pytest.approx(0.232)
+    assert parse_router_lag("") == (0.0, 0.0, 0.0)
+
+
 def test_engine_loop_delivers_each_step_in_one_batch() -> None:
     """Every chunk arrives, in order per request, and the chunks of one step come in one
     ``deliver`` call (the deployment turns it into one event-loop wake-up)."""

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from services.decoder.messages import ReplicaStats
-from services.router.metrics import RouterMetrics
+from services.router.metrics import RouterMetrics, watch_loop_lag
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ class DecoderHealth:
         self._last_ok = float("-inf")
         self.last_error = "not probed yet"
         self._task: asyncio.Task[None] | None = None
+        self._lag_task: asyncio.Task[None] | None = None
 
     @property
     def ready(self) -> bool:
@@ -41,12 +42,16 @@ class DecoderHealth:
         return sum(t >= horizon for t in self._seen.values()) if self.ready else 0
 
     def start(self) -> None:
+        """Start probing, and watching the router's event loop (``watch_loop_lag``)."""
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            loop = asyncio.get_running_loop()
+            self._task = loop.create_task(self._run())
+            self._lag_task = loop.create_task(watch_loop_lag(self._metrics.loop_lag))
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._lag_task):
+            if task is not None:
+                task.cancel()
 
     async def ensure_ready(self) -> bool:
         return self.ready or await self.probe()

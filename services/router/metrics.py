@@ -8,6 +8,7 @@ exported per replica, so a scrape sums them across the cluster.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator, Mapping
 
@@ -61,6 +62,17 @@ class EngineCounters(Collector):
                                 value=pad / rows if rows else 0.0)
 
 
+_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+async def watch_loop_lag(histogram: Histogram, period_s: float = 0.01) -> None:
+    """Observe forever how late each ``period_s`` sleep of the running loop wakes up."""
+    while True:
+        t = time.monotonic()
+        await asyncio.sleep(period_s)
+        histogram.observe(max(0.0, time.monotonic() - t - period_s))
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         # a registry per router instance (no process-global metrics); the *_created series
@@ -88,6 +100,11 @@ class RouterMetrics:
                                 ["type"], registry=r)
         self.replays = Counter(PREFIX + "deterministic_replays",
                                "deterministic sequences replayed on another decoder", registry=r)
+        # how late a periodic wake-up of the router's event loop ran (``watch_loop_lag``): a
+        # loop busy writing streams delays every request waiting for it
+        self.loop_lag = Histogram(PREFIX + "router_event_loop_lag_seconds",
+                                  "lateness of the router event loop's periodic 10 ms wake-up",
+                                  registry=r, buckets=_LAG_BUCKETS)
         self.engines = EngineCounters()
         r.register(self.engines)
 
