@@ -35,7 +35,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -392,6 +392,13 @@ NOTE_GPU = ("Served = HTTP client -> Router replica (Ray Serve direct ingress: n
             "processes' kernels time-slice); KV shared through CUDA IPC. Targets (issue): "
             "served throughput >= 0.95 x offline, idle TTFT <= offline + 10 ms.")
 
+def _loop_lines(rows: list[tuple[Result, str, dict[str, float]]], key: str, head: str,
+                fmt: Callable[[dict[str, float]], str]) -> list[str]:
+    """One paragraph of the rows whose split has ``key``: ``head``, then per mode ``fmt``."""
+    picked = [(r, sp) for r, _, sp in rows if key in sp]
+    return ["", head + "; ".join(f"{r.mode} {fmt(sp)}" for r, sp in picked)] if picked else []
+
+
 def markdown(results: list[Result], meta: dict[str, Any]) -> str:
     gpu = str(meta.get("device", "cpu")).startswith("cuda")
     setup = (f"; device {meta['device']}, dtype {meta['dtype']}, verifier GPU fraction "
@@ -447,21 +454,17 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
                          f"{sp['engine_queue_ms']:.1f} | {sp['engine_ttft_ms']:.1f} | "
                          f"{sp['back_ms']:.1f} | "
                          f"{'-' if phase == 'idle' else format(sp['dispatch_spread_s'], '.3f')} |")
-        lag = [(r, sp) for r, phase, sp in split_rows if "client_loop_lag_max_ms" in sp]
-        if lag:
-            lines += ["", "The benchmark client's own event loop during the loaded phase (how "
-                      "late a 5 ms sleep woke up): " + "; ".join(
-                          f"{r.mode} p90 {sp['client_loop_lag_p90_ms']:.1f} ms, max "
-                          f"{sp['client_loop_lag_max_ms']:.1f} ms, its process busy "
-                          f"{sp.get('client_cpu_busy', 0.0):.0%} of the wall"
-                          for r, sp in lag)]
-        rlag = [(r, sp) for r, phase, sp in split_rows if "router_loop_lag_mean_ms" in sp]
-        if rlag:
-            lines += ["", "The router's event loop during the loaded phase (its 10 ms wake-up, "
-                      "`detserve:router_event_loop_lag_seconds`): " + "; ".join(
-                          f"{r.mode} {sp['router_loop_lag_mean_ms']:.1f} ms late on average, "
-                          f"{sp['router_loop_late_50ms']:.0%} of wake-ups more than 50 ms late"
-                          for r, sp in rlag)]
+        lines += _loop_lines(
+            split_rows, "client_loop_lag_max_ms", "The benchmark client's own event loop during "
+            "the loaded phase (how late a 5 ms sleep woke up): ",
+            lambda sp: f"p90 {sp['client_loop_lag_p90_ms']:.1f} ms, max "
+                       f"{sp['client_loop_lag_max_ms']:.1f} ms, its process busy "
+                       f"{sp.get('client_cpu_busy', 0.0):.0%} of the wall")
+        lines += _loop_lines(
+            split_rows, "router_loop_lag_mean_ms", "The router's event loop during the loaded "
+            "phase (its 10 ms wake-up, `detserve:router_event_loop_lag_seconds`): ",
+            lambda sp: f"{sp['router_loop_lag_mean_ms']:.1f} ms late on average, "
+                       f"{sp['router_loop_late_50ms']:.0%} of wake-ups more than 50 ms late")
     lines += ["", "Overhead of the served path (served / offline):", ""]
     for mode in dict.fromkeys(r.mode for r in results):
         off, srv = (next(r for r in results if r.mode == mode and r.path.startswith(p))
