@@ -225,13 +225,20 @@ async def _served_phases(url: str, model: str, w: Workload, idle_requests: int, 
         return await _phases(url, model, w, idle_requests, repeat, pool, client_procs)
 
 
+def _http_client(url: str, requests: int) -> httpx.AsyncClient:
+    """A client with one connection per request in flight: httpx's default pool (100
+    connections) would hold back all requests past the 100th until others finish, which the
+    offline engine never does (it has every request queued at t=0)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=requests)
+    return httpx.AsyncClient(base_url=url, timeout=600, limits=limits)
+
+
 def _client_share(url: str, model: str, w: Workload, prompts: list[list[int]], start_at: float
                   ) -> list[ClientTiming]:
     """One client process's share of a loaded phase, sent together at ``start_at``
     (monotonic seconds, one clock for the machine)."""
     async def run() -> list[ClientTiming]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(prompts))
-        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        async with _http_client(url, len(prompts)) as client:
             await asyncio.sleep(max(0.0, start_at - time.monotonic()))
             return list(await asyncio.gather(*(_stream(client, model, p, w) for p in prompts)))
     return asyncio.run(run())
@@ -255,11 +262,7 @@ async def _phases(url: str, model: str, w: Workload, idle_requests: int, repeat:
     from ray import serve
 
     decoder = serve.get_deployment_handle(DECODER, app_name=APP_NAME)  # the one replica
-    # one connection per request in flight: httpx's default pool (100 connections) would hold
-    # back all requests past the 100th until others finish, which the offline engine never
-    # does (it has every request queued at t=0)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(w.prompts))
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    async with _http_client(url, len(w.prompts)) as client:
         await asyncio.gather(*(_stream(client, model, p, w)  # warm-up
                                for p in (w.prompts if w.warmup_load else w.prompts[:1])))
         idle = [await _stream(client, model, p, w) for p in w.prompts[:idle_requests]]

@@ -325,6 +325,10 @@ def test_completion_choices_cover_prompts_times_n(ctx: ModelContext) -> None:
     assert [c.params.seed for c in job.choices] == [5, 6, 5, 6]
     assert job.prompt_tokens == sum(len(c.prompt_token_ids) for c in job.choices[::2])
     assert job.choices[0].prompt_token_ids == tuple(ctx.tokenizer.encode("a", True))
+    stamped = job.accepted_at(12.5)  # every choice carries when the router got the request
+    assert [c.accepted for c in stamped.choices] == [12.5] * 4
+    assert [c.accepted for c in job.choices] == [0.0] * 4
+    assert [replace(c, accepted=0.0) for c in stamped.choices] == list(job.choices)
 
 
 @pytest.mark.parametrize("fields, param", [

@@ -350,19 +350,19 @@ class StepGraphs:
                     self._graphs[(n, aligned)] = _capture(partial(self._forward, n, ops),
                                                           self._mempool)
 
-    def size_for(self, segments: Sequence[RowSegment], aligned: bool) -> int | None:
-        """The captured size that runs these segments, or None (they run eagerly)."""
+    def size_for(self, segments: Sequence[RowSegment], head: int | None) -> int | None:
+        """The captured size that runs these segments, or None (they run eagerly).
+        ``head``: the leading decode rows that need the lane's bits (the aligned variant),
+        or None."""
         rows = sum(len(s.input_ids) for s in segments)
         if any(len(s.block_table) > self.max_blocks for s in segments):
             return None
-        if aligned:
-            head = next((i for i, s in enumerate(segments) if len(s.input_ids) != 1),
-                        len(segments))
+        if head is not None:
             if head > self.head:
                 return None
             rows = max(rows, self.head + 1)
         n = smallest_at_least(self.sizes, rows)
-        return n if n is not None and (n, aligned) in self._graphs else None
+        return n if n is not None and (n, head is not None) in self._graphs else None
 
     def run(self, segments: Sequence[RowSegment], size: int, aligned: bool,
             feed: tuple[Tensor, list[tuple[int, int]]] | None = None) -> Tensor:

@@ -249,8 +249,9 @@ class ModelRunner:
             if not align_decode:
                 head = 0
             step_ops = self._padded(ops, head, batch_invariant)
-            hidden = self._graphed_step(segments, batch_invariant,
-                                        isinstance(step_ops, HeadPaddedOps), feed)
+            hidden = self._graphed_step(
+                segments, batch_invariant, head if isinstance(step_ops, HeadPaddedOps) else None,
+                feed)
             if hidden is None:
                 batch = build_rows(segments, self.pool.block_size, self.device)
                 if feed is not None:
@@ -272,16 +273,17 @@ class ModelRunner:
         picked = launch_rows(logits, specs, positions, row_by_row=batch_invariant)
         return LaunchedBatch(len(segments), want, picked)
 
-    def _graphed_step(self, segments: list[RowSegment], batch_invariant: bool, aligned: bool,
-                      feed: Feed | None) -> Tensor | None:
+    def _graphed_step(self, segments: list[RowSegment], batch_invariant: bool,
+                      head: int | None, feed: Feed | None) -> Tensor | None:
         """The step's final-normed hidden states from a step graph of the engine's kind,
-        or None when none runs it (no graphs, another kind, or too many rows)."""
+        or None when none runs it (no graphs, another kind, or too many rows). ``head``:
+        the leading decode rows whose products need the lane's bits, or None."""
         graphs = self.step_graphs
         decode = self.decode_graphs
         if graphs is None or decode is None or (decode.kind == "bi") != batch_invariant:
             return None
-        size = graphs.size_for(segments, aligned)
-        return None if size is None else graphs.run(segments, size, aligned, feed)
+        size = graphs.size_for(segments, head)
+        return None if size is None else graphs.run(segments, size, head is not None, feed)
 
     def _padded(self, ops: Ops, head: int, batch_invariant: bool) -> Ops:
         """Eager fast steps: the products of the leading ``head`` single-token rows run on

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -47,9 +48,10 @@ class Router:
 
     async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 (gRPC method name)
                        grpc_context: Any = None) -> AsyncIterator[pb.GenerateResponse]:
-        rid = request.request_id
+        rid, accepted = request.request_id, time.monotonic()
         try:
-            job = job_from_proto(request, self.service.ctx, self.service.limits)
+            job = job_from_proto(request, self.service.ctx,
+                                 self.service.limits).accepted_at(accepted)
             rid = rid or job.id
             stream = await self.service.open(job)
         except APIError as e:

@@ -121,6 +121,7 @@ class Dispatcher:
     async def _decode(self, request: DecodeRequest, attempt: int) -> AsyncIterator[DecodeChunk]:
         if attempt:
             request = replace(request, request_id=f"{request.request_id}-replay{attempt}")
+        request = replace(request, dispatched=time.monotonic())
         chunks = (self._decode_channel(request) if self.hub is not None
                   else self._decode_stream(request))
         async for chunk in chunks:
@@ -136,8 +137,7 @@ class Dispatcher:
         assert hub is not None
         rid = request.request_id
         queue = hub.register(rid)
-        stream = self._decoder.generate.remote(replace(request, dispatched=time.monotonic()),
-                                               hub.id)
+        stream = self._decoder.generate.remote(request, hub.id)
         done = False
         try:
             try:
@@ -165,7 +165,7 @@ class Dispatcher:
                 stream.cancel()
 
     async def _decode_stream(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
-        stream = self._decoder.generate.remote(replace(request, dispatched=time.monotonic()))
+        stream = self._decoder.generate.remote(request)
         done = False
         try:
             async for wire in stream:

@@ -6,7 +6,6 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -34,16 +33,16 @@ def build_http_app(service: RouterService) -> FastAPI:
     async def completions(request: Request) -> Response:
         accepted = time.monotonic()
         req = _parse(CompletionRequest, await read_json(request, service.limits.max_body_bytes))
-        return await _respond(service, stamped(
-            prepare_completion(req, service.ctx, service.limits), accepted))
+        return await _respond(
+            service, prepare_completion(req, service.ctx, service.limits).accepted_at(accepted))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         accepted = time.monotonic()
         body = await read_json(request, service.limits.max_body_bytes)
         req = _parse(ChatCompletionRequest, body)
-        return await _respond(service, stamped(
-            prepare_chat(req, service.ctx, service.limits), accepted))
+        return await _respond(
+            service, prepare_chat(req, service.ctx, service.limits).accepted_at(accepted))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -84,11 +83,6 @@ async def read_json(request: Request, limit: int) -> Any:
     if not isinstance(value, dict):
         raise invalid("the request body must be a JSON object")
     return value
-
-
-def stamped(job: Job, accepted: float) -> Job:
-    """``job`` with the time its HTTP request reached the handler on every choice."""
-    return replace(job, choices=tuple(replace(c, accepted=accepted) for c in job.choices))
 
 
 def _parse(model: type[M], body: dict[str, Any]) -> M:

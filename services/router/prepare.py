@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from detserve.params import SamplingParams
 from services.decoder.messages import DecodeRequest
@@ -37,6 +37,11 @@ class Job:
     def prompt_tokens(self) -> int:
         """Prompt tokens, each prompt counted once (not once per choice)."""
         return sum(len(c.prompt_token_ids) for c in self.choices[::self.n])
+
+    def accepted_at(self, accepted: float) -> Job:
+        """This job with the time (monotonic) its request reached the router's handler on
+        every choice (``DecodeRequest.accepted``)."""
+        return replace(self, choices=tuple(replace(c, accepted=accepted) for c in self.choices))
 
 
 def check_model(name: str, ctx: ModelContext) -> None:
