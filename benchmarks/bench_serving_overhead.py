@@ -213,7 +213,7 @@ async def _stream(client: httpx.AsyncClient, model: str, ids: list[int], w: Work
 
 
 async def _served_phases(url: str, model: str, w: Workload, idle_requests: int, repeat: int,
-                         client_procs: int = 1
+                         client_procs: int = 1, links: bool = True
                          ) -> tuple[list[float], list[tuple[list[float], float, dict[str, float]]],
                                     dict[str, dict[str, float]]]:
     with ExitStack() as stack:
@@ -222,7 +222,7 @@ async def _served_phases(url: str, model: str, w: Workload, idle_requests: int, 
             ctx = multiprocessing.get_context("spawn")
             pool = stack.enter_context(ProcessPoolExecutor(client_procs, mp_context=ctx))
             list(pool.map(time.sleep, [0.0] * client_procs))
-        return await _phases(url, model, w, idle_requests, repeat, pool, client_procs)
+        return await _phases(url, model, w, idle_requests, repeat, pool, client_procs, links)
 
 
 def _http_client(url: str, requests: int) -> httpx.AsyncClient:
@@ -256,22 +256,27 @@ async def _pooled_load(pool: ProcessPoolExecutor, procs: int, url: str, model: s
 
 
 async def _phases(url: str, model: str, w: Workload, idle_requests: int, repeat: int,
-                  pool: ProcessPoolExecutor | None, client_procs: int
+                  pool: ProcessPoolExecutor | None, client_procs: int, links: bool
                   ) -> tuple[list[float], list[tuple[list[float], float, dict[str, float]]],
                              dict[str, dict[str, float]]]:
     from ray import serve
 
     decoder = serve.get_deployment_handle(DECODER, app_name=APP_NAME)  # the one replica
     async with _http_client(url, len(w.prompts)) as client:
+        if links:
+            await _await_links(client)
         await asyncio.gather(*(_stream(client, model, p, w)  # warm-up
                                for p in (w.prompts if w.warmup_load else w.prompts[:1])))
+        paths = await _dispatch(client)
         idle = [await _stream(client, model, p, w) for p in w.prompts[:idle_requests]]
         splits = {"idle": await _split(decoder, idle)}
+        splits["idle"]["link_share"] = _link_share(paths, await _dispatch(client))
         phases, loads = [], []
         for _ in range(repeat):
             before = (await decoder.stats.remote()).engine
             lags: list[float] = []
             router_before = await _router_lag(client)
+            paths = await _dispatch(client)
             probe = asyncio.create_task(_loop_lag(lags))
             cpu0 = time.process_time()  # this client's CPU (its sends and its stream reading)
             start = time.perf_counter()
@@ -287,6 +292,7 @@ async def _phases(url: str, model: str, w: Workload, idle_requests: int, repeat:
             after = (await decoder.stats.remote()).engine
             phases.append(([t.ttft for t in timings], wall, engine_delta(before, after)))
             split = await _split(decoder, list(timings))
+            split["link_share"] = _link_share(paths, await _dispatch(client))
             router = [b - a for a, b in zip(router_before, await _router_lag(client), strict=True)]
             if router[0] > 0:  # the router's own loop (its /metrics histogram, this phase)
                 split["router_loop_lag_mean_ms"] = 1e3 * router[1] / router[0]
@@ -323,6 +329,43 @@ async def _router_lag(client: httpx.AsyncClient) -> tuple[float, float, float]:
     return parse_router_lag((await client.get("/metrics")).text)
 
 
+DISPATCH_METRIC = "detserve:router_dispatch_total"
+LINKS_METRIC = "detserve:router_decoder_links"
+
+
+def parse_dispatch(text: str) -> tuple[float, float, float]:
+    """(sequences sent over decoder links, through Ray Serve handle calls, links attached)
+    from a router's Prometheus text page (zeros when absent)."""
+    vals = {"link": 0.0, "handle": 0.0, "attached": 0.0}
+    for line in text.splitlines():
+        for path in ("link", "handle"):
+            if line.startswith(f'{DISPATCH_METRIC}{{path="{path}"}}'):
+                vals[path] = float(line.split()[-1])
+        if line.startswith(LINKS_METRIC + " "):
+            vals["attached"] = float(line.split()[-1])
+    return vals["link"], vals["handle"], vals["attached"]
+
+
+async def _dispatch(client: httpx.AsyncClient) -> tuple[float, float, float]:
+    return parse_dispatch((await client.get("/metrics")).text)
+
+
+async def _await_links(client: httpx.AsyncClient, timeout_s: float = 60.0) -> None:
+    """Until the router has attached its decoder's link (it reads them from Redis every
+    second): the phases measure the path requests take once the cluster is up."""
+    deadline = time.monotonic() + timeout_s
+    while (await _dispatch(client))[2] < 1:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the router attached no decoder link")
+        await asyncio.sleep(0.2)
+
+
+def _link_share(before: tuple[float, float, float], after: tuple[float, float, float]
+                ) -> float:
+    link, handle = after[0] - before[0], after[1] - before[1]
+    return link / (link + handle) if link + handle else 0.0
+
+
 async def _loop_lag(lags: list[float], period: float = 0.005) -> None:
     """Append how late each ``period`` sleep of this event loop woke up (seconds)."""
     while True:
@@ -340,7 +383,7 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
                idle_requests: int, verifier_gpu_fraction: float = 0.5,
                stream_interval: int = 1, repeat: int = 1,
                pipeline_lane_prefill: bool = True, switch_interval: float = 0.0,
-               client_procs: int = 1) -> Result:
+               client_procs: int = 1, decoder_link: bool = True) -> Result:
     from ray import serve
 
     from detserve.redis_server import EmbeddedRedis
@@ -363,14 +406,15 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
             model=model, mode=mode, num_decoders=1, num_verifiers=num_verifiers,
             redis_url=redis.url, http_host="127.0.0.1", http_port=port, grpc_port=grpc_port,
             stream_interval=stream_interval, pipeline_lane_prefill=pipeline_lane_prefill,
-            **engine_kw, **placement)
+            decoder_link=decoder_link, **engine_kw, **placement)
         start_local_serve(stack, config, num_gpus=1 if cuda else None,  # None: detect
                           num_cpus=max(4, min(8, os.cpu_count() or 4)) if cuda else 4,
                           log_to_driver=False)
         args = config["applications"][0]["args"]
         serve.run(compose(args, replica_cpus=1.0), name=APP_NAME, route_prefix="/")
         idle, phases, splits = asyncio.run(_served_phases(
-            f"http://127.0.0.1:{port}", model, w, idle_requests, repeat, client_procs))
+            f"http://127.0.0.1:{port}", model, w, idle_requests, repeat, client_procs,
+            decoder_link))
     ttft, wall, phase, walls = median_phase(phases)
     return Result("served (HTTP)", mode, 1e3 * statistics.median(idle), 1e3 * ttft, wall,
                   len(w.prompts) * w.output_len / wall, phase, walls, splits)
@@ -378,14 +422,16 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
 
 # ---- report -------------------------------------------------------------------------
 NOTE = ("Served = HTTP client -> Router replica (Ray Serve direct ingress: no proxy actor; "
-        "handle calls over gRPC, services.local) -> Decoder replica (a Ray "
+        "requests and chunks over the decoder's link, a gRPC stream, services.decoder.link; "
+        "Ray Serve handle calls with --no-decoder-link) -> Decoder replica (a Ray "
         "actor with one CPU and one torch thread) and back, per committed chunk. The client, "
         "router, Ray's own processes and the decoder share the machine's cores, and "
         "served requests reach the engine one by one rather than all at t=0. In `llm42` the "
         "offline engine verifies in-process, the served decoder sends its lane passes to a "
         "verifier replica over gRPC (KV shared through shared memory).")
 NOTE_GPU = ("Served = HTTP client -> Router replica (Ray Serve direct ingress: no proxy actor; "
-            "handle calls over gRPC, services.local) -> Decoder replica (a Ray "
+            "requests and chunks over the decoder's link, a gRPC stream, services.decoder.link; "
+            "Ray Serve handle calls with --no-decoder-link) -> Decoder replica (a Ray "
             "actor holding the GPU, one CPU) and back, per committed chunk; served requests "
             "reach the engine one by one rather than all at t=0. In `llm42` the offline engine "
             "verifies on a lane thread of its own process (all SMs), the served decoder holds "
@@ -450,13 +496,15 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
                   "one received by the decoder replica):", "",
                   "| mode | phase | client to router handler | router handler to dispatch "
                   "| router to decoder | engine queue | engine TTFT | back to client "
-                  "| dispatch spread s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| dispatch spread s | over links |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r, phase, sp in split_rows:
             lines.append(f"| {r.mode} | {phase} | {sp['to_router_ms']:.1f} | "
                          f"{sp['router_ms']:.1f} | {sp['to_decoder_ms']:.1f} | "
                          f"{sp['engine_queue_ms']:.1f} | {sp['engine_ttft_ms']:.1f} | "
                          f"{sp['back_ms']:.1f} | "
-                         f"{'-' if phase == 'idle' else format(sp['dispatch_spread_s'], '.3f')} |")
+                         f"{'-' if phase == 'idle' else format(sp['dispatch_spread_s'], '.3f')} | "
+                         f"{sp.get('link_share', 0.0):.0%} |")
         lines += _loop_lines(
             split_rows, "client_loop_lag_max_ms", "The benchmark client's own event loop during "
             "the loaded phase (how late a 5 ms sleep woke up): ",
@@ -512,6 +560,9 @@ def main() -> None:
     ap.add_argument("--switch-interval", type=float, default=0.0,
                     help="served: the decoder replica's Python thread switch interval in "
                          "seconds (detserve serve --switch-interval; 0 = Python's 5 ms)")
+    ap.add_argument("--no-decoder-link", action="store_true",
+                    help="the router reaches the decoder through Ray Serve handle calls only "
+                         "(default: over the decoder's link, services.decoder.link)")
     ap.add_argument("--client-procs", type=int, default=1,
                     help="served loaded phase: split the requests over this many client "
                          "processes sent at one instant (one Python client reading every "
@@ -543,7 +594,7 @@ def main() -> None:
         results.append(run_served(a.model, mode, kw, w, a.idle_requests,
                                   a.verifier_gpu_fraction, a.stream_interval, a.repeat,
                                   not a.no_pipeline_lane_prefill, a.switch_interval,
-                                  a.client_procs))
+                                  a.client_procs, not a.no_decoder_link))
         print(results[-1], flush=True)
     cpu = f"{hardware('cpu')}, {os.cpu_count()} cores"
     machine = cpu

@@ -12,6 +12,8 @@
 #
 # REPEAT=N runs the loaded phase N times per path (rows: the median-wall run).
 # CLIENT_PROCS=N sends the served loaded phase from N client processes (default 1).
+# LINK=0 has the router reach the decoder through Ray Serve handle calls only (default: over
+# the decoder's link, services.decoder.link); give it an OUT of its own.
 # SWITCH_INTERVAL=S sets the decoder replica's Python switch interval (default Python's).
 # MODES="nondeterministic llm42" (default) picks the runs. PROFILE=1 samples the served
 # decoder replica (PROFILE_TARGET=Router: the router replica) with py-spy (from the bundles)
@@ -39,6 +41,7 @@ args=(--model "$model" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}"
       --verifier-gpu-fraction 0.5 --warmup load --stream-interval "${STREAM_INTERVAL:-1}"
       --repeat "${REPEAT:-1}" --switch-interval "${SWITCH_INTERVAL:-0}"
       --client-procs "${CLIENT_PROCS:-1}")
+[ "${LINK:-1}" = 0 ] && args+=(--no-decoder-link)
 left() { echo $((budget - SECONDS)); }
 
 main() {

@@ -13,6 +13,9 @@ Keys (``<p>`` is the prefix, ``detserve`` by default):
 - ``<p>:verifier:<verifier_id>``: JSON ``VerifierRecord`` (gRPC address, host, model), with
   a TTL that the verifier's heartbeat keeps refreshing: a verifier that dies disappears
   within one TTL without anyone deregistering it.
+- ``<p>:link:<replica_id>``: JSON ``LinkRecord`` (the decoder replica's link address and
+  the token its link asks for), with a TTL kept alive by the decoder's heartbeat: routers
+  find decoders' links here (``services.decoder.link``).
 """
 
 from __future__ import annotations
@@ -96,6 +99,27 @@ class VerifierRecord:
         return cls(**json.loads(text))
 
 
+@dataclass(frozen=True)
+class LinkRecord:
+    """A decoder replica's link server (``services.decoder.link``): routers submit requests
+    and read chunks there instead of through Ray Serve handle calls. ``token`` is a random
+    secret the link asks for: only a party that can read this registry can use the link."""
+
+    replica: str
+    address: str            # host:port
+    token: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> LinkRecord:
+        return cls(**json.loads(text))
+
+
+Record = VerifierRecord | LinkRecord
+
+
 class Registry:
     """Thin typed layer over redis-py; safe to share between threads."""
 
@@ -124,6 +148,14 @@ class Registry:
 
     def verifier_key(self, verifier_id: str) -> str:
         return f"{self.prefix}:verifier:{verifier_id}"
+
+    def link_key(self, replica: str) -> str:
+        return f"{self.prefix}:link:{replica}"
+
+    def key_of(self, record: Record) -> str:
+        if isinstance(record, VerifierRecord):
+            return self.verifier_key(record.verifier_id)
+        return self.link_key(record.replica)
 
     # ---- decoders -------------------------------------------------------------------
     def next_epoch(self, decoder_id: str) -> int:
@@ -167,20 +199,26 @@ class Registry:
         raw = self.r.hgetall(self.blocks_key(decoder_id, epoch))
         return {_text(rid): json.loads(v) for rid, v in raw.items()}
 
-    # ---- verifiers --------------------------------------------------------------------
-    def register_verifier(self, record: VerifierRecord, ttl_s: float) -> None:
+    # ---- verifiers and decoder links (records with a TTL) ------------------------------
+    def register(self, record: Record, ttl_s: float) -> None:
         """(Re)register; also the heartbeat: the key expires ``ttl_s`` after the last call."""
-        self.r.set(self.verifier_key(record.verifier_id), record.to_json(),
-                   px=max(1, int(ttl_s * 1000)))
+        self.r.set(self.key_of(record), record.to_json(), px=max(1, int(ttl_s * 1000)))
 
-    def deregister_verifier(self, verifier_id: str) -> None:
-        self.r.delete(self.verifier_key(verifier_id))
+    def deregister(self, record: Record) -> None:
+        self.r.delete(self.key_of(record))
+
+    def _live(self, pattern: str) -> list[str]:
+        keys = sorted(self.r.scan_iter(match=pattern, count=100))
+        values = self.r.mget(keys) if keys else []
+        return [_text(v) for v in values if v is not None]
 
     def live_verifiers(self) -> list[VerifierRecord]:
         """Verifiers whose TTL has not expired, sorted by id (a stable order)."""
-        keys = sorted(self.r.scan_iter(match=self.verifier_key("*"), count=100))
-        values = self.r.mget(keys) if keys else []
-        return [VerifierRecord.from_json(_text(v)) for v in values if v is not None]
+        return [VerifierRecord.from_json(v) for v in self._live(self.verifier_key("*"))]
+
+    def live_links(self) -> list[LinkRecord]:
+        """Decoder links whose TTL has not expired, sorted by replica id."""
+        return [LinkRecord.from_json(v) for v in self._live(self.link_key("*"))]
 
 
 def _text(value: str | bytes) -> str:
@@ -189,19 +227,20 @@ def _text(value: str | bytes) -> str:
 
 
 class Heartbeat:
-    """Background thread that keeps a verifier's registration alive (every ttl/3)."""
+    """Background thread that keeps a verifier's or a decoder link's registration alive
+    (every ttl/3)."""
 
-    def __init__(self, registry: Registry, record: VerifierRecord, ttl_s: float = 3.0) -> None:
+    def __init__(self, registry: Registry, record: Record, ttl_s: float = 3.0) -> None:
         self.registry = registry
         self.record = record
         self.ttl_s = ttl_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="verifier-heartbeat",
+        self._thread = threading.Thread(target=self._run, name="registry-heartbeat",
                                         daemon=True)
         self.last_ok = 0.0  # time.monotonic() of the last successful refresh
 
     def start(self) -> Heartbeat:
-        self.registry.register_verifier(self.record, self.ttl_s)
+        self.registry.register(self.record, self.ttl_s)
         self.last_ok = time.monotonic()
         self._thread.start()
         return self
@@ -218,7 +257,7 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                self.registry.register_verifier(self.record, self.ttl_s)
+                self.registry.register(self.record, self.ttl_s)
                 self.last_ok = time.monotonic()
             except redis.RedisError:
                 pass  # a Redis hiccup: retry; the key expires if it persists
@@ -229,6 +268,6 @@ class Heartbeat:
             self._thread.join(timeout=5)
         if deregister:
             try:
-                self.registry.deregister_verifier(self.record.verifier_id)
+                self.registry.deregister(self.record)
             except redis.RedisError:
                 pass  # the TTL removes it anyway

@@ -57,6 +57,9 @@ ARG_NAMES = tuple(DEFAULT_ARGS)
 # (probability that a fast-path token is corrupted; the lane must catch every one).
 OPTIONAL_ARGS: Mapping[str, Any] = {"fastpath_perturbation": 0.0, "stream_interval": 1,
                                     "pipeline_lane_prefill": True,
+                                    # routers reach decoders over their links (gRPC
+                                    # streams found in Redis) instead of Ray Serve calls
+                                    "decoder_link": True,
                                     "lane_bound_fraction": SchedulerConfig.lane_bound_fraction,
                                     "switch_interval": 0.0,
                                     # None (absent): the engine's default for its device
@@ -198,8 +201,9 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
     if "prefill_batch_tokens" in args:  # (up to a whole model length of prompt tokens)
         _check_int("prefill_batch_tokens", args["prefill_batch_tokens"], lo=0,
                    hi=args["max_model_len"])
-    if "pipeline_lane_prefill" in args and not isinstance(args["pipeline_lane_prefill"], bool):
-        raise ValueError("pipeline_lane_prefill must be a boolean")
+    for name in ("pipeline_lane_prefill", "decoder_link"):
+        if name in args and not isinstance(args[name], bool):
+            raise ValueError(f"{name} must be a boolean")
     for name in ("switch_interval", "lane_bound_fraction", "fastpath_perturbation"):
         if name in args:  # (switch_interval in seconds)
             _check_number(name, args[name], lo=0.0, hi=1.0)

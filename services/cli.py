@@ -50,6 +50,9 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pipeline-lane-prefill", action="store_true",
                    help="send a long deterministic prompt's next chunk to the verifier only "
                         "once the previous chunk came back (default: chunks pipeline)")
+    p.add_argument("--no-decoder-link", action="store_true",
+                   help="routers reach decoders through Ray Serve handle calls only "
+                        "(default: over each decoder's link, a gRPC stream found in Redis)")
     p.add_argument("--lane-bound-fraction", type=float, default=None,
                    help="a decoder step gives the GPU to the lane pass in flight when more "
                         "than this share of its sequences wait on the lane (1: never; "
@@ -88,6 +91,8 @@ def serve_config_from(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
         overrides["stream_interval"] = a.stream_interval
     if a.no_pipeline_lane_prefill:
         overrides["pipeline_lane_prefill"] = False
+    if a.no_decoder_link:
+        overrides["decoder_link"] = False
     if a.switch_interval is not None:
         overrides["switch_interval"] = a.switch_interval
     if a.lane_bound_fraction is not None:

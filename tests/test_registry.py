@@ -11,7 +11,14 @@ import redis
 
 from detserve.kv_handle import KVHandle
 from detserve.redis_server import EmbeddedRedis
-from detserve.registry import DecoderRecord, Heartbeat, LaneGeometry, Registry, VerifierRecord
+from detserve.registry import (
+    DecoderRecord,
+    Heartbeat,
+    LaneGeometry,
+    LinkRecord,
+    Registry,
+    VerifierRecord,
+)
 
 GEOMETRY = LaneGeometry(lane_rows=32, window=8, batch_invariant_rows=32, block_size=16)
 
@@ -79,7 +86,7 @@ def test_block_tables(registry: Registry) -> None:
 def test_verifier_registration_expires_without_heartbeat(registry: Registry) -> None:
     a = VerifierRecord("va", "127.0.0.1:1", "h", "cpu", "w")
     b = VerifierRecord("vb", "127.0.0.1:2", "h", "cpu", "w")
-    registry.register_verifier(a, ttl_s=0.3)
+    registry.register(a, ttl_s=0.3)
     beat = Heartbeat(registry, b, ttl_s=0.3).start()
     try:
         assert registry.live_verifiers() == [a, b]
@@ -90,3 +97,19 @@ def test_verifier_registration_expires_without_heartbeat(registry: Registry) -> 
         beat.stop(deregister=True)
     assert registry.live_verifiers() == []
     assert not beat.alive
+
+
+def test_link_records_are_kept_apart_from_verifiers_and_expire(registry: Registry) -> None:
+    link = LinkRecord("replica-1", "127.0.0.1:3", "secret")
+    verifier = VerifierRecord("vc", "127.0.0.1:4", "h", "cpu", "w")
+    beat = Heartbeat(registry, link, ttl_s=0.3).start()
+    registry.register(verifier, ttl_s=0.3)
+    try:
+        assert registry.live_links() == [link]
+        assert registry.live_verifiers() == [verifier]
+        time.sleep(0.6)
+        assert registry.live_links() == [link], "the heartbeat renews the link's TTL"
+        assert registry.live_verifiers() == []
+    finally:
+        beat.stop(deregister=True)
+    assert registry.live_links() == []

@@ -201,6 +201,29 @@ def test_determinism_under_concurrent_load(cluster: Cluster, client: openai.Open
     assert differing >= len(nondet) // 2, f"only {differing}/{len(nondet)} changed"
 
 
+def test_requests_reach_decoders_over_their_links(cluster: Cluster) -> None:
+    """After the tests above (16+ concurrent requests among them), both decoder replicas
+    got requests over their links (services.decoder.link), and the router counted as
+    link dispatches exactly the requests the decoders received that way."""
+    import ray
+    from ray import serve
+
+    from detserve.registry import Registry
+    from services.decoder.messages import ReplicaPin
+
+    assert len(Registry(cluster.args["redis_url"]).live_links()) == 2
+    handle = serve.get_deployment_handle("Decoder", app_name="detserve")
+    replicas = [a["name"].rsplit("#", 1)[1] for a in ray.util.list_named_actors(all_namespaces=True)
+                if "#Decoder#" in a["name"]]
+    received = [handle.stats.remote(ReplicaPin(r)).result(timeout_s=30).link_requests
+                for r in replicas]
+    assert len(received) == 2 and min(received) > 0, received
+    text = httpx.get(cluster.http_url + "/metrics").text
+    links = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith('detserve:router_dispatch_total{path="link"}'))
+    assert links == sum(received)
+
+
 def test_metrics_report_dvr_counters(cluster: Cluster) -> None:
     text = httpx.get(cluster.http_url + "/metrics").text
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
@@ -289,8 +312,9 @@ async def _stream_tokens(client: httpx.AsyncClient, body: dict[str, Any],
 
 
 def test_client_disconnect_aborts_the_request_in_the_decoder(cluster: Cluster) -> None:
-    """Chunks come through the router's channel to each decoder, not through the request's
-    own call. A client that goes away must still end its request in the engine (it finishes
+    """Chunks come through the router's link to each decoder (or its channel, before the
+    links attach), not through the request's own call. A client that goes away must still
+    end its request in the engine (it finishes
     with far fewer tokens committed than it asked for; with the decoder's abort removed the
     request runs to max_tokens and this fails), and only its request: the requests sharing
     the channels complete. The leaving request opened its replica's channel: the channel

@@ -5,6 +5,11 @@
 one ``finished``; or, with a router's channel id, the chunks go out on that router's
 ``channel`` stream. When the caller goes away (client disconnect, router cancel) the
 request is aborted in the engine.
+
+Routers normally use neither: each replica also serves a link (``services.decoder.link``),
+one gRPC stream per router carrying requests in and chunks out, published in Redis;
+``generate`` and ``channel`` serve routers without a link (starting up, ``decoder_link``
+off, no Redis).
 """
 
 from __future__ import annotations
@@ -17,11 +22,19 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 from ray import serve
 
+from detserve.registry import Heartbeat, LinkRecord, Registry
 from detserve.serve_config import DECODER
+from services.decoder.channel import (
+    Channel,
+    ChannelSink,
+    deliver_on_event_loops,
+)
 from services.decoder.engine_factory import DecoderSettings, build_engine
-from services.decoder.engine_loop import EngineLoop, RequestTiming, deliver_each
+from services.decoder.engine_loop import EngineLoop, RequestTiming
+from services.decoder.link import LinkServer
 from services.decoder.messages import (
     ChannelOpen,
     DecodeChunk,
@@ -42,37 +55,9 @@ def _replica_id() -> str:
         return f"local-{os.getpid()}"
 
 
-class _Channel:
-    """One router's chunks on this replica, sent as one message per wake-up of the event
-    loop (``Decoder.channel``) instead of one stream item per request and step."""
-
-    def __init__(self) -> None:
-        self.pending: list[DecodeChunk] = []
-        self.ready = asyncio.Event()
-        self.attached = False
-        self.done: dict[str, asyncio.Event] = {}  # open requests: set by their last chunk
-
-    def put(self, chunk: DecodeChunk) -> None:
-        self.pending.append(chunk)
-        self.ready.set()
-        if chunk.finished:
-            event = self.done.pop(chunk.request_id, None)
-            if event is not None:
-                event.set()
-
-
-@dataclass(frozen=True)
-class _ChannelSink:
-    event_loop: asyncio.AbstractEventLoop
-    channel: _Channel
-
-    def __call__(self, chunk: DecodeChunk) -> None:
-        self.channel.put(chunk)
-
-
 @dataclass(frozen=True)
 class _QueueSink:
-    """A stream's queue, fed on its event loop (``_deliver_on_event_loops``)."""
+    """A stream's queue, fed on its event loop (``deliver_on_event_loops``)."""
 
     event_loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[DecodeChunk]
@@ -81,36 +66,42 @@ class _QueueSink:
         self.queue.put_nowait(chunk)
 
 
-def _deliver_on_event_loops(batch: list[tuple[Any, DecodeChunk]]) -> None:
-    """One engine step's chunks: one wake-up of each event loop they go to (not one per
-    request: with many streams the per-call cross-thread wake-ups cost the engine thread
-    time it needs for the next step)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, DecodeChunk]]] = {}
-    for sink, chunk in batch:
-        by_loop.setdefault(sink.event_loop, []).append((sink, chunk))
-    for event_loop, items in by_loop.items():
-        try:
-            event_loop.call_soon_threadsafe(deliver_each, items)
-        except RuntimeError:  # that loop is closed: the replica is going away, and its
-            log.debug("dropped %d chunks for a closed event loop", len(items))  # streams
-
-
 @serve.deployment(name=DECODER, health_check_period_s=5, health_check_timeout_s=30,
                   graceful_shutdown_timeout_s=5,
                   logging_config={"enable_access_log": False})  # the router logs requests
 class Decoder:
-    def __init__(self, args: Mapping[str, Any]) -> None:
+    async def __init__(self, args: Mapping[str, Any]) -> None:  # type: ignore[misc]
         self.settings = DecoderSettings.from_args(args)
         if self.settings.switch_interval:  # this process is the replica's alone
             sys.setswitchinterval(self.settings.switch_interval)
         self.replica = _replica_id()
         engine, self._close = build_engine(self.settings, self.replica)
-        self.loop = EngineLoop(engine, self.replica, deliver=_deliver_on_event_loops,
+        self.loop = EngineLoop(engine, self.replica, deliver=deliver_on_event_loops,
                                stream_interval=self.settings.stream_interval)
-        self._channels: dict[str, _Channel] = {}
+        self._channels: dict[str, Channel] = {}
         self.loop.start()
-        log.info("decoder %s ready (%s, mode %s)", self.replica, self.settings.model,
-                 self.settings.mode)
+        self.link: LinkServer | None = None
+        self._link_beat: Heartbeat | None = None
+        if self.settings.decoder_link:
+            await self._start_link()
+        log.info("decoder %s ready (%s, mode %s, link %s)", self.replica, self.settings.model,
+                 self.settings.mode, self.link.address if self.link else "off")
+
+    async def _start_link(self) -> None:
+        """Serve a link (``services.decoder.link``) and publish it in Redis; without Redis
+        the replica still serves through Ray Serve calls."""
+        import ray
+
+        link = await LinkServer(self.loop).start(ray.util.get_node_ip_address())
+        try:
+            record = LinkRecord(self.replica, link.address, link.token)
+            self._link_beat = Heartbeat(Registry(self.settings.redis_url), record).start()
+        except redis.RedisError as e:
+            log.warning("decoder %s: link not published (%s); Ray Serve calls only",
+                        self.replica, e)
+            await link.stop()
+            return
+        self.link = link
 
     async def generate(self, request: DecodeRequest, channel: str | None = None
                        ) -> AsyncIterator[tuple[Any, ...]]:
@@ -138,19 +129,19 @@ class Decoder:
             if not finished:
                 self.loop.abort(request.request_id)
 
-    def _channel(self, channel_id: str) -> _Channel:
+    def _channel(self, channel_id: str) -> Channel:
         """Router ``channel_id``'s channel here, created by whichever comes first: a request
         sent with it, or the router attaching."""
         channel = self._channels.get(channel_id)
         if channel is None:
-            channel = self._channels[channel_id] = _Channel()
+            channel = self._channels[channel_id] = Channel()
         return channel
 
     async def _generate_on_channel(self, request: DecodeRequest, channel_id: str
                                    ) -> AsyncIterator[tuple[Any, ...]]:
         channel = self._channel(channel_id)
         done = channel.done[request.request_id] = asyncio.Event()
-        self.loop.submit(request, _ChannelSink(asyncio.get_running_loop(), channel))
+        self.loop.submit(request, ChannelSink(asyncio.get_running_loop(), channel))
         try:
             yield (self.replica,)
             await done.wait()
@@ -170,9 +161,7 @@ class Decoder:
             yield []
             while True:
                 await channel.ready.wait()
-                channel.ready.clear()
-                batch, channel.pending = channel.pending, []
-                yield [c.to_wire() for c in coalesce_by_request(batch)]
+                yield [c.to_wire() for c in coalesce_by_request(channel.take())]
         finally:
             channel.attached = False
             for rid in list(channel.done):
@@ -194,7 +183,8 @@ class Decoder:
         """``pin``: only routes the call (to this replica)."""
         return ReplicaStats(self.replica, dict(self.loop.stats), self.loop.outstanding_tokens,
                             self.loop.num_streams, self.loop.healthy,
-                            type(self.loop.engine.verifier).__name__)
+                            type(self.loop.engine.verifier).__name__,
+                            self.link.submitted if self.link else 0)
 
     def request_timings(self, since: float = 0.0) -> list[RequestTiming]:
         """Where finished requests' time to first token went in this replica (see
@@ -209,6 +199,9 @@ class Decoder:
             raise RuntimeError(f"decoder {self.replica}: engine loop failed")
 
     def __del__(self) -> None:
+        beat = getattr(self, "_link_beat", None)
+        if beat is not None:  # routers stop choosing this replica's link
+            beat.stop(deregister=True)
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()

@@ -45,6 +45,7 @@ class DecoderSettings:
     switch_interval: float = 0.0
     stream_interval: int = 1  # a stream's chunk carries >= this many new tokens (not the last)
     prefill_batch_tokens: int | None = None  # None: the engine's default for its device
+    decoder_link: bool = True  # serve a link (services.decoder.link) and publish it in Redis
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> DecoderSettings:

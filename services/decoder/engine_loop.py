@@ -18,23 +18,17 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from detserve.engine import LLMEngine
 from detserve.outputs import RequestOutput
+from services.decoder.channel import Deliver, Sink, deliver_each
 from services.decoder.deltas import DeltaTracker
 from services.decoder.messages import DecodeChunk, DecodeRequest
 
 log = logging.getLogger(__name__)
-Sink = Callable[[DecodeChunk], object]
-Deliver = Callable[[list[tuple[Sink, DecodeChunk]]], object]
 _IDLE_WAIT_S = 0.5
-
-
-def deliver_each(batch: list[tuple[Sink, DecodeChunk]]) -> None:
-    for sink, chunk in batch:
-        sink(chunk)
 
 
 @dataclass(frozen=True)

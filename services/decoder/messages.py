@@ -142,3 +142,4 @@ class ReplicaStats:
     num_streams: int
     healthy: bool
     verifier: str = ""        # how lane passes are verified: "RemoteVerifier", "InProcessVerifier"
+    link_requests: int = 0    # requests received over its link (services.decoder.link)

@@ -23,6 +23,7 @@ from services.router.grpc_api import (
 )
 from services.router.http_app import build_http_app
 from services.router.limits import ServingLimits
+from services.router.links import LinkHub
 from services.router.model_context import ModelContext
 from services.router.service import RouterService, decoder_failed
 
@@ -39,8 +40,12 @@ class Router:
     async def __init__(self, args: Mapping[str, Any], decoder: Any,  # type: ignore[misc]
                        limits: ServingLimits | None = None, verifier: Any = None) -> None:
         ctx = ModelContext.load(str(args["model"]), int(args["max_model_len"]))
-        self.service = RouterService(ctx, limits or ServingLimits.from_args(args), decoder)
+        links = LinkHub(str(args["redis_url"])) if args.get("decoder_link", True) else None
+        self.service = RouterService(ctx, limits or ServingLimits.from_args(args), decoder,
+                                     links=links)
         self.service.health.start()
+        if links is not None:
+            links.start()
         self._verifier = verifier  # bound so that Serve deploys the verifier pool
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -82,6 +87,7 @@ class Router:
 
     def __del__(self) -> None:
         self.service.health.stop()
-        if self.service.dispatcher.hub is not None:
-            self.service.dispatcher.hub.close()
+        for hub in (self.service.dispatcher.hub, self.service.dispatcher.links):
+            if hub is not None:
+                hub.close()
 

@@ -20,6 +20,7 @@ from detserve.outputs import TokenLogprob
 from services.decoder.messages import DecodeChunk, DecodeRequest
 from services.router.channels import ChannelHub, ChannelLost, Item
 from services.router.errors import invalid
+from services.router.links import LinkHub
 from services.router.metrics import RouterMetrics, SequenceTimer
 from services.router.prepare import Job
 from services.router.replay import ReplayDiverged, SentState
@@ -47,13 +48,16 @@ class ChoiceEvent:
 
 class Dispatcher:
     def __init__(self, decoder: Any, metrics: RouterMetrics, max_replays: int = 1,
-                 channels: bool = True) -> None:
-        """``channels``: chunks come through one channel per decoder replica
+                 channels: bool = True, links: LinkHub | None = None) -> None:
+        """``links``: a sequence goes over a decoder's link (``services.router.links``)
+        while one is attached, else through Ray Serve handle calls; ``channels``: those
+        calls' chunks come through one channel per decoder replica
         (``services.router.channels``); False: each request's own stream."""
         self._decoder = decoder.options(stream=True)
         self._metrics = metrics
         self.max_replays = max_replays
         self.hub = ChannelHub(self._decoder) if channels else None
+        self.links = links
         self._watchers: set[asyncio.Task[None]] = set()
 
     async def run(self, job: Job) -> AsyncIterator[ChoiceEvent]:
@@ -122,8 +126,14 @@ class Dispatcher:
         if attempt:
             request = replace(request, request_id=f"{request.request_id}-replay{attempt}")
         request = replace(request, dispatched=time.monotonic())
-        chunks = (self._decode_channel(request) if self.hub is not None
-                  else self._decode_stream(request))
+        replica = self.links.pick(request) if self.links is not None else None
+        if replica is not None:
+            chunks = self._decode_link(request, replica)
+        elif self.hub is not None:
+            chunks = self._decode_channel(request)
+        else:
+            chunks = self._decode_stream(request)
+        self._metrics.dispatch.labels("handle" if replica is None else "link").inc()
         async for chunk in chunks:
             self._metrics.engines.update(chunk.replica, chunk.engine_stats)
             if chunk.error is not None:
@@ -131,6 +141,23 @@ class Dispatcher:
                     raise invalid(chunk.error)
                 raise DecoderFailure(chunk.error)
             yield chunk
+
+    async def _decode_link(self, request: DecodeRequest, replica: str
+                           ) -> AsyncIterator[DecodeChunk]:
+        links = self.links
+        assert links is not None
+        queue = links.submit(request, replica)
+        done = False
+        try:
+            while not done:
+                item = await queue.get()
+                if isinstance(item, ChannelLost):
+                    done = True
+                    raise DecoderFailure(item.message)
+                done = item.finished or item.error is not None
+                yield item
+        finally:
+            links.release(request.request_id, abort=not done)
 
     async def _decode_channel(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         hub = self.hub

@@ -100,6 +100,12 @@ class RouterMetrics:
                                 ["type"], registry=r)
         self.replays = Counter(PREFIX + "deterministic_replays",
                                "deterministic sequences replayed on another decoder", registry=r)
+        # how sequences reached their decoder: "link" (the decoder's gRPC link,
+        # services.decoder.link) or "handle" (Ray Serve handle calls)
+        self.dispatch = Counter(PREFIX + "router_dispatch", "sequences sent to a decoder",
+                                ["path"], registry=r)
+        self.links = Gauge(PREFIX + "router_decoder_links",
+                           "decoder links this router has attached", registry=r)
         # how late a periodic wake-up of the router's event loop ran (``watch_loop_lag``): a
         # loop busy writing streams delays every request waiting for it
         self.loop_lag = Histogram(PREFIX + "router_event_loop_lag_seconds",

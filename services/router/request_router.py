@@ -17,7 +17,7 @@ from ray.serve.request_router import (
 )
 
 from services.decoder.messages import ChannelOpen, DecodeRequest, ReplicaPin
-from services.router.load_ledger import TokenLedger, prefix_keys
+from services.router.load_ledger import TokenLedger, affinity_keys
 
 
 def _first_arg(pending: PendingRequest | None) -> object:
@@ -35,7 +35,7 @@ def _pinned_replica(pending: PendingRequest | None) -> str | None:
 
 
 def _keys(req: DecodeRequest) -> list[int]:
-    return prefix_keys(req.prompt_token_ids) if req.is_deterministic else []
+    return affinity_keys(req.prompt_token_ids, req.is_deterministic)
 
 
 class LeastTokensRouter(RequestRouter):

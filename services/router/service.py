@@ -16,6 +16,7 @@ from services.router.dispatch import ChoiceEvent, DecoderFailure, Dispatcher
 from services.router.errors import APIError, unavailable
 from services.router.health import DecoderHealth
 from services.router.limits import ServingLimits
+from services.router.links import LinkHub
 from services.router.metrics import RouterMetrics
 from services.router.model_context import ModelContext
 from services.router.prepare import Job
@@ -50,12 +51,15 @@ class OpenStream:
 
 class RouterService:
     def __init__(self, ctx: ModelContext, limits: ServingLimits, decoder: Any,
-                 channels: bool = True) -> None:
+                 channels: bool = True, links: LinkHub | None = None) -> None:
+        """``links``: the decoders' links to send through while one is attached."""
         self.ctx = ctx
         self.limits = limits
         self.metrics = RouterMetrics()
+        if links is not None:
+            self.metrics.links.set_function(lambda: len(links.attached))
         self.admission = Admission(limits.max_outstanding, limits.retry_after_s)
-        self.dispatcher = Dispatcher(decoder, self.metrics, channels=channels)
+        self.dispatcher = Dispatcher(decoder, self.metrics, channels=channels, links=links)
         self.health = DecoderHealth(decoder, self.metrics)
 
     async def open(self, job: Job) -> OpenStream:

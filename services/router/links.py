@@ -1,0 +1,196 @@
+"""This router's links to decoder replicas (``services.decoder.link``), and routing over them.
+
+The hub reads the live links from the Redis registry every ``poll_s`` and keeps one stream
+open to each. A request goes to the attached link whose replica has the fewest outstanding
+tokens (prefix affinity first for deterministic requests, ``TokenLedger``, as the Ray Serve
+request router does for handle calls); its chunks come back on that stream with every
+other request's of the same engine step and are handed to the request's queue.
+
+A link that breaks (the replica died, or did not attach within ``attach_timeout_s``) gives
+each of its requests ``ChannelLost``, which the dispatcher turns into a failure or a
+deterministic replay; its record is tried again only after ``retry_s``. With no
+attached link (a router that just started, a registry that cannot be read) ``pick``
+returns None and the dispatcher sends the request through Ray Serve instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from typing import Any
+
+import grpc
+import redis
+
+from detserve.registry import LinkRecord, Registry
+from services.decoder.link import ABORT, KEEPALIVE, METHOD, SUBMIT, TOKEN_KEY, dumps, loads
+from services.decoder.messages import DecodeChunk, DecodeRequest
+from services.router.channels import ChannelLost, Item
+from services.router.load_ledger import TokenLedger, affinity_keys
+
+log = logging.getLogger(__name__)
+
+
+class _Link:
+    """One stream to one decoder replica; frames to send go through one writer task."""
+
+    def __init__(self, hub: LinkHub, record: LinkRecord) -> None:
+        self.hub = hub
+        self.record = record
+        self.attached = False
+        self.listed = True           # still in the registry
+        self.requests: set[str] = set()
+        self._out: asyncio.Queue[bytes] = asyncio.Queue()
+        self._channel = grpc.aio.insecure_channel(record.address, options=KEEPALIVE)
+        # a context of its own: no request's cancellation reaches the link
+        self.task = asyncio.create_task(self._run(), context=contextvars.Context())
+
+    def send(self, frame: Any) -> None:
+        self._out.put_nowait(dumps(frame))
+
+    async def _run(self) -> None:
+        error = "the link ended"
+        call = self._channel.stream_stream(METHOD)(
+            metadata=((TOKEN_KEY, self.record.token),))
+        writer: asyncio.Task[None] | None = None
+        try:
+            first = await asyncio.wait_for(call.read(), self.hub.attach_timeout_s)
+            if first is grpc.aio.EOF:
+                raise ConnectionError("closed before it attached")
+            self.attached = True
+            writer = asyncio.create_task(self._write(call))
+            while True:
+                data = await call.read()
+                if data is grpc.aio.EOF:
+                    break
+                self.hub.deliver(loads(data))
+        except asyncio.CancelledError:
+            error = "closed by the router"
+            raise
+        except TimeoutError:
+            error = f"not attached within {self.hub.attach_timeout_s:.0f} s"
+        except Exception as e:  # grpc.aio.AioRpcError: the replica died or refused
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            self.attached = False
+            if writer is not None:
+                writer.cancel()
+            call.cancel()
+            self.hub.lost(self, error)
+            await self._channel.close()
+
+    async def _write(self, call: Any) -> None:
+        try:
+            while True:
+                await call.write(await self._out.get())
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the stream broke: the reader sees it too
+            log.debug("link to %s: write failed: %s", self.record.replica, e)
+
+
+class LinkHub:
+    def __init__(self, redis_url: str, *, poll_s: float = 1.0, attach_timeout_s: float = 5.0,
+                 retry_s: float = 10.0) -> None:
+        self._registry = Registry(redis_url)
+        self.poll_s = poll_s
+        self.attach_timeout_s = attach_timeout_s
+        self.retry_s = retry_s
+        self._links: dict[str, _Link] = {}          # replica -> its link
+        self._failed: dict[LinkRecord, float] = {}   # record -> when its link broke
+        self._queues: dict[str, asyncio.Queue[Item]] = {}
+        self._link_of: dict[str, _Link] = {}
+        self._ledger = TokenLedger()
+        self._poller: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(
+                self._poll(), context=contextvars.Context())
+
+    def close(self) -> None:
+        for task in [self._poller, *(link.task for link in self._links.values())]:
+            if task is not None:
+                task.cancel()
+
+    @property
+    def attached(self) -> list[str]:
+        """Replicas with an attached link, in the registry's order."""
+        return [r for r, link in self._links.items() if link.attached and link.listed]
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                self.refresh(await asyncio.to_thread(self._registry.live_links))
+            except redis.RedisError as e:  # links already open stay in use
+                log.warning("cannot read decoder links: %s", e)
+            await asyncio.sleep(self.poll_s)
+
+    def refresh(self, records: list[LinkRecord]) -> None:
+        """The registry's live links now: open the new ones, stop choosing the gone ones."""
+        listed = {r.replica: r for r in records}
+        now = time.monotonic()
+        # a broken link's record is tried again after retry_s (a glitch, not a death: the
+        # replica's heartbeat still renews it), and forgotten once Redis forgets it
+        self._failed = {r: t for r, t in self._failed.items()
+                        if listed.get(r.replica) == r and now - t < self.retry_s}
+        for replica, link in self._links.items():
+            link.listed = listed.get(replica) == link.record
+        for replica, record in listed.items():
+            if replica not in self._links and record not in self._failed:
+                self._links[replica] = _Link(self, record)
+
+    def pick(self, request: DecodeRequest) -> str | None:
+        """The replica whose link should take ``request``, or None when no link is up."""
+        candidates = self.attached
+        if not candidates:
+            return None
+        keys = affinity_keys(request.prompt_token_ids, request.is_deterministic)
+        return str(self._ledger.rank(candidates, keys)[0])
+
+    def submit(self, request: DecodeRequest, replica: str) -> asyncio.Queue[Item]:
+        """Send ``request`` over ``replica``'s link (from ``pick``); its chunks arrive in the
+        queue returned, or ``ChannelLost`` if the link breaks first."""
+        link = self._links[replica]
+        rid = request.request_id
+        queue: asyncio.Queue[Item] = asyncio.Queue()
+        self._queues[rid] = queue
+        self._link_of[rid] = link
+        link.requests.add(rid)
+        self._ledger.routed(rid, replica, request.cost_tokens,
+                            affinity_keys(request.prompt_token_ids, request.is_deterministic))
+        link.send((SUBMIT, request))
+        return queue
+
+    def release(self, request_id: str, abort: bool) -> None:
+        """The request is over for the router; ``abort``: the decoder should end it too."""
+        self._queues.pop(request_id, None)
+        self._ledger.completed(request_id)
+        link = self._link_of.pop(request_id, None)
+        if link is not None:
+            link.requests.discard(request_id)
+            if abort and link.attached:
+                link.send((ABORT, request_id))
+
+    def deliver(self, wires: list[tuple[Any, ...]]) -> None:
+        for wire in wires:
+            queue = self._queues.get(wire[0])  # wire[0]: the request id
+            if queue is not None:
+                queue.put_nowait(DecodeChunk.from_wire(wire))
+
+    def lost(self, link: _Link, error: str) -> None:
+        replica = link.record.replica
+        if self._links.get(replica) is link:
+            del self._links[replica]
+        self._ledger.forget(replica)
+        self._failed[link.record] = time.monotonic()
+        if link.requests:
+            log.warning("link to decoder %s lost: %s", replica, error)
+        for rid in list(link.requests):
+            queue = self._queues.get(rid)
+            if queue is not None:
+                queue.put_nowait(ChannelLost(f"decoder {replica}: {error}"))
+        link.requests.clear()
+

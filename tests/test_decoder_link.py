@@ -1,0 +1,135 @@
+"""A decoder's link (services.decoder.link) and a router's hub of links (services.router.links),
+without Ray: a real engine loop on a tiny model, a real gRPC server, a real Redis registry.
+
+What it must show: requests submitted over a link come back complete and equal to the
+engine's own output; an abort over the link ends the request in the engine; a link whose
+token is wrong is never used; a link that breaks fails its open requests (``ChannelLost``)
+and stops being chosen, so the dispatcher falls back to Ray Serve calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from detserve.engine import LLMEngine
+from detserve.params import SamplingParams
+from detserve.redis_server import EmbeddedRedis
+from detserve.registry import Heartbeat, LinkRecord, Registry
+from services.decoder.channel import deliver_on_event_loops
+from services.decoder.engine_loop import EngineLoop
+from services.decoder.link import LinkServer
+from services.decoder.messages import DecodeChunk, DecodeRequest
+from services.router.channels import ChannelLost, Item
+from services.router.links import LinkHub
+from tests.engine_utils import tiny_model
+
+PROMPT = (5, 9, 17, 3, 44, 8, 21)
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+def _engine(model: str) -> LLMEngine:
+    return LLMEngine.from_args(model, "nondeterministic", max_model_len=512)
+
+
+def _request(rid: str, max_tokens: int) -> DecodeRequest:
+    return DecodeRequest(rid, PROMPT, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+async def _until(condition: object, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def _drain(queue: asyncio.Queue[Item]) -> list[Item]:
+    items: list[Item] = []
+    while not items or (isinstance(items[-1], DecodeChunk) and not items[-1].finished):
+        items.append(await asyncio.wait_for(queue.get(), 30))
+        if isinstance(items[-1], ChannelLost):
+            break
+    return items
+
+
+async def _scenario(redis_url: str, model: str) -> dict[str, object]:
+    registry = Registry(redis_url, prefix="detserve")
+    loop = EngineLoop(_engine(model), "rep-1", deliver=deliver_on_event_loops)
+    loop.start()
+    server = await LinkServer(loop).start("127.0.0.1", bind="127.0.0.1")
+    good = Heartbeat(registry, LinkRecord("rep-1", server.address, server.token), 3.0).start()
+    # a record whose token is wrong: the hub must never route to it
+    forged = LinkRecord("rep-forged", server.address, "not-the-token")
+    registry.register(forged, 30.0)
+    hub = LinkHub(redis_url, poll_s=0.05, attach_timeout_s=5.0)
+    hub.start()
+    out: dict[str, object] = {}
+    try:
+        await _until(lambda: hub.attached == ["rep-1"])
+        assert hub.pick(_request("x", 4)) == "rep-1"
+
+        # 1. a complete request: every committed token, in order, finished
+        items = await _drain(hub.submit(_request("r1", 12), "rep-1"))
+        hub.release("r1", abort=False)
+        chunks = [c for c in items if isinstance(c, DecodeChunk)]
+        out["r1"] = [t for c in chunks for t in c.token_ids]
+        assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+        assert server.submitted == 1
+
+        # 2. an abort over the link ends the request in the engine
+        queue = hub.submit(_request("r2", 400), "rep-1")
+        first = await asyncio.wait_for(queue.get(), 30)
+        assert isinstance(first, DecodeChunk) and not first.finished
+        committed = loop.stats["committed_tokens"]
+        hub.release("r2", abort=True)
+        await _until(lambda: loop.num_streams == 0)
+        await asyncio.sleep(0.1)  # the loop publishes its stats after each step
+        out["r2_tokens_after_abort"] = loop.stats["committed_tokens"] - committed
+
+        # 3. the forged record was tried and refused, never attached
+        await asyncio.sleep(0.3)
+        assert hub.attached == ["rep-1"]
+        assert forged in hub._failed
+
+        # 4. the link breaks under an open request: ChannelLost, and no link to pick
+        queue = hub.submit(_request("r3", 400), "rep-1")
+        await asyncio.wait_for(queue.get(), 30)
+        await server.stop(None)
+        items = await _drain(queue)
+        out["r3_last"] = items[-1]
+        hub.release("r3", abort=True)
+        await _until(lambda: hub.attached == [])
+        out["pick_after_loss"] = hub.pick(_request("x", 4))
+    finally:
+        hub.close()
+        good.stop(deregister=True)
+        registry.deregister(forged)
+        await server.stop(None)
+        loop.stop()
+    return out
+
+
+def test_link_delivers_aborts_refuses_and_fails_over(redis_url: str) -> None:
+    model = tiny_model()
+    out = asyncio.run(_scenario(redis_url, model))
+    engine = _engine(model)
+    engine.add_request("ref", None, SamplingParams(max_tokens=12, ignore_eos=True),
+                       prompt_token_ids=list(PROMPT))
+    ref: list[int] = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                ref = list(o.token_ids)
+    assert out["r1"] == ref and len(ref) == 12
+    assert out["r2_tokens_after_abort"] < 200, "the aborted request ran on"  # (asked 400)
+    lost = out["r3_last"]
+    assert isinstance(lost, ChannelLost) and "rep-1" in lost.message
+    assert out["pick_after_loss"] is None
