@@ -141,7 +141,9 @@ BUSY_KEYS = ("decode_step_seconds", "mixed_step_seconds", "schedule_seconds",
              "output_seconds", "lane_wait_seconds")
 # decode_graph_gpu_s: GPU time of the decode steps' CUDA graph replays (CUDA events), the
 # part of decode_step_seconds the GPU spent computing
-ENGINE_KEYS = ("steps", "decode_steps", "mixed_steps", *BUSY_KEYS, "decode_graph_gpu_s", "fast_rows",
+# loop_deliver_seconds: the served decoder's engine thread between steps (chunks, text)
+ENGINE_KEYS = ("steps", "decode_steps", "mixed_steps", *BUSY_KEYS, "decode_graph_gpu_s",
+               "loop_deliver_seconds", "fast_rows",
                "preemptions", "recomputed_tokens", "prefix_cache_hit_tokens",
                "decode_graph_replays")
 
@@ -245,14 +247,16 @@ def _client_share(url: str, model: str, w: Workload, prompts: list[list[int]], s
 
 
 async def _pooled_load(pool: ProcessPoolExecutor, procs: int, url: str, model: str,
-                       w: Workload) -> list[ClientTiming]:
+                       w: Workload) -> tuple[list[ClientTiming], float]:
     """The loaded phase's requests split over ``procs`` client processes (round robin),
-    all sent at one instant: one Python client reading 64+ token streams falls behind."""
+    all sent at one instant: one Python client reading 64+ token streams falls behind.
+    Returns the timings and that instant (monotonic seconds): the phase's wall starts
+    there, not at this call (the processes get 0.3 s to receive their shares)."""
     start_at = time.monotonic() + 0.3
     shares = [w.prompts[i::procs] for i in range(procs)]
     done = await asyncio.gather(*(asyncio.wrap_future(pool.submit(
         _client_share, url, model, w, share, start_at)) for share in shares if share))
-    return [t for share in done for t in share]
+    return [t for share in done for t in share], start_at
 
 
 async def _phases(url: str, model: str, w: Workload, idle_requests: int, repeat: int,
@@ -279,13 +283,13 @@ async def _phases(url: str, model: str, w: Workload, idle_requests: int, repeat:
             paths = await _dispatch(client)
             probe = asyncio.create_task(_loop_lag(lags))
             cpu0 = time.process_time()  # this client's CPU (its sends and its stream reading)
-            start = time.perf_counter()
+            start = time.monotonic()
             if pool is None:
                 timings = await asyncio.gather(*(_stream(client, model, p, w)
                                                  for p in w.prompts))
             else:
-                timings = await _pooled_load(pool, client_procs, url, model, w)
-            wall = time.perf_counter() - start
+                timings, start = await _pooled_load(pool, client_procs, url, model, w)
+            wall = time.monotonic() - start
             client_cpu = (time.process_time() - cpu0) / wall
             probe.cancel()
             await asyncio.sleep(0.2)  # the engine loop publishes its stats after each step
@@ -474,8 +478,9 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
         for r in results)]
     lines += ["", "The engine during the loaded phase (seconds; the served decoder's engine):", "",
               "| mode | path | steps | decode-only | with prefill | decode-only s | decode GPU s "
-              "| with prefill s | schedule s | outputs s | lane wait s | busy / wall |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| with prefill s | schedule s | outputs s | lane wait s | busy / wall "
+              "| between steps s |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         e = r.engine
         if not e:
@@ -487,7 +492,8 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
                      f"{gpu_s:.2f} | "
                      f"{e['mixed_step_seconds']:.2f} | {e['schedule_seconds']:.2f} | "
                      f"{e['output_seconds']:.2f} | {e['lane_wait_seconds']:.2f} | "
-                     f"{busy / r.load_wall_s:.2f} |")
+                     f"{busy / r.load_wall_s:.2f} | "
+                     f"{e.get('loop_deliver_seconds', 0.0):.2f} |")
     split_rows = [(r, phase, r.ttft_split[phase]) for r in results
                   for phase in ("idle", "loaded") if r.ttft_split.get(phase)]
     if split_rows:

@@ -357,6 +357,38 @@ def test_chat_defaults_max_tokens_to_the_remaining_context(ctx: ModelContext) ->
 
 
 # ---- serve config ---------------------------------------------------------------------
+def test_dispatch_paths_and_attached_links_parsed() -> None:
+    from prometheus_client import generate_latest
+
+    from benchmarks.bench_serving_overhead import _link_share, parse_dispatch
+    from services.router.metrics import RouterMetrics
+
+    m = RouterMetrics()
+    m.dispatch.labels("link").inc(5)
+    m.dispatch.labels("handle").inc(2)
+    m.links.set(2)
+    after = parse_dispatch(generate_latest(m.registry).decode())
+    assert after == (5.0, 2.0, 2.0)
+    assert _link_share((1.0, 2.0, 2.0), after) == 1.0  # the phase's sequences all by link
+    assert parse_dispatch("") == (0.0, 0.0, 0.0)
+
+
+def test_decoder_link_is_an_optional_boolean_arg_and_a_serve_flag() -> None:
+    from detserve.cli import build_parser
+    from services.cli import serve_config_from
+    from services.decoder.engine_factory import DecoderSettings
+
+    assert "decoder_link" not in default_serve_config()["applications"][0]["args"]
+    with pytest.raises(ValueError, match="decoder_link"):
+        default_serve_config(decoder_link="yes")
+    a = build_parser().parse_args(["serve", "--no-decoder-link"])
+    args = serve_config_from(a, "redis://127.0.0.1:1/0")["applications"][0]["args"]
+    assert args["decoder_link"] is False
+    assert DecoderSettings.from_args(args).decoder_link is False
+    assert DecoderSettings.from_args(default_serve_config()["applications"][0]["args"]
+                                     ).decoder_link is True
+
+
 def test_fastpath_perturbation_is_an_optional_validated_arg() -> None:
     assert "fastpath_perturbation" not in default_serve_config()["applications"][0]["args"]
     args = default_serve_config(fastpath_perturbation=0.25)["applications"][0]["args"]

@@ -84,6 +84,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stats: Mapping[str, float] = engine.stats()
+        self._deliver_s = 0.0
         self._outstanding_tokens = 0
         # the latest finished requests' timings (``timings``), for benchmarks and debugging
         self._timings: deque[RequestTiming] = deque(maxlen=4096)
@@ -142,11 +143,15 @@ class EngineLoop:
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()
-                self._stats = self.engine.stats()
+                t = time.perf_counter()
+                self._stats = {**self.engine.stats(), "loop_deliver_seconds": self._deliver_s}
                 for out in outputs:
                     self._deliver(out)
                 self._flush()
                 self._forget([out.request_id for out in outputs if out.finished])
+                # the engine thread's own work between steps (chunks, text, hand-off): the
+                # GPU waits for it once it outlasts the step queued ahead
+                self._deliver_s += time.perf_counter() - t
         except Exception as e:  # the engine's state is unknown now: fail everything
             log.exception("engine step failed on %s", self.replica)
             self.healthy = False
