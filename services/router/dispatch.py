@@ -2,8 +2,9 @@
 
 One ``ChoiceEvent`` per decoder chunk that adds something. A decoder failure (the replica
 died, or its engine failed) ends a non-deterministic sequence with ``DecoderFailure``; a
-deterministic one is replayed on another replica up to ``max_replays`` times, and only
-the part the client has not seen yet is streamed (see ``replay``).
+deterministic one is replayed on another replica up to ``max_replays`` times (through Ray
+Serve handle calls), and only the part the client has not seen yet is streamed (see
+``replay``).
 """
 
 from __future__ import annotations
@@ -126,7 +127,9 @@ class Dispatcher:
         if attempt:
             request = replace(request, request_id=f"{request.request_id}-replay{attempt}")
         request = replace(request, dispatched=time.monotonic())
-        replica = self.links.pick(request) if self.links is not None else None
+        # a replay goes through Ray Serve: its controller knows which replicas are alive,
+        # while a link to a replica that died with the first one may not have broken yet
+        replica = self.links.pick(request) if self.links is not None and not attempt else None
         if replica is not None:
             chunks = self._decode_link(request, replica)
         elif self.hub is not None:
