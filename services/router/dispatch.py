@@ -152,13 +152,12 @@ class Dispatcher:
         queue = links.submit(request, replica)
         done = False
         try:
-            while not done:
-                item = await queue.get()
-                if isinstance(item, ChannelLost):
-                    done = True
-                    raise DecoderFailure(item.message)
-                done = item.finished or item.error is not None
-                yield item
+            async for chunk in _queued(queue):
+                done = chunk.finished or chunk.error is not None
+                yield chunk
+        except DecoderFailure:
+            done = True  # the link broke: nothing left to abort
+            raise
         finally:
             links.release(request.request_id, abort=not done)
 
@@ -173,22 +172,19 @@ class Dispatcher:
             try:
                 (replica,) = await stream.__anext__()
             except RayError as e:
-                done = True
                 raise DecoderFailure(decoder_failed(e)) from e
             except StopAsyncIteration:
-                done = True
                 raise DecoderFailure("decoder stream ended before the request started") from None
             hub.bind(rid, replica)
             watcher = asyncio.create_task(_watch(stream, queue, replica))
             self._watchers.add(watcher)
             watcher.add_done_callback(self._watchers.discard)
-            while not done:
-                item = await queue.get()
-                if isinstance(item, ChannelLost):
-                    done = True
-                    raise DecoderFailure(item.message)
-                done = item.finished or item.error is not None
-                yield item
+            async for chunk in _queued(queue):
+                done = chunk.finished or chunk.error is not None
+                yield chunk
+        except DecoderFailure:
+            done = True  # the channel or the call broke: nothing left to cancel
+            raise
         finally:
             hub.release(rid)
             if not done:
@@ -210,6 +206,18 @@ class Dispatcher:
                 stream.cancel()
         if not done:
             raise DecoderFailure("decoder stream ended before the request finished")
+
+
+async def _queued(queue: asyncio.Queue[Item]) -> AsyncIterator[DecodeChunk]:
+    """A request's chunks from its queue up to its last one; a lost channel or link
+    (``ChannelLost``) raises ``DecoderFailure``."""
+    while True:
+        item = await queue.get()
+        if isinstance(item, ChannelLost):
+            raise DecoderFailure(item.message)
+        yield item
+        if item.finished or item.error is not None:
+            return
 
 
 async def _watch(stream: Any, queue: asyncio.Queue[Item], replica: str) -> None:
