@@ -271,16 +271,17 @@ async def _phases(url: str, model: str, w: Workload, idle_requests: int, repeat:
             await _await_links(client)
         await asyncio.gather(*(_stream(client, model, p, w)  # warm-up
                                for p in (w.prompts if w.warmup_load else w.prompts[:1])))
-        paths = await _dispatch(client)
+        paths = parse_dispatch(await _metrics_page(client))
         idle = [await _stream(client, model, p, w) for p in w.prompts[:idle_requests]]
         splits = {"idle": await _split(decoder, idle)}
-        splits["idle"]["link_share"] = _link_share(paths, await _dispatch(client))
+        splits["idle"]["link_share"] = _link_share(
+            paths, parse_dispatch(await _metrics_page(client)))
         phases, loads = [], []
         for _ in range(repeat):
             before = (await decoder.stats.remote()).engine
             lags: list[float] = []
-            router_before = await _router_lag(client)
-            paths = await _dispatch(client)
+            page = await _metrics_page(client)
+            router_before, paths = parse_router_lag(page), parse_dispatch(page)
             probe = asyncio.create_task(_loop_lag(lags))
             cpu0 = time.process_time()  # this client's CPU (its sends and its stream reading)
             start = time.monotonic()
@@ -296,8 +297,9 @@ async def _phases(url: str, model: str, w: Workload, idle_requests: int, repeat:
             after = (await decoder.stats.remote()).engine
             phases.append(([t.ttft for t in timings], wall, engine_delta(before, after)))
             split = await _split(decoder, list(timings))
-            split["link_share"] = _link_share(paths, await _dispatch(client))
-            router = [b - a for a, b in zip(router_before, await _router_lag(client), strict=True)]
+            page = await _metrics_page(client)
+            split["link_share"] = _link_share(paths, parse_dispatch(page))
+            router = [b - a for a, b in zip(router_before, parse_router_lag(page), strict=True)]
             if router[0] > 0:  # the router's own loop (its /metrics histogram, this phase)
                 split["router_loop_lag_mean_ms"] = 1e3 * router[1] / router[0]
                 split["router_loop_late_50ms"] = (router[0] - router[2]) / router[0]
@@ -329,8 +331,9 @@ def parse_router_lag(text: str) -> tuple[float, float, float]:
     return vals["count"], vals["sum"], vals["le"]
 
 
-async def _router_lag(client: httpx.AsyncClient) -> tuple[float, float, float]:
-    return parse_router_lag((await client.get("/metrics")).text)
+async def _metrics_page(client: httpx.AsyncClient) -> str:
+    """The router's Prometheus page (``parse_router_lag``, ``parse_dispatch``)."""
+    return (await client.get("/metrics")).text
 
 
 DISPATCH_METRIC = "detserve:router_dispatch_total"
@@ -350,15 +353,11 @@ def parse_dispatch(text: str) -> tuple[float, float, float]:
     return vals["link"], vals["handle"], vals["attached"]
 
 
-async def _dispatch(client: httpx.AsyncClient) -> tuple[float, float, float]:
-    return parse_dispatch((await client.get("/metrics")).text)
-
-
 async def _await_links(client: httpx.AsyncClient, timeout_s: float = 60.0) -> None:
     """Until the router has attached its decoder's link (it reads them from Redis every
     second): the phases measure the path requests take once the cluster is up."""
     deadline = time.monotonic() + timeout_s
-    while (await _dispatch(client))[2] < 1:
+    while parse_dispatch(await _metrics_page(client))[2] < 1:
         if time.monotonic() > deadline:
             raise RuntimeError("the router attached no decoder link")
         await asyncio.sleep(0.2)

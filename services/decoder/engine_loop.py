@@ -144,7 +144,9 @@ class EngineLoop:
                     continue
                 outputs = self.engine.step()
                 t = time.perf_counter()
-                self._stats = {**self.engine.stats(), "loop_deliver_seconds": self._deliver_s}
+                stats = self.engine.stats()  # a fresh dict each step
+                stats["loop_deliver_seconds"] = self._deliver_s
+                self._stats = stats
                 for out in outputs:
                     self._deliver(out)
                 self._flush()

@@ -59,7 +59,6 @@ class LinkServer:
         self.engine_loop = loop
         self.token = secrets.token_hex(16)
         self.address = ""
-        self.links = 0            # open links
         self.submitted = 0        # requests received over links
         self._server: grpc.aio.Server | None = None
 
@@ -86,7 +85,6 @@ class LinkServer:
         channel = Channel()
         reader = asyncio.create_task(self._read(frames, channel))
         reader.add_done_callback(lambda _: channel.ready.set())
-        self.links += 1
         try:
             yield dumps([])  # attached
             while not reader.done():
@@ -95,7 +93,6 @@ class LinkServer:
                 if batch:
                     yield dumps([c.to_wire() for c in coalesce_by_request(batch)])
         finally:
-            self.links -= 1
             reader.cancel()
             for rid in list(channel.done):  # the router went away: so do its requests
                 self.engine_loop.abort(rid)

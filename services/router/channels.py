@@ -37,6 +37,15 @@ class ChannelLost:
 Item = DecodeChunk | ChannelLost
 
 
+def deliver_wires(queues: dict[str, asyncio.Queue[Item]], wires: list[Any]) -> None:
+    """A decoder's message (``DecodeChunk.to_wire`` data of several requests) into the
+    queues of the requests still waiting for it."""
+    for wire in wires:
+        queue = queues.get(wire[0])  # wire[0]: the request id
+        if queue is not None:
+            queue.put_nowait(DecodeChunk.from_wire(wire))
+
+
 class ChannelHub:
     def __init__(self, decoder: Any, attach_timeout_s: float = 10.0) -> None:
         """``decoder``: a streaming handle (``options(stream=True)``) to the decoders."""
@@ -76,10 +85,7 @@ class ChannelHub:
         try:
             await asyncio.wait_for(stream.__anext__(), self.attach_timeout_s)
             async for batch in stream:
-                for wire in batch:
-                    queue = self._queues.get(wire[0])  # wire[0]: the request id
-                    if queue is not None:
-                        queue.put_nowait(DecodeChunk.from_wire(wire))
+                deliver_wires(self._queues, batch)
         except asyncio.CancelledError:
             stream.cancel()
             raise

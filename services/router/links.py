@@ -26,8 +26,8 @@ import redis
 
 from detserve.registry import LinkRecord, Registry
 from services.decoder.link import ABORT, KEEPALIVE, METHOD, SUBMIT, TOKEN_KEY, dumps, loads
-from services.decoder.messages import DecodeChunk, DecodeRequest
-from services.router.channels import ChannelLost, Item
+from services.decoder.messages import DecodeRequest
+from services.router.channels import ChannelLost, Item, deliver_wires
 from services.router.load_ledger import TokenLedger, affinity_keys
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,6 @@ class _Link:
         self.record = record
         self.attached = False
         self.listed = True           # still in the registry
-        self.requests: set[str] = set()
         self._out: asyncio.Queue[bytes] = asyncio.Queue()
         self._channel = grpc.aio.insecure_channel(record.address, options=KEEPALIVE)
         # a context of its own: no request's cancellation reaches the link
@@ -65,7 +64,7 @@ class _Link:
                 data = await call.read()
                 if data is grpc.aio.EOF:
                     break
-                self.hub.deliver(loads(data))
+                deliver_wires(self.hub.queues, loads(data))
         except asyncio.CancelledError:
             error = "closed by the router"
             raise
@@ -100,8 +99,8 @@ class LinkHub:
         self.retry_s = retry_s
         self._links: dict[str, _Link] = {}          # replica -> its link
         self._failed: dict[LinkRecord, float] = {}   # record -> when its link broke
-        self._queues: dict[str, asyncio.Queue[Item]] = {}
-        self._link_of: dict[str, _Link] = {}
+        self.queues: dict[str, asyncio.Queue[Item]] = {}   # request -> its chunks
+        self._link_of: dict[str, _Link] = {}                # request -> the link it went on
         self._ledger = TokenLedger()
         self._poller: asyncio.Task[None] | None = None
 
@@ -156,9 +155,8 @@ class LinkHub:
         link = self._links[replica]
         rid = request.request_id
         queue: asyncio.Queue[Item] = asyncio.Queue()
-        self._queues[rid] = queue
+        self.queues[rid] = queue
         self._link_of[rid] = link
-        link.requests.add(rid)
         self._ledger.routed(rid, replica, request.cost_tokens,
                             affinity_keys(request.prompt_token_ids, request.is_deterministic))
         link.send((SUBMIT, request))
@@ -166,19 +164,11 @@ class LinkHub:
 
     def release(self, request_id: str, abort: bool) -> None:
         """The request is over for the router; ``abort``: the decoder should end it too."""
-        self._queues.pop(request_id, None)
+        self.queues.pop(request_id, None)
         self._ledger.completed(request_id)
         link = self._link_of.pop(request_id, None)
-        if link is not None:
-            link.requests.discard(request_id)
-            if abort and link.attached:
-                link.send((ABORT, request_id))
-
-    def deliver(self, wires: list[tuple[Any, ...]]) -> None:
-        for wire in wires:
-            queue = self._queues.get(wire[0])  # wire[0]: the request id
-            if queue is not None:
-                queue.put_nowait(DecodeChunk.from_wire(wire))
+        if link is not None and abort and link.attached:
+            link.send((ABORT, request_id))
 
     def lost(self, link: _Link, error: str) -> None:
         replica = link.record.replica
@@ -186,11 +176,11 @@ class LinkHub:
             del self._links[replica]
         self._ledger.forget(replica)
         self._failed[link.record] = time.monotonic()
-        if link.requests:
+        bound = [rid for rid, on in self._link_of.items() if on is link]
+        if bound:
             log.warning("link to decoder %s lost: %s", replica, error)
-        for rid in list(link.requests):
-            queue = self._queues.get(rid)
+        for rid in bound:
+            queue = self.queues.get(rid)
             if queue is not None:
                 queue.put_nowait(ChannelLost(f"decoder {replica}: {error}"))
-        link.requests.clear()
 
