@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                                   max_num_batched_tokens=max(2048, a.decode_rows + a.prefill_tokens),
                                   max_model_len=max(a.context, a.prefill_tokens) + 64,
                                   num_blocks=blocks + 1, block_size=BLOCK,
-                                  **({"cuda_graph_step_rows": 0} if a.eager_steps else {}))
+                                  cuda_graph_step_rows=(0 if a.eager_steps else
+                                                        EngineConfig.cuda_graph_step_rows))
         t0 = time.perf_counter()
         eng = LLMEngine(cfg, loaded=loaded)
         start_s = time.perf_counter() - t0  # with graph capture and the alignment probes

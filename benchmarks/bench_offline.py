@@ -97,6 +97,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               decode_past_queued_windows=not args.no_decode_past_queued_windows,
                               prefill_batch_tokens=args.prefill_batch_tokens,
                               probe_single_calls=not args.no_single_calls,
+                              lane_one_calls=not args.no_lane_one_calls,
                               async_scheduling=False if args.sync_scheduling else None,
                               cuda_graph_step_rows=(0 if args.eager_steps else
                                                     EngineConfig.cuda_graph_step_rows))
@@ -128,6 +129,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     elapsed = time.perf_counter() - t0
     stats = engine.stats()
     gemm_rows = engine.lane_gemm_rows
+    one_call = {f"{n}x{k}": sorted(v) for (n, k), v in engine.runner.lane_one_call.items()}
     buckets = engine.alignment.buckets if engine.alignment else None
     async_scheduling = engine.async_scheduling
     prefill_batch_tokens = engine.scheduler.cfg.prefill_batch_tokens
@@ -142,6 +144,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "verify_window": args.verify_window, "verify_group": args.verify_group,
         "align_fast_path": not args.no_align, "lane_gemm_rows": gemm_rows,
         "single_calls": not args.no_single_calls,
+        "lane_one_calls": one_call,
         "pipeline_lane_prefill": not args.no_pipeline_lane_prefill,
         "decode_past_queued_windows": not args.no_decode_past_queued_windows,
         "prefill_batch_tokens": prefill_batch_tokens,
@@ -236,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="new prompts wait (decode-only steps) until this many of their tokens "
                         "are pending, at most prefill_max_wait_steps steps; 0: never (default: "
                         "max_num_batched_tokens // 4 on CUDA, 0 on CPU)")
+    p.add_argument("--no-lane-one-calls", action="store_true",
+                   help="CUDA: the lane runs every product chunk by chunk, even where one call "
+                        "over the pass was probed to give the same bits (lane_one_calls=False)")
     p.add_argument("--eager-steps", action="store_true",
                    help="CUDA: steps that carry prompt chunks run eagerly, not as graphs "
                         "(cuda_graph_step_rows=0)")

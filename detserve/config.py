@@ -142,6 +142,10 @@ class EngineConfig:
     # products give the leading decode rows the lane chunk's bits in one call over all the
     # step's rows; those products then run unsplit (gemm_classes.single_call_sizes)
     probe_single_calls: bool = True
+    # CUDA: the lane runs a product as one call over k chunks' rows where a start-up probe
+    # found that call to give every row the chunk's bits (gemm_classes.lane_call_sizes): one
+    # read of the weight instead of k, the same arithmetic. False: always chunk by chunk
+    lane_one_calls: bool = True
     # plan and queue each step's fast batch before reading the previous step's tokens, so
     # the host's work between steps overlaps the device's (None: on for CUDA, off on CPU)
     async_scheduling: bool | None = None

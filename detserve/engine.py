@@ -89,7 +89,8 @@ class LLMEngine:
                                   config.batch_invariant_rows, self.lane_gemm_rows,
                                   align_fast_path=cuda and config.align_fast_path,
                                   decode_buckets=self.alignment.buckets if self.alignment else None,
-                                  single_call=self.alignment.single_call if self.alignment else None)
+                                  single_call=self.alignment.single_call if self.alignment else None,
+                                  lane_one_calls=config.lane_one_calls)
         if cuda and config.cuda_graphs:
             mode = config.mode
             decode = {"llm42": "fast", "nondeterministic": "fast", "batch_invariant": "bi"}.get(mode)

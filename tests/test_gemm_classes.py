@@ -11,7 +11,9 @@ from detserve.executor.gemm_classes import (
     Alignment,
     auto_alignment,
     joint_classes,
+    lane_call_sizes,
     plan_alignment,
+    probe_lane_one_calls,
     probe_sizes,
     row_classes,
     single_call_sizes,
@@ -266,3 +268,82 @@ def test_probes_run_the_product_with_its_bias(monkeypatch: pytest.MonkeyPatch) -
     assert row_classes(w, [16, 128], bias=b) == [[16], [128]]
     al = auto_alignment([w, torch.randn(24, 8)], 32, 64, step_rows=[100, 0], biases=[b])
     assert al.single_call == {(16, 8): frozenset(range(1, 65))}
+
+
+def test_lane_call_sizes_find_the_chunks_algorithm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only multiples of the chunk above it are candidates, and only those up to the
+    algorithm switch give every row the chunk's bits."""
+    _switches_above(64, monkeypatch)
+    w = torch.randn(16, 8)
+    assert lane_call_sizes(w, 16, [16, 32, 48, 64, 80, 96, 40]) == frozenset({32, 48, 64})
+    assert lane_call_sizes(w, 96, [96]) == frozenset()
+    with pytest.raises(ValueError):
+        lane_call_sizes(w, 0, [32])
+
+
+def test_lane_call_sizes_check_every_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call whose rows past the first chunk differ (another tile path for them) is not
+    listed, though its first rows agree."""
+    import detserve.executor.gemm_classes as gc
+
+    def fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = x[:, :1] * w[:, 0]
+        if x.shape[0] > 32:
+            out = out.clone()
+            out[32:] += 1e-3
+        return out
+
+    monkeypatch.setattr(gc.F, "linear", fake)
+    assert lane_call_sizes(torch.randn(16, 8), 16, [32, 48, 64]) == frozenset({32})
+
+
+def test_lane_one_calls_per_weight_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights of one shape keep the sizes all of them allow; shapes with none are left out."""
+    import detserve.executor.gemm_classes as gc
+
+    def fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = x[:, :1] * w[:, 0]
+        limit = 32 if w.shape[0] == 24 else 64
+        return out + 1e-3 if x.shape[0] > limit else out
+
+    monkeypatch.setattr(gc.F, "linear", fake)
+    got = probe_lane_one_calls([torch.randn(16, 8), torch.randn(24, 8), torch.randn(16, 8)],
+                               16, [16, 32, 48, 64])
+    assert got == {(16, 8): frozenset({32, 48, 64}), (24, 8): frozenset({32})}
+    assert probe_lane_one_calls([torch.randn(24, 8)], 32, [32, 64]) == {}
+
+
+def test_lane_products_run_one_call_only_where_listed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``linear_in_row_chunks``: a listed padded size runs as one call, with the chunked
+    call's bits where the probe listed it; an unlisted one runs chunk by chunk. Negative
+    control: a table that wrongly lists a size past the algorithm switch changes the rows."""
+    import detserve.executor.gemm_classes as gc
+    import detserve.executor.ops as ops_mod
+
+    _switches_above(64, monkeypatch)
+    calls: list[int] = []
+    fake = gc.F.linear
+
+    def recording(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return fake(x, w, bias)
+
+    monkeypatch.setattr(ops_mod.F, "linear", recording)
+    w = torch.randn(16, 8)
+    x = torch.randn(40, 8)
+    chunked = ops_mod.run_in_row_chunks(lambda c: fake(c, w), x, 16)
+    table = {(16, 8): lane_call_sizes(w, 16, [32, 48, 64, 80])}
+    assert table[(16, 8)] == frozenset({32, 48, 64})
+    calls.clear()
+    out = ops_mod.linear_in_row_chunks(x, w, None, 16, table)
+    assert calls == [48] and torch.equal(out, chunked)
+    calls.clear()
+    assert torch.equal(ops_mod.linear_in_row_chunks(x, w, None, 16, {}), chunked)
+    assert calls == [16, 16, 16]
+    calls.clear()
+    assert torch.equal(ops_mod.linear_in_row_chunks(x[:10], w, None, 16, table), chunked[:10])
+    assert calls == [16]  # one chunk's rows: as before, padded to exactly the chunk
+    y = torch.randn(70, 8)
+    wrong = {(16, 8): frozenset({80})}
+    assert not torch.equal(ops_mod.linear_in_row_chunks(y, w, None, 16, wrong),
+                           ops_mod.run_in_row_chunks(lambda c: fake(c, w), y, 16))

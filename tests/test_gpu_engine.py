@@ -201,3 +201,42 @@ def test_aligned_decode_rows_verify_next_to_prefill_chunks(
         assert signature(outs[i]) == signature(oracle[i])
     eng.close()
     o.close()
+
+
+def test_lane_one_calls_keep_the_lanes_bits(model: str) -> None:
+    """Lane products run as one call where the probe allows give the same outputs as the
+    lane run chunk by chunk (the tiny model's products may or may not allow any)."""
+    reqs = _reqs(det=True)
+    kw = {"mode": "llm42", "lane_gemm_rows": 16, **CUDA}
+    one, _, eng = run_engine(model, reqs, **kw)
+    chunked, _, ref = run_engine(model, reqs, lane_one_calls=False, **kw)
+    assert ref.runner.lane_one_call == {}
+    assert all(k[0] > 0 and all(m % 16 == 0 and m > 16 for m in v)
+               for k, v in eng.runner.lane_one_call.items())
+    for a, b in zip(one, chunked, strict=True):
+        assert signature(a) == signature(b)
+    eng.close()
+    ref.close()
+
+
+def test_lane_one_call_verdicts_hold_on_other_inputs() -> None:
+    """The 8B shape's products in bf16: every size the probe lets run as one call gives
+    every row of fresh inputs (other seed, other scale) the chunk's bits."""
+    import torch
+
+    from detserve.executor.gemm_classes import probe_lane_one_calls
+    from detserve.executor.ops import run_in_row_chunks
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    weights = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+               for n, k in shapes]
+    chunk = 176
+    found = probe_lane_one_calls(weights, chunk, [chunk, 2 * chunk, 3 * chunk])
+    for w in weights:
+        sizes = found.get((w.shape[0], w.shape[1]), frozenset())
+        for m in sizes:
+            x = torch.randn(m, w.shape[1], device="cuda", generator=gen).to(torch.bfloat16) * 3
+            ref = run_in_row_chunks(lambda c, w=w: torch.nn.functional.linear(c, w), x, chunk)
+            assert torch.equal(torch.nn.functional.linear(x, w), ref)
+    print("one-call sizes:", {k: sorted(v) for k, v in found.items()})

@@ -21,8 +21,9 @@ from torch import Tensor
 
 from detserve.executor.ops import run_in_row_chunks
 
-__all__ = ["Alignment", "auto_alignment", "joint_classes", "plan_alignment", "probe_sizes",
-           "row_classes", "single_call_sizes", "smallest_at_least"]
+__all__ = ["Alignment", "auto_alignment", "joint_classes", "lane_call_sizes", "probe_lane_one_calls",
+           "plan_alignment", "probe_sizes", "row_classes", "single_call_sizes",
+           "smallest_at_least"]
 
 
 def smallest_at_least(sizes: Iterable[int], n: int) -> int | None:
@@ -79,6 +80,46 @@ def single_call_sizes(weight: Tensor, chunk: int, max_rows: int, seed: int = 0,
         k = min(m, head)
         same[m] = torch.eq(_linear(x[:m], weight, bias)[:k], ref[:k]).all()
     return frozenset(m for m, ok in enumerate(same.tolist()) if ok)
+
+
+def lane_call_sizes(weight: Tensor, chunk: int, sizes: Iterable[int], seed: int = 0,
+                    bias: Tensor | None = None) -> frozenset[int]:
+    """The multiples M of ``chunk`` among ``sizes`` (M > ``chunk``) at which one
+    ``F.linear`` call over M rows gives *every* row the bits that calls of exactly ``chunk``
+    rows give it. The lane may then run such a product once instead of M / ``chunk`` times,
+    each a read of the whole weight, and keep its arithmetic. Two inputs are probed (plain
+    Gaussian rows, and rows whose magnitudes span several orders, as activations with
+    outliers do): a different reduction order changes some of a row's N sums on either."""
+    if chunk < 1:
+        raise ValueError("chunk must be >= 1")
+    cands = sorted(m for m in set(sizes) if m > chunk and m % chunk == 0)
+    if not cands:
+        return frozenset()
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    k = weight.shape[1]
+    plain = torch.randn(cands[-1], k, generator=gen)
+    wide = torch.randn(cands[-1], k, generator=gen) * torch.exp(2 * torch.randn(cands[-1], 1, generator=gen))
+    same = dict.fromkeys(cands, True)
+    for x in (plain, wide):
+        x = x.to(weight.device, weight.dtype)
+        ref = run_in_row_chunks(lambda c: _linear(c, weight, bias), x, chunk)
+        for m in cands:
+            same[m] = same[m] and torch.equal(_linear(x[:m], weight, bias), ref[:m])
+    return frozenset(m for m, ok in same.items() if ok)
+
+
+def probe_lane_one_calls(weights: Sequence[Tensor], chunk: int, sizes: Iterable[int],
+                   biases: Sequence[Tensor | None] = ()) -> dict[tuple[int, int], frozenset[int]]:
+    """``lane_call_sizes`` of every weight, keyed by its shape (N, K); weights of one shape
+    keep the sizes all of them allow (``biases[i]``: ``weights[i]``'s bias, default none)."""
+    bias = list(biases) + [None] * (len(weights) - len(biases))
+    sizes = list(sizes)
+    out: dict[tuple[int, int], frozenset[int]] = {}
+    for w, b in zip(weights, bias, strict=True):
+        key = (int(w.shape[0]), int(w.shape[1]))
+        got = lane_call_sizes(w, chunk, sizes, bias=b)
+        out[key] = out[key] & got if key in out else got
+    return {key: v for key, v in out.items() if v}
 
 
 def joint_classes(per_weight: Iterable[Sequence[Sequence[int]]]) -> list[list[int]]:

@@ -13,15 +13,15 @@ Metadata tensors are built once per forward (``GpuMeta``), not once per layer.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from detserve.executor.attention import RowBatch
 from detserve.executor.kv_pool import KVPool
-from detserve.executor.ops import TorchOps, _silu_mul, run_in_row_chunks
+from detserve.executor.ops import TorchOps, _silu_mul, linear_in_row_chunks
 from detserve.executor.transfer import upload
 from detserve.kernels._utils import num_sms
 from detserve.kernels.batch_invariant import matmul_bi, rmsnorm_bi
@@ -51,16 +51,20 @@ class GpuFastOps(TorchOps):
 class GpuLaneOps(GpuFastOps):
     """The lane: cuBLAS products on chunks of exactly ``rows`` rows (a fixed shape, so a
     fixed reduction order) and row-wise RMSNorm. ``rows`` is the whole pass, or a chunk
-    whose cuBLAS bits equal the fast path's at its full decode batch (``gemm_classes``)."""
+    whose cuBLAS bits equal the fast path's at its full decode batch (``gemm_classes``).
+    ``one_call`` (per weight shape): the multiples of ``rows`` at which one call over all
+    the rows was probed to give each row the chunk's bits; those run as one call."""
 
-    def __init__(self, rows: int) -> None:
+    def __init__(self, rows: int,
+                 one_call: Mapping[tuple[int, int], frozenset[int]] | None = None) -> None:
         if rows <= 0:
             raise ValueError("rows must be positive")
         self.rows = rows
+        self.one_call = dict(one_call or {})
         self.name = f"cublas-fixed{rows}+rmsnorm-row"
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        return run_in_row_chunks(lambda c: F.linear(c, weight, bias), x, self.rows)
+        return linear_in_row_chunks(x, weight, bias, self.rows, self.one_call)
 
 
 class TritonBatchInvariantOps:

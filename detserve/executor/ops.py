@@ -9,7 +9,7 @@ batch-invariant baseline (the SGLang/vLLM approach, here as a plain-torch refere
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,21 @@ def run_in_row_chunks(fn: Callable[[Tensor], Tensor], x: Tensor, rows: int) -> T
         x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
     outs = [fn(x[i:i + rows]) for i in range(0, n + pad, rows)]
     return torch.cat(outs)[:n]
+
+
+def linear_in_row_chunks(x: Tensor, weight: Tensor, bias: Tensor | None, rows: int,
+                         one_call: Mapping[tuple[int, int], frozenset[int]]) -> Tensor:
+    """``F.linear`` on chunks of exactly ``rows`` rows of ``x``, except that where
+    ``one_call`` lists, for the weight's shape (N, K), the padded row count M (a multiple of
+    ``rows``), the M rows go through one call: a probe found that call to give every row the
+    chunks' bits (``gemm_classes.lane_call_sizes``), for the price of one weight read."""
+    n = x.shape[0]
+    m = -(-n // rows) * rows
+    if m > rows and m in one_call.get((weight.shape[0], weight.shape[1]), ()):
+        if m > n:
+            x = torch.cat([x, x.new_zeros((m - n, *x.shape[1:]))])
+        return F.linear(x, weight, bias)[:n]
+    return run_in_row_chunks(lambda c: F.linear(c, weight, bias), x, rows)
 
 
 class FixedShapeOps:

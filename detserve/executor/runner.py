@@ -20,7 +20,7 @@ from detserve.executor.attention import (
     fast_attention,
     tiled_attention,
 )
-from detserve.executor.gemm_classes import smallest_at_least
+from detserve.executor.gemm_classes import probe_lane_one_calls, smallest_at_least
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.ops import FixedShapeOps, TorchOps
 from detserve.executor.transfer import upload
@@ -122,7 +122,8 @@ class ModelRunner:
                  batch_invariant_rows: int, lane_gemm_rows: int = 0,
                  align_fast_path: bool = False,
                  decode_buckets: Sequence[int] | None = None,
-                 single_call: Mapping[tuple[int, int], frozenset[int]] | None = None) -> None:
+                 single_call: Mapping[tuple[int, int], frozenset[int]] | None = None,
+                 lane_one_calls: bool = True) -> None:
         self.model = model
         self.pool = pool
         self.device = model.embed_tokens.device
@@ -141,6 +142,8 @@ class ModelRunner:
         self.single_call = dict(single_call or {})
         # eager steps' products with padded decode rows: run as one call or split in two
         self.head_products: Counter[str] = Counter()
+        # CUDA: lane products run as one call at these multiples of the chunk (probed)
+        self.lane_one_call: dict[tuple[int, int], frozenset[int]] = {}
         self.kernel_set = "torch-ref-1"
         self.decode_graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
@@ -149,11 +152,19 @@ class ModelRunner:
             from detserve.executor import gpu
 
             self.fast_ops = gpu.GpuFastOps()
-            self.lane_ops = gpu.GpuLaneOps(self.lane_chunk)
-            if lane_gemm_rows:
-                self.lane_logit_ops = gpu.GpuLaneOps(lane_gemm_rows)
-            self.bi_ops = gpu.TritonBatchInvariantOps()
             self.kernel_set = gpu.KERNEL_VERSION
+            if lane_gemm_rows and lane_one_calls:
+                self.lane_one_call = probe_lane_one_calls(model.gemm_weights(), lane_gemm_rows,
+                                                          self.lane_sizes(),
+                                                          model.gemm_biases())
+                # part of the numerics: a verifier's runner must have probed the same
+                self.kernel_set += "".join(
+                    f"+one{n}x{k}@{','.join(map(str, sorted(v)))}"
+                    for (n, k), v in sorted(self.lane_one_call.items()))
+            self.lane_ops = gpu.GpuLaneOps(self.lane_chunk, self.lane_one_call)
+            if lane_gemm_rows:
+                self.lane_logit_ops = gpu.GpuLaneOps(lane_gemm_rows, self.lane_one_call)
+            self.bi_ops = gpu.TritonBatchInvariantOps()
 
     def enable_cuda_graphs(self, decode: str | None, lane: bool, max_batch: int,
                            max_blocks: int, step_rows: int = 0) -> None:
