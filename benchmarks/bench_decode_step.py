@@ -1,7 +1,9 @@
 """Fast-path decode step time vs the memory roofline (the GPU issue's step benchmark).
 
 For each batch size, B sequences with a ``--context``-token prompt are prefilled, then
-``--steps`` decode steps of ``nondeterministic`` mode are timed. Roofline: bytes that one
+``--steps`` decode steps of ``nondeterministic`` mode (``--mode llm42``: llm42 with no
+deterministic request, i.e. decode rows padded to the buckets aligned with the lane) are
+timed. Roofline: bytes that one
 step must read (all weights + every sequence's K/V) over the measured device-to-device
 copy bandwidth (bytes read + written per second).
 
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,32,64,128")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--mode", default="nondeterministic", choices=("nondeterministic", "llm42"))
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (launch-bound baseline)")
     p.add_argument("--no-align", action="store_true",
                    help="split-KV decode attention for every context (no lane-kernel decode)")
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         # sequences prefilled early decode while the others prefill: room for those tokens
         # too, so that no sequence finishes and the batch stays ``bsz`` in every timed step
         gen = a.steps * (2 if a.profile else 1) + -(-bsz * a.context // budget) + 8
-        cfg = EngineConfig.create(a.model, "nondeterministic", device=a.device, dtype="bfloat16",
+        cfg = EngineConfig.create(a.model, a.mode, device=a.device, dtype="bfloat16",
                                   max_num_seqs=bsz, max_model_len=a.context + gen + 8,
                                   num_blocks=bsz * (a.context + gen + 32) // 16 + 64,
                                   max_num_batched_tokens=budget,
@@ -139,12 +142,14 @@ def main(argv: list[str] | None = None) -> int:
         # K/V every step reads: each sequence's context, averaged over the timed steps
         kv_bytes = (ctx0 + sum(s.num_tokens for s in running)) / 2 * kv_per_token
         roof_ms = (weight_bytes + kv_bytes) / bw * 1e3  # bytes that must be read once
+        graphs = eng.runner.decode_graphs
         row = {"batch": bsz, "step_ms": step_ms, "roofline_ms": roof_ms,
-               "ratio_to_roofline": step_ms / roof_ms}
+               "ratio_to_roofline": step_ms / roof_ms,
+               "padded_to": graphs.bucket(bsz) if graphs is not None else bsz}
         fwd = forward_ms(eng, a.steps)
         if fwd is not None:  # the GPU's share: the step's graph replayed back to back
             row.update(forward_ms=fwd, forward_ratio_to_roofline=fwd / roof_ms)
-        print(f"batch {bsz:>4}: {step_ms:7.2f} ms/step  roofline {roof_ms:6.2f} ms  "
+        print(f"batch {bsz:>4} (padded to {row['padded_to']}): {step_ms:7.2f} ms/step  roofline {roof_ms:6.2f} ms  "
               f"({step_ms / roof_ms:.2f}x)" + (f"  forward alone {fwd:6.2f} ms "
                                               f"({fwd / roof_ms:.2f}x)" if fwd else ""),
               flush=True)
