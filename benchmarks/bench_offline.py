@@ -98,6 +98,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               prefill_batch_tokens=args.prefill_batch_tokens,
                               probe_single_calls=not args.no_single_calls,
                               lane_one_calls=not args.no_lane_one_calls,
+                              lane_size_step=args.lane_size_step,
                               async_scheduling=False if args.sync_scheduling else None,
                               cuda_graph_step_rows=(0 if args.eager_steps else
                                                     EngineConfig.cuda_graph_step_rows))
@@ -131,6 +132,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     gemm_rows = engine.lane_gemm_rows
     one_call = {f"{n}x{k}": sorted(v) for (n, k), v in engine.runner.lane_one_call.items()}
     buckets = engine.alignment.buckets if engine.alignment else None
+    lane_sizes = engine.runner.lane_sizes() if engine.scheduler.cfg.uses_lane else None
     async_scheduling = engine.async_scheduling
     prefill_batch_tokens = engine.scheduler.cfg.prefill_batch_tokens
     engine.close()
@@ -145,6 +147,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "align_fast_path": not args.no_align, "lane_gemm_rows": gemm_rows,
         "single_calls": not args.no_single_calls,
         "lane_one_calls": one_call,
+        "lane_sizes": lane_sizes,
         "pipeline_lane_prefill": not args.no_pipeline_lane_prefill,
         "decode_past_queued_windows": not args.no_decode_past_queued_windows,
         "prefill_batch_tokens": prefill_batch_tokens,
@@ -242,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-lane-one-calls", action="store_true",
                    help="CUDA: the lane runs every product chunk by chunk, even where one call "
                         "over the pass was probed to give the same bits (lane_one_calls=False)")
+    p.add_argument("--lane-size-step", type=int, default=32,
+                   help="CUDA, with lane one calls: lane pass sizes between the GEMM chunk's "
+                        "multiples, in steps of this many rows; 0: only the multiples")
     p.add_argument("--eager-steps", action="store_true",
                    help="CUDA: steps that carry prompt chunks run eagerly, not as graphs "
                         "(cuda_graph_step_rows=0)")

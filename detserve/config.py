@@ -146,6 +146,11 @@ class EngineConfig:
     # found that call to give every row the chunk's bits (gemm_classes.lane_call_sizes): one
     # read of the weight instead of k, the same arithmetic. False: always chunk by chunk
     lane_one_calls: bool = True
+    # with lane one calls: a pass also runs at sizes between the chunk's multiples, in steps
+    # of this many rows (those where some product runs as one call), padding its rows to
+    # the next size instead of the next multiple; each size is one more lane graph. 0: only
+    # the multiples
+    lane_size_step: int = 32
     # plan and queue each step's fast batch before reading the previous step's tokens, so
     # the host's work between steps overlaps the device's (None: on for CUDA, off on CPU)
     async_scheduling: bool | None = None
@@ -173,6 +178,9 @@ class EngineConfig:
             raise ValueError("cuda_graph_step_rows must be >= 0 (0: eager steps)")
         if self.lane_gemm_rows < 0:
             raise ValueError("lane_gemm_rows must be >= 0 (0: chosen automatically)")
+        if isinstance(self.lane_size_step, bool) or not isinstance(self.lane_size_step, int) \
+                or self.lane_size_step < 0:
+            raise ValueError("lane_size_step must be an integer >= 0 (0: the chunk's multiples)")
         if self.batch_invariant_rows <= 0:
             raise ValueError("batch_invariant_rows must be positive")
         if self.scheduler.max_model_len > self.cache.num_tokens:

@@ -90,7 +90,9 @@ class LLMEngine:
                                   align_fast_path=cuda and config.align_fast_path,
                                   decode_buckets=self.alignment.buckets if self.alignment else None,
                                   single_call=self.alignment.single_call if self.alignment else None,
-                                  lane_one_calls=config.lane_one_calls)
+                                  lane_one_calls=config.lane_one_calls,
+                                  lane_size_step=config.lane_size_step,
+                                  decode_pads=self.alignment.pads if self.alignment else None)
         if cuda and config.cuda_graphs:
             mode = config.mode
             decode = {"llm42": "fast", "nondeterministic": "fast", "batch_invariant": "bi"}.get(mode)

@@ -228,9 +228,9 @@ def test_decode_rows_padded_only_when_the_lane_verifies_them(
 
     class CountingPad(runner_mod.HeadPaddedOps):
         def __init__(self, base, head: int, size: int,  # type: ignore[no-untyped-def]
-                     single_call=None, counts=None) -> None:
+                     single_call=None, counts=None, pads=None) -> None:
             padded.append(head)
-            super().__init__(base, head, size, single_call, counts)
+            super().__init__(base, head, size, single_call, counts, pads)
 
     monkeypatch.setattr(runner_mod, "HeadPaddedOps", CountingPad)
     engine = LLMEngine.from_args(model, "llm42", verify_window=8, verify_group=4,

@@ -271,12 +271,14 @@ def test_probes_run_the_product_with_its_bias(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_lane_call_sizes_find_the_chunks_algorithm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Only multiples of the chunk above it are candidates, and only those up to the
-    algorithm switch give every row the chunk's bits."""
+    """Every size but the chunk is a candidate (multiples of it, sizes between, sizes below
+    it), and only those up to the algorithm switch give every row the chunk's bits."""
     _switches_above(64, monkeypatch)
     w = torch.randn(16, 8)
-    assert lane_call_sizes(w, 16, [16, 32, 48, 64, 80, 96, 40]) == frozenset({32, 48, 64})
+    assert lane_call_sizes(w, 16, [16, 32, 48, 64, 80, 96, 40, 8]) == frozenset({8, 32, 40, 48, 64})
     assert lane_call_sizes(w, 96, [96]) == frozenset()
+    # a chunk past the switch: the sizes past it share its algorithm, those below do not
+    assert lane_call_sizes(w, 80, [40, 64, 72, 160]) == frozenset({72, 160})
     with pytest.raises(ValueError):
         lane_call_sizes(w, 0, [32])
 
@@ -343,7 +345,84 @@ def test_lane_products_run_one_call_only_where_listed(monkeypatch: pytest.Monkey
     calls.clear()
     assert torch.equal(ops_mod.linear_in_row_chunks(x[:10], w, None, 16, table), chunked[:10])
     assert calls == [16]  # one chunk's rows: as before, padded to exactly the chunk
+    # sizes between the chunk's multiples: the smallest listed one that holds the rows, as
+    # long as it is no larger than the rows' chunks
+    between = {(16, 8): lane_call_sizes(w, 16, [24, 40, 56])}
+    assert between[(16, 8)] == frozenset({24, 40, 56})
+    xx = torch.cat([x, x])
+    for n, want in ((36, [40]), (40, [40]), (20, [24]), (50, [56]), (60, [16] * 4), (10, [16])):
+        calls.clear()
+        got = ops_mod.linear_in_row_chunks(xx[:n], w, None, 16, between)
+        assert torch.equal(got, ops_mod.run_in_row_chunks(lambda c: fake(c, w), xx[:n], 16))
+        assert calls == want, n
     y = torch.randn(70, 8)
     wrong = {(16, 8): frozenset({80})}
     assert not torch.equal(ops_mod.linear_in_row_chunks(y, w, None, 16, wrong),
                            ops_mod.run_in_row_chunks(lambda c: fake(c, w), y, 16))
+
+
+def test_product_pads_pad_only_the_products_whose_class_needs_it() -> None:
+    """As the 8B products on an H100: a 128-row decode bucket is in the chunk's class for
+    every product but one, which alone runs 136 rows; a bucket that every product would pad
+    is rounded up as a whole, and one past every class stays as it is."""
+    from detserve.executor.gemm_classes import plan_product_pads
+
+    a, b = (16, 8), (24, 8)
+    per_weight = [[[8, 16, 128, 136, 176]], [[8, 16], [128], [136, 176]]]
+    plan = Alignment(176, (136,))
+    al = plan_product_pads(per_weight, [a, b], plan, [8, 16, 128])
+    assert al.chunk == 176 and al.buckets == (8, 16, 128)
+    assert al.pads == {b: {8: 136, 16: 136, 128: 136}}
+    both = [[[8], [136, 176]], [[8, 16], [136, 176]]]
+    assert plan_product_pads(both, [a, b], plan, [8, 128]) == Alignment(176, (136,))
+    assert plan_product_pads(per_weight, [a, b], plan, [200]) == Alignment(176, (200,))
+    # two weights of one shape: the product pads to a member of both their classes
+    three = [*per_weight, [[8, 16, 128], [136], [176]]]
+    assert plan_product_pads(three, [a, b, b], plan, [128]).pads == {b: {128: 176}}
+
+
+def test_padded_product_ops_run_listed_products_on_more_rows() -> None:
+    """A listed (shape, rows) product runs on its padded row count through one reused zeroed
+    buffer and gives the rows' own results; other products and row counts run as they are."""
+    from detserve.executor.ops import TorchOps
+    from detserve.executor.runner import PaddedProductOps
+
+    calls: list[int] = []
+
+    class Recording(TorchOps):
+        def linear(self, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+            calls.append(x.shape[0])
+            assert x.shape[0] != 16 or torch.count_nonzero(x[10:]) == 0  # zero pad rows
+            return torch.nn.functional.linear(x, weight, bias)
+
+    ops = PaddedProductOps(Recording(), {(5, 8): {10: 16}})
+    w, other, x = torch.randn(5, 8), torch.randn(7, 8), torch.randn(12, 8)
+    first = ops.linear(x[:10], w)
+    second = ops.linear(x[2:], w)  # other rows, same count: the same buffer, rewritten
+    assert calls == [16, 16] and len(ops._buffers) == 1
+    assert torch.allclose(first, x[:10] @ w.T) and torch.allclose(second, x[2:] @ w.T)
+    calls.clear()
+    ops.linear(x[:10], other)
+    ops.linear(x[:9], w)
+    assert calls == [10, 9]
+    # the activation writes its rows straight into the buffer of the product that reads it
+    down = torch.randn(5, 6)
+    acts = PaddedProductOps(Recording(), {(5, 6): {4: 16}})
+    gate_up = torch.randn(4, 12)
+    h = acts.silu_mul(gate_up)
+    buf = acts._buffers[(6, 4, 16)]
+    assert h.data_ptr() == buf.data_ptr() and torch.count_nonzero(buf[4:]) == 0
+    assert torch.equal(h, torch.nn.functional.silu(gate_up[:, :6]) * gate_up[:, 6:])
+    calls.clear()
+    assert torch.allclose(acts.linear(h, down), h @ down.T) and calls == [16]
+    assert acts.silu_mul(gate_up[:3]).data_ptr() != buf.data_ptr()  # 3 rows: not listed
+    # eager steps: a head padded to its bucket runs this product on the bucket's pad
+    from detserve.executor.runner import HeadPaddedOps
+
+    calls.clear()
+    out = HeadPaddedOps(Recording(), 3, 10, pads={(5, 8): {10: 16}}).linear(x, w)
+    assert calls == [16, 9] and torch.allclose(out, x @ w.T, atol=1e-6)
+    calls.clear()
+    HeadPaddedOps(Recording(), 3, 10, pads={(5, 8): {10: 16}}).linear(x, other)
+    assert calls == [10, 9]

@@ -203,16 +203,23 @@ def test_aligned_decode_rows_verify_next_to_prefill_chunks(
     o.close()
 
 
-def test_lane_one_calls_keep_the_lanes_bits(model: str) -> None:
-    """Lane products run as one call where the probe allows give the same outputs as the
-    lane run chunk by chunk (the tiny model's products may or may not allow any)."""
+@pytest.mark.parametrize(("chunk", "window", "group"), [(16, 8, 4), (48, 16, 6)])
+def test_lane_one_calls_keep_the_lanes_bits(model: str, chunk: int, window: int,
+                                            group: int) -> None:
+    """Lane products run as one call where the probe allows (at the chunk's multiples and,
+    with a 48-row chunk, at 32 and 64 rows between them) give the same outputs as the lane
+    run chunk by chunk (the tiny model's products may or may not allow any)."""
     reqs = _reqs(det=True)
-    kw = {"mode": "llm42", "lane_gemm_rows": 16, **CUDA}
+    kw = {"mode": "llm42", "lane_gemm_rows": chunk, "window": window, "group": group, **CUDA}
     one, _, eng = run_engine(model, reqs, **kw)
     chunked, _, ref = run_engine(model, reqs, lane_one_calls=False, **kw)
     assert ref.runner.lane_one_call == {}
-    assert all(k[0] > 0 and all(m % 16 == 0 and m > 16 for m in v)
-               for k, v in eng.runner.lane_one_call.items())
+    multiples = [chunk, 2 * chunk]
+    sizes = eng.runner.lane_sizes()
+    assert set(multiples).issubset(sizes) and ref.runner.lane_sizes() == multiples
+    assert set(sizes) - set(multiples) <= {32, 64}
+    print("lane sizes:", sizes, {k: sorted(v) for k, v in eng.runner.lane_one_call.items()})
+    assert all(k[0] > 0 and all(m != 16 for m in v) for k, v in eng.runner.lane_one_call.items())
     for a, b in zip(one, chunked, strict=True):
         assert signature(a) == signature(b)
     eng.close()
@@ -220,8 +227,9 @@ def test_lane_one_calls_keep_the_lanes_bits(model: str) -> None:
 
 
 def test_lane_one_call_verdicts_hold_on_other_inputs() -> None:
-    """The 8B shape's products in bf16: every size the probe lets run as one call gives
-    every row of fresh inputs (other seed, other scale) the chunk's bits."""
+    """The 8B shape's products in bf16: every size the probe lets run as one call (the
+    chunk's multiples and sizes between and below them) gives every row of fresh inputs
+    (other seed, other scale) the chunk's bits."""
     import torch
 
     from detserve.executor.gemm_classes import probe_lane_one_calls
@@ -232,7 +240,8 @@ def test_lane_one_call_verdicts_hold_on_other_inputs() -> None:
     weights = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
                for n, k in shapes]
     chunk = 176
-    found = probe_lane_one_calls(weights, chunk, [chunk, 2 * chunk, 3 * chunk])
+    found = probe_lane_one_calls(weights, chunk, sorted({*range(32, 3 * chunk, 32), chunk,
+                                                         2 * chunk, 3 * chunk}))
     for w in weights:
         sizes = found.get((w.shape[0], w.shape[1]), frozenset())
         for m in sizes:
@@ -240,3 +249,30 @@ def test_lane_one_call_verdicts_hold_on_other_inputs() -> None:
             ref = run_in_row_chunks(lambda c, w=w: torch.nn.functional.linear(c, w), x, chunk)
             assert torch.equal(torch.nn.functional.linear(x, w), ref)
     print("one-call sizes:", {k: sorted(v) for k, v in found.items()})
+
+
+def test_decode_bucket_products_get_the_lane_chunks_bits() -> None:
+    """The 8B shape's products in bf16, planned for a decode batch of 128 next to a 512-row
+    lane in 176-row chunks: at every decode bucket each product (padded on its own where the
+    plan says) gives fresh rows the bits of a 176-row call. Control: where the plan pads a
+    product, the unpadded call gives other bits (the pad is needed)."""
+    import torch
+
+    from detserve.executor.gemm_classes import auto_alignment
+    from detserve.executor.ops import TorchOps
+    from detserve.executor.runner import PaddedProductOps
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+    weights = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+               for n, k in shapes]
+    al = auto_alignment(weights, 128, 512, chunk=176)
+    print("buckets", al.buckets, "pads", al.pads)
+    ops = PaddedProductOps(TorchOps(), al.pads)
+    for w in weights:
+        x = torch.randn(176, w.shape[1], device="cuda", generator=gen).to(torch.bfloat16)
+        ref = torch.nn.functional.linear(x, w)
+        for b in al.buckets:
+            assert torch.equal(ops.linear(x[:b], w), ref[:b]), (tuple(w.shape), b)
+        for b in al.pads.get((w.shape[0], w.shape[1]), {}):
+            assert not torch.equal(torch.nn.functional.linear(x[:b], w), ref[:b])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,7 @@ from torch import Tensor
 from detserve.executor.ops import run_in_row_chunks
 
 __all__ = ["Alignment", "auto_alignment", "joint_classes", "lane_call_sizes", "probe_lane_one_calls",
-           "plan_alignment", "probe_sizes", "row_classes", "single_call_sizes",
+           "plan_alignment", "plan_product_pads", "probe_sizes", "row_classes", "single_call_sizes",
            "smallest_at_least"]
 
 
@@ -84,15 +85,16 @@ def single_call_sizes(weight: Tensor, chunk: int, max_rows: int, seed: int = 0,
 
 def lane_call_sizes(weight: Tensor, chunk: int, sizes: Iterable[int], seed: int = 0,
                     bias: Tensor | None = None) -> frozenset[int]:
-    """The multiples M of ``chunk`` among ``sizes`` (M > ``chunk``) at which one
-    ``F.linear`` call over M rows gives *every* row the bits that calls of exactly ``chunk``
-    rows give it. The lane may then run such a product once instead of M / ``chunk`` times,
-    each a read of the whole weight, and keep its arithmetic. Two inputs are probed (plain
-    Gaussian rows, and rows whose magnitudes span several orders, as activations with
-    outliers do): a different reduction order changes some of a row's N sums on either."""
+    """The row counts M among ``sizes`` (other than ``chunk``) at which one ``F.linear``
+    call over M rows gives *every* row the bits that calls of exactly ``chunk`` rows give it.
+    The lane may then run M rows of such a product as one call: for M a multiple of the
+    chunk, one weight read instead of M / ``chunk``; for any other M, without padding the
+    rows up to the next multiple. Two inputs are probed (plain Gaussian rows, and rows whose
+    magnitudes span several orders, as activations with outliers do): a different reduction
+    order changes some of a row's N sums on either."""
     if chunk < 1:
         raise ValueError("chunk must be >= 1")
-    cands = sorted(m for m in set(sizes) if m > chunk and m % chunk == 0)
+    cands = sorted(m for m in set(sizes) if m >= 1 and m != chunk)
     if not cands:
         return frozenset()
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -161,6 +163,10 @@ class Alignment:
     # per weight shape (N, K): the step sizes M at which one call gives the leading rows
     # the chunk's bits (``single_call_sizes``); eager steps run those products unsplit
     single_call: Mapping[tuple[int, int], frozenset[int]] = field(default_factory=dict)
+    # per weight shape (N, K): {bucket: rows} where that product runs a bucket's rows padded
+    # to more rows, the smallest member of its own class of the chunk that holds them, while
+    # the other products run the bucket as it is (``plan_product_pads``)
+    pads: Mapping[tuple[int, int], Mapping[int, int]] = field(default_factory=dict)
 
     def bucket(self, n: int) -> int | None:
         return smallest_at_least(self.buckets, n)
@@ -194,6 +200,35 @@ def plan_alignment(classes: Sequence[Sequence[int]], full_batch: int, lane_rows:
     return Alignment(chunk, tuple(buckets))
 
 
+def plan_product_pads(per_weight: Sequence[Sequence[Sequence[int]]],
+                      keys: Sequence[tuple[int, int]], plan: Alignment,
+                      base_buckets: Sequence[int]) -> Alignment:
+    """``plan`` (from the joint classes) with a decode bucket that only some products must
+    pad kept at its plain size and those products padded on their own (``pads``), each to
+    the smallest member of its own class of the chunk that holds the bucket
+    (``per_weight[i]``: the ``row_classes`` of the weight of shape ``keys[i]``). A bucket
+    that every product must pad is rounded up as a whole, as ``plan`` has it (one padded
+    batch costs less than a copy of the rows per product)."""
+    own: dict[tuple[int, int], set[int]] = {}
+    for classes, key in zip(per_weight, keys, strict=True):
+        cls = next((set(c) for c in classes if plan.chunk in c), {plan.chunk})
+        own[key] = own[key] & cls if key in own else cls
+    members = {key: sorted(v) for key, v in own.items()}
+    joint = sorted(set.intersection(*own.values())) if own else [plan.chunk]
+    buckets: set[int] = set()
+    pads: dict[tuple[int, int], dict[int, int]] = {}
+    for b in base_buckets:
+        up = {key: smallest_at_least(m, b) for key, m in members.items()}
+        need = {key: u for key, u in up.items() if u != b}
+        if need and len(need) < len(up) and None not in up.values():
+            buckets.add(b)
+            for key, u in need.items():
+                pads.setdefault(key, {})[b] = cast(int, u)
+        else:
+            buckets.add(smallest_at_least(joint, b) or b)
+    return Alignment(plan.chunk, tuple(sorted(buckets)), plan.single_call, pads)
+
+
 def auto_alignment(weights: Sequence[Tensor], full_batch: int, lane_rows: int,
                    chunk: int = 0, step_rows: Sequence[int] = (),
                    biases: Sequence[Tensor | None] = ()) -> Alignment:
@@ -208,12 +243,14 @@ def auto_alignment(weights: Sequence[Tensor], full_batch: int, lane_rows: int,
     sizes = probe_sizes(full_batch, lane_rows)
     if chunk:
         sizes = sorted({*sizes, chunk})
-    joint = joint_classes(row_classes(w, sizes, bias=b) for w, b in zip(weights, bias, strict=True))
-    plan = plan_alignment(joint, full_batch, lane_rows, decode_buckets(full_batch), chunk)
+    per_weight = [row_classes(w, sizes, bias=b) for w, b in zip(weights, bias, strict=True)]
+    keys = [(int(w.shape[0]), int(w.shape[1])) for w in weights]
+    base = decode_buckets(full_batch)
+    plan = plan_alignment(joint_classes(per_weight), full_batch, lane_rows, base, chunk)
+    plan = plan_product_pads(per_weight, keys, plan, base)
     single: dict[tuple[int, int], frozenset[int]] = {}
-    for w, b, rows in zip(weights, bias, step_rows, strict=False):
+    for w, b, rows, key in zip(weights, bias, step_rows, keys, strict=False):
         if rows > 0:
-            key = (int(w.shape[0]), int(w.shape[1]))
             got = single_call_sizes(w, plan.chunk, rows, bias=b, head_rows=plan.buckets[-1])
             single[key] = single[key] & got if key in single else got
-    return Alignment(plan.chunk, plan.buckets, single)
+    return Alignment(plan.chunk, plan.buckets, single, plan.pads)

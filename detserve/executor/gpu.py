@@ -21,7 +21,7 @@ from torch import Tensor
 
 from detserve.executor.attention import RowBatch
 from detserve.executor.kv_pool import KVPool
-from detserve.executor.ops import TorchOps, _silu_mul, linear_in_row_chunks
+from detserve.executor.ops import TorchOps, linear_in_row_chunks, silu_mul
 from detserve.executor.transfer import upload
 from detserve.kernels._utils import num_sms
 from detserve.kernels.batch_invariant import matmul_bi, rmsnorm_bi
@@ -52,8 +52,9 @@ class GpuLaneOps(GpuFastOps):
     """The lane: cuBLAS products on chunks of exactly ``rows`` rows (a fixed shape, so a
     fixed reduction order) and row-wise RMSNorm. ``rows`` is the whole pass, or a chunk
     whose cuBLAS bits equal the fast path's at its full decode batch (``gemm_classes``).
-    ``one_call`` (per weight shape): the multiples of ``rows`` at which one call over all
-    the rows was probed to give each row the chunk's bits; those run as one call."""
+    ``one_call`` (per weight shape): the row counts at which one call over all the rows was
+    probed to give each row the chunk's bits; those run as one call
+    (``ops.linear_in_row_chunks``)."""
 
     def __init__(self, rows: int,
                  one_call: Mapping[tuple[int, int], frozenset[int]] | None = None) -> None:
@@ -77,7 +78,7 @@ class TritonBatchInvariantOps:
         return rmsnorm_bi(x, weight, eps)
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
-        return _silu_mul(gate_up)  # elementwise: the same bits for a row in any batch
+        return silu_mul(gate_up)  # elementwise: the same bits for a row in any batch
 
 
 @dataclass(frozen=True)

@@ -384,8 +384,9 @@ class StepGraphs:
 
 class LaneGraph:
     """The lane pass as graphs, one per row count it runs at (``sizes``: the whole pass, or
-    each multiple of the lane's GEMM chunk up to it), each captured on its first use on the
-    lane's own stream (inside its green context when it has one)."""
+    each multiple of the lane's GEMM chunk up to it and sizes between), all captured on the
+    first pass on the lane's own stream (inside its green context when it has one), largest
+    first: a capture in the middle of a run would hold that pass up for a whole capture."""
 
     def __init__(self, model: LlamaModel, pool: KVPool, ops: Ops, sizes: Sequence[int],
                  max_blocks: int) -> None:
@@ -423,19 +424,27 @@ class LaneGraph:
         segs, width = batch.seg_tables.shape
         if width > self.max_blocks:
             raise ValueError("block table longer than the lane graph's max_blocks")
+        if not self._graphs:
+            # blank rows: no K/V written (slot -1), attention on the scratch block only
+            self.longs.zero_()
+            self.longs[2].fill_(-1)
+            self.ints.zero_()
+            for size in reversed(self.sizes):
+                self._capture(size)
         self.longs[0, :n].copy_(batch.input_ids)
         self.longs[1, :n].copy_(batch.positions)
         self.longs[2, :n].copy_(batch.slots)
         self.ints[0, :n].copy_(batch.row_seg)
         self.ints[1, :n].copy_(batch.lane_positions)
         self.tables[:segs, :width].copy_(batch.seg_tables)
-        if n not in self._graphs:
-            try:
-                self._graphs[n] = _capture(partial(self._forward, n), self._mempool)
-            except RuntimeError as e:
-                from detserve.executor.runner import GraphCaptureError
-
-                raise GraphCaptureError("lane graph capture failed") from e
         graph, hidden = self._graphs[n]
         graph.replay()
         return hidden
+
+    def _capture(self, n: int) -> None:
+        try:
+            self._graphs[n] = _capture(partial(self._forward, n), self._mempool)
+        except RuntimeError as e:
+            from detserve.executor.runner import GraphCaptureError
+
+            raise GraphCaptureError("lane graph capture failed") from e

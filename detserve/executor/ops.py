@@ -22,9 +22,11 @@ def _rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (xf * weight.float()).to(x.dtype)
 
 
-def _silu_mul(gate_up: Tensor) -> Tensor:
+def silu_mul(gate_up: Tensor, out: Tensor | None = None) -> Tensor:
+    """SiLU(gate) * up of ``gate_up`` = [gate | up], into ``out`` if given (same bits)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return torch.mul(F.silu(gate), up, out=out)
+
 
 
 class TorchOps:
@@ -37,7 +39,13 @@ class TorchOps:
         return _rmsnorm(x, weight, eps)
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
-        return _silu_mul(gate_up)
+        return silu_mul(gate_up)
+
+
+def pad_rows(x: Tensor, rows: int) -> Tensor:
+    """``x`` with zero rows appended up to ``rows`` rows (``x`` itself if it has as many)."""
+    n = x.shape[0]
+    return x if rows <= n else torch.cat([x, x.new_zeros((rows - n, *x.shape[1:]))])
 
 
 def run_in_row_chunks(fn: Callable[[Tensor], Tensor], x: Tensor, rows: int) -> Tensor:
@@ -46,24 +54,23 @@ def run_in_row_chunks(fn: Callable[[Tensor], Tensor], x: Tensor, rows: int) -> T
     if n == rows:
         return fn(x)
     pad = (-n) % rows
-    if pad:
-        x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
+    x = pad_rows(x, n + pad)
     outs = [fn(x[i:i + rows]) for i in range(0, n + pad, rows)]
     return torch.cat(outs)[:n]
 
 
 def linear_in_row_chunks(x: Tensor, weight: Tensor, bias: Tensor | None, rows: int,
                          one_call: Mapping[tuple[int, int], frozenset[int]]) -> Tensor:
-    """``F.linear`` on chunks of exactly ``rows`` rows of ``x``, except that where
-    ``one_call`` lists, for the weight's shape (N, K), the padded row count M (a multiple of
-    ``rows``), the M rows go through one call: a probe found that call to give every row the
-    chunks' bits (``gemm_classes.lane_call_sizes``), for the price of one weight read."""
+    """``F.linear`` on chunks of exactly ``rows`` rows of ``x``, except where ``one_call``
+    lists, for the weight's shape (N, K), a row count M from x's rows up to their chunks'
+    (x's rows rounded up to a multiple of ``rows``): the smallest such M rows (x's, then
+    zero rows) go through one call, which a probe found to give every row the chunks' bits
+    (``gemm_classes.lane_call_sizes``), for one weight read and no more rows than needed."""
     n = x.shape[0]
     m = -(-n // rows) * rows
-    if m > rows and m in one_call.get((weight.shape[0], weight.shape[1]), ()):
-        if m > n:
-            x = torch.cat([x, x.new_zeros((m - n, *x.shape[1:]))])
-        return F.linear(x, weight, bias)[:n]
+    fits = [s for s in one_call.get((weight.shape[0], weight.shape[1]), ()) if n <= s <= m]
+    if fits:
+        return F.linear(pad_rows(x, min(fits)), weight, bias)[:n]
     return run_in_row_chunks(lambda c: F.linear(c, weight, bias), x, rows)
 
 
@@ -81,4 +88,4 @@ class FixedShapeOps:
         return run_in_row_chunks(lambda c: _rmsnorm(c, weight, eps), x, self.rows)
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
-        return run_in_row_chunks(_silu_mul, gate_up, self.rows)
+        return run_in_row_chunks(silu_mul, gate_up, self.rows)

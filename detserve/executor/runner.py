@@ -22,7 +22,7 @@ from detserve.executor.attention import (
 )
 from detserve.executor.gemm_classes import probe_lane_one_calls, smallest_at_least
 from detserve.executor.kv_pool import KVPool
-from detserve.executor.ops import FixedShapeOps, TorchOps
+from detserve.executor.ops import FixedShapeOps, TorchOps, pad_rows, silu_mul
 from detserve.executor.transfer import upload
 from detserve.lane import LaneDecision, LanePass, LaneResult, decide
 from detserve.model.llama import LlamaModel, Ops
@@ -33,6 +33,11 @@ if TYPE_CHECKING:
     from detserve.executor.graphs import DecodeGraphs, LaneGraph, StepGraphs
 
 log = logging.getLogger(__name__)
+
+# lane pass sizes between the GEMM chunk's multiples are probed in steps of this many rows
+# (the default of ``lane_size_step``): a pass pads its rows to the next size, and each size
+# is one more lane graph (docs/benchmarks/gpu/README.md: the 8B products by row count)
+LANE_SIZE_STEP = 32
 
 
 class GraphCaptureError(RuntimeError):
@@ -70,15 +75,18 @@ class HeadPaddedOps:
     """``base`` with each product of the first ``head`` rows run as a call of exactly
     ``padded`` rows (zero rows appended), and the remaining rows as a call of their own;
     except where ``single_call`` (per weight shape, an ``Alignment``'s) lists the call's row
-    count: there one call over all rows already gives the head the padded call's bits."""
+    count: there one call over all rows already gives the head the padded call's bits.
+    ``pads`` (an ``Alignment``'s): products that run a ``padded``-row head at more rows."""
 
     def __init__(self, base: Ops, head: int, padded: int,
                  single_call: Mapping[tuple[int, int], frozenset[int]] | None = None,
-                 counts: Counter[str] | None = None) -> None:
+                 counts: Counter[str] | None = None,
+                 pads: Mapping[tuple[int, int], Mapping[int, int]] | None = None) -> None:
         if not 0 < head <= padded:
             raise ValueError("need 0 < head <= padded")
         self.base, self.head, self.padded = base, head, padded
         self.single_call = single_call or {}
+        self.pads = pads or {}
         self.counts = Counter[str]() if counts is None else counts  # products: one / split
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -87,10 +95,9 @@ class HeadPaddedOps:
         if one:
             return self.base.linear(x, weight, bias)
         h = self.head
-        top = x[:h]
-        if self.padded > h:
-            top = torch.cat([top, top.new_zeros((self.padded - h, *top.shape[1:]))])
-        out = self.base.linear(top, weight, bias)[:h]
+        padded = self.pads.get((weight.shape[0], weight.shape[1]), {}).get(self.padded,
+                                                                            self.padded)
+        out = self.base.linear(pad_rows(x[:h], padded), weight, bias)[:h]
         if x.shape[0] == h:
             return out
         return torch.cat([out, self.base.linear(x[h:], weight, bias)])
@@ -100,6 +107,52 @@ class HeadPaddedOps:
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         return self.base.silu_mul(gate_up)
+
+
+class PaddedProductOps:
+    """``base`` with the products that ``pads`` lists (weight shape (N, K) -> {rows: padded
+    rows}) run on their padded row count. The rows sit in a zeroed buffer of that many rows,
+    kept per (K, rows, padded rows) so that a CUDA graph replays no allocation (calls run in stream
+    order, so the layers share it): the activation (``silu_mul``, elementwise, whose output
+    only the MLP's down product reads) writes its rows straight into the buffer of a product
+    with its width, and any other input is copied in. For decode graphs whose bucket is in
+    the lane chunk's class for some products and not for others."""
+
+    def __init__(self, base: Ops, pads: Mapping[tuple[int, int], Mapping[int, int]]) -> None:
+        self.base, self.pads = base, pads
+        self._by_width: dict[tuple[int, int], int] = {  # (K, rows) -> padded rows
+            (k, n): p for (_, k), table in pads.items() for n, p in table.items()}
+        self._buffers: dict[tuple[int, int, int], Tensor] = {}  # (K, rows, padded)
+        # the activation may write into a buffer only where it is the base's own (elementwise)
+        self._own_silu = type(base).silu_mul is TorchOps.silu_mul
+
+    def _buffer(self, like: Tensor, rows: int, width: int, padded: int) -> Tensor:
+        """The zeroed [padded, width] buffer for ``rows`` rows of that width (``like``'s
+        dtype and device)."""
+        buf = self._buffers.get((width, rows, padded))
+        if buf is None:
+            buf = self._buffers[(width, rows, padded)] = like.new_zeros((padded, width))
+        return buf
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        n = x.shape[0]
+        padded = self.pads.get((weight.shape[0], weight.shape[1]), {}).get(n)
+        if padded is None or padded <= n:
+            return self.base.linear(x, weight, bias)
+        buf = self._buffer(x, n, x.shape[1], padded)
+        if x.data_ptr() != buf.data_ptr():
+            buf[:n].copy_(x)
+        return self.base.linear(buf, weight, bias)[:n]
+
+    def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return self.base.rmsnorm(x, weight, eps)
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        n, width = gate_up.shape[0], gate_up.shape[1] // 2
+        padded = self._by_width.get((width, n))
+        if padded is None or not self._own_silu:
+            return self.base.silu_mul(gate_up)
+        return silu_mul(gate_up, out=self._buffer(gate_up, n, width, padded)[:n])
 
 
 class ModelRunner:
@@ -113,7 +166,8 @@ class ModelRunner:
     size, not on how many chunks run). On CUDA, with ``align_fast_path``
     decode rows that need no split use the lane's attention kernel
     (``gpu.fast_decode_attention``). ``decode_buckets`` (an ``Alignment``'s) are the sizes
-    the fast path pads its decode rows' products to, in graphs and in eager steps alike;
+    the fast path pads its decode rows' products to, in graphs and in eager steps alike,
+    and ``decode_pads`` (also an ``Alignment``'s) the products that pad a bucket further;
     ``single_call`` (also an ``Alignment``'s) the eager step sizes whose products need no
     padding for that (``HeadPaddedOps``).
     """
@@ -123,7 +177,8 @@ class ModelRunner:
                  align_fast_path: bool = False,
                  decode_buckets: Sequence[int] | None = None,
                  single_call: Mapping[tuple[int, int], frozenset[int]] | None = None,
-                 lane_one_calls: bool = True) -> None:
+                 lane_one_calls: bool = True, lane_size_step: int = LANE_SIZE_STEP,
+                 decode_pads: Mapping[tuple[int, int], Mapping[int, int]] | None = None) -> None:
         self.model = model
         self.pool = pool
         self.device = model.embed_tokens.device
@@ -140,10 +195,12 @@ class ModelRunner:
         self.align_fast_path = align_fast_path
         self.decode_buckets = tuple(sorted(decode_buckets)) if decode_buckets else None
         self.single_call = dict(single_call or {})
+        self.decode_pads = dict(decode_pads or {})
         # eager steps' products with padded decode rows: run as one call or split in two
         self.head_products: Counter[str] = Counter()
-        # CUDA: lane products run as one call at these multiples of the chunk (probed)
+        # CUDA: lane products run as one call at these row counts (probed)
         self.lane_one_call: dict[tuple[int, int], frozenset[int]] = {}
+        self._lane_sizes: list[int] = []  # set by that probe; else ``lane_sizes`` derives them
         self.kernel_set = "torch-ref-1"
         self.decode_graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
@@ -154,9 +211,15 @@ class ModelRunner:
             self.fast_ops = gpu.GpuFastOps()
             self.kernel_set = gpu.KERNEL_VERSION
             if lane_gemm_rows and lane_one_calls:
+                multiples = self.lane_sizes()
+                step = lane_size_step or multiples[-1]
+                grid = sorted({*range(step, multiples[-1], step), *multiples})
                 self.lane_one_call = probe_lane_one_calls(model.gemm_weights(), lane_gemm_rows,
-                                                          self.lane_sizes(),
-                                                          model.gemm_biases())
+                                                          grid, model.gemm_biases())
+                # a pass runs at the smallest size that holds its rows: a size between the
+                # chunk's multiples is worth a graph where some product runs it as one call
+                listed = set().union(*self.lane_one_call.values())
+                self._lane_sizes = sorted({*multiples, *(listed & set(grid))})
                 # part of the numerics: a verifier's runner must have probed the same
                 self.kernel_set += "".join(
                     f"+one{n}x{k}@{','.join(map(str, sorted(v)))}"
@@ -179,13 +242,16 @@ class ModelRunner:
         if decode is not None:
             ops = self.bi_ops if decode == "bi" else self.fast_ops
             buckets = self.decode_buckets if decode == "fast" else None
-            self.decode_graphs = DecodeGraphs(self.model, self.pool, ops, decode, max_batch,
+            graph_ops = (PaddedProductOps(ops, self.decode_pads)
+                         if decode == "fast" and self.decode_pads else ops)
+            self.decode_graphs = DecodeGraphs(self.model, self.pool, graph_ops, decode, max_batch,
                                               max_blocks, aligned=self.align_fast_path,
                                               buckets=buckets)
             self.decode_graphs.capture()
             if step_rows > 0:
                 head = self.decode_graphs.bucket(max_batch) or 0
-                head_ops = (HeadPaddedOps(ops, head, head, self.single_call, Counter())
+                head_ops = (HeadPaddedOps(ops, head, head, self.single_call, Counter(),
+                                          self.decode_pads)
                             if decode == "fast" and self.decode_buckets and head else None)
                 self.step_graphs = StepGraphs(self.model, self.pool, ops, step_sizes(step_rows),
                                               max_blocks, head_ops=head_ops, head=head)
@@ -196,7 +262,10 @@ class ModelRunner:
 
     def lane_sizes(self) -> list[int]:
         """Row counts a lane pass runs at: multiples of the GEMM chunk up to the pass (the
-        last one may pass it), or the whole pass."""
+        last one may pass it), or the whole pass; on CUDA with lane one calls also the sizes
+        between (steps of ``lane_size_step``) at which some product runs as one call."""
+        if self._lane_sizes:
+            return list(self._lane_sizes)
         c = self.lane_gemm_rows
         if not c:
             return [self.lane_rows]
@@ -305,7 +374,7 @@ class ModelRunner:
             return ops
         b = smallest_at_least(self.decode_buckets, head)
         return ops if b is None else HeadPaddedOps(ops, head, b, self.single_call,
-                                                    self.head_products)
+                                                    self.head_products, self.decode_pads)
 
     @torch.inference_mode()
     def run_lane(self, lane_pass: LanePass) -> LaneResult:
