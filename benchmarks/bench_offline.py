@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-lane-one-calls", action="store_true",
                    help="CUDA: the lane runs every product chunk by chunk, even where one call "
                         "over the pass was probed to give the same bits (lane_one_calls=False)")
-    p.add_argument("--lane-size-step", type=int, default=32,
+    p.add_argument("--lane-size-step", type=int, default=0,
                    help="CUDA, with lane one calls: lane pass sizes between the GEMM chunk's "
                         "multiples, in steps of this many rows; 0: only the multiples")
     p.add_argument("--eager-steps", action="store_true",

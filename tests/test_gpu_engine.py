@@ -210,7 +210,8 @@ def test_lane_one_calls_keep_the_lanes_bits(model: str, chunk: int, window: int,
     with a 48-row chunk, at 32 and 64 rows between them) give the same outputs as the lane
     run chunk by chunk (the tiny model's products may or may not allow any)."""
     reqs = _reqs(det=True)
-    kw = {"mode": "llm42", "lane_gemm_rows": chunk, "window": window, "group": group, **CUDA}
+    kw = {"mode": "llm42", "lane_gemm_rows": chunk, "window": window, "group": group,
+          "lane_size_step": 32, **CUDA}
     one, _, eng = run_engine(model, reqs, **kw)
     chunked, _, ref = run_engine(model, reqs, lane_one_calls=False, **kw)
     assert ref.runner.lane_one_call == {}

@@ -34,10 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# lane pass sizes between the GEMM chunk's multiples are probed in steps of this many rows
-# (the default of ``lane_size_step``): a pass pads its rows to the next size, and each size
-# is one more lane graph (docs/benchmarks/gpu/README.md: the 8B products by row count)
-LANE_SIZE_STEP = 32
 
 
 class GraphCaptureError(RuntimeError):
@@ -177,7 +173,7 @@ class ModelRunner:
                  align_fast_path: bool = False,
                  decode_buckets: Sequence[int] | None = None,
                  single_call: Mapping[tuple[int, int], frozenset[int]] | None = None,
-                 lane_one_calls: bool = True, lane_size_step: int = LANE_SIZE_STEP,
+                 lane_one_calls: bool = True, lane_size_step: int = 0,
                  decode_pads: Mapping[tuple[int, int], Mapping[int, int]] | None = None) -> None:
         self.model = model
         self.pool = pool
