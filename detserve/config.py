@@ -150,7 +150,7 @@ class EngineConfig:
     # of this many rows (those where some product runs as one call), padding its rows to
     # the next size instead of the next multiple; each size is one more lane graph. 0: only
     # the multiples. 0 by default: on an H100 at 10 % deterministic traffic, steps of 32
-    # computed 16 % fewer lane rows yet cost 0.7 % of throughput (docs/benchmarks/gpu)
+    # computed about 17 % fewer lane rows yet cost 0.7 % of throughput (docs/benchmarks/gpu)
     lane_size_step: int = 0
     # plan and queue each step's fast batch before reading the previous step's tokens, so
     # the host's work between steps overlaps the device's (None: on for CUDA, off on CPU)
