@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from detserve.executor.graphs import capture_graph
 from detserve.executor.ops import run_in_row_chunks
 
 # (name, N, K) of every product of a Llama layer plus the lm_head
@@ -34,17 +35,15 @@ SHAPES = {
 
 
 def graph_ms(fn: Callable[[], Tensor], calls: int, replays: int = 10) -> float:
-    """Milliseconds per ``fn`` call: ``calls`` calls captured in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
+    """Milliseconds per ``fn`` call: ``calls`` calls captured in one CUDA graph (as the
+    engine captures its graphs)."""
+    def repeated() -> Tensor:
+        out = fn()
+        for _ in range(calls - 1):
+            out = fn()
+        return out
+
+    g, _ = capture_graph(repeated, torch.cuda.graph_pool_handle())
     g.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

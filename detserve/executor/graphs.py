@@ -41,7 +41,7 @@ from detserve.kernels.decode_attention import choose_num_splits
 from detserve.kernels.lane_attention import lane_attention
 from detserve.model.llama import LlamaModel, Ops
 
-__all__ = ["DecodeGraphs", "LaneGraph", "StepGraphs", "decode_buckets", "step_layout",
+__all__ = ["DecodeGraphs", "LaneGraph", "StepGraphs", "capture_graph", "decode_buckets", "step_layout",
            "step_sizes"]
 
 
@@ -52,7 +52,7 @@ def decode_buckets(max_batch: int) -> list[int]:
     return [*out, max_batch]
 
 
-def _capture(fn: Callable[[], Tensor], pool: Any) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+def capture_graph(fn: Callable[[], Tensor], pool: Any) -> tuple[torch.cuda.CUDAGraph, Tensor]:
     """Warm ``fn`` up (compiles kernels, creates library handles), then capture it.
 
     Capture is thread-local so that another thread's host syncs (the engine sampling while
@@ -177,7 +177,7 @@ class DecodeGraphs:
         for b in reversed(self.buckets):
             variants = {self._splits[b], 1} if self.kind == "fast" else {1}
             for splits in sorted(variants, reverse=True):
-                self._graphs[(b, splits)] = _capture(partial(self._forward, b, splits),
+                self._graphs[(b, splits)] = capture_graph(partial(self._forward, b, splits),
                                                      self._mempool)
 
     def bucket(self, n: int) -> int | None:
@@ -347,7 +347,7 @@ class StepGraphs:
             for aligned in (True, False):
                 ops = self._ops[aligned]
                 if ops is not None and (not aligned or n > self.head):
-                    self._graphs[(n, aligned)] = _capture(partial(self._forward, n, ops),
+                    self._graphs[(n, aligned)] = capture_graph(partial(self._forward, n, ops),
                                                           self._mempool)
 
     def size_for(self, segments: Sequence[RowSegment], head: int | None) -> int | None:
@@ -443,7 +443,7 @@ class LaneGraph:
 
     def _capture(self, n: int) -> None:
         try:
-            self._graphs[n] = _capture(partial(self._forward, n), self._mempool)
+            self._graphs[n] = capture_graph(partial(self._forward, n), self._mempool)
         except RuntimeError as e:
             from detserve.executor.runner import GraphCaptureError
 
