@@ -568,6 +568,10 @@ def main() -> None:
     ap.add_argument("--no-decoder-link", action="store_true",
                     help="the router reaches the decoder through Ray Serve handle calls only "
                          "(default: over the decoder's link, services.decoder.link)")
+    ap.add_argument("--prefill-batch-tokens", type=int, default=None,
+                    help="both engines: while others decode, new prompts wait until this many "
+                         "of their tokens are pending, at most 8 steps (detserve serve "
+                         "--prefill-batch-tokens; default: the engine's for its device)")
     ap.add_argument("--client-procs", type=int, default=1,
                     help="served loaded phase: split the requests over this many client "
                          "processes sent at one instant (one Python client reading every "
@@ -586,6 +590,8 @@ def main() -> None:
         ap.error("--verifier-gpu-fraction must be in (0, 1): decoder and verifier share one GPU")
     kw: dict[str, Any] = dict(verify_window=a.verify_window, verify_group=a.verify_group,
                               max_model_len=a.max_model_len, device=a.device, dtype=a.dtype)
+    if a.prefill_batch_tokens is not None:
+        kw["prefill_batch_tokens"] = a.prefill_batch_tokens
     if a.model.startswith(RANDOM_PREFIX):
         vocab = shape_config(a.model[len(RANDOM_PREFIX):]).vocab_size
     else:
