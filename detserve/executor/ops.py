@@ -28,7 +28,6 @@ def silu_mul(gate_up: Tensor, out: Tensor | None = None) -> Tensor:
     return torch.mul(F.silu(gate), up, out=out)
 
 
-
 class TorchOps:
     name = "torch"
 

@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-
 class GraphCaptureError(RuntimeError):
     """A CUDA graph could not be captured (nothing was replayed from it)."""
 
