@@ -426,3 +426,20 @@ def test_padded_product_ops_run_listed_products_on_more_rows() -> None:
     calls.clear()
     HeadPaddedOps(Recording(), 3, 10, pads={(5, 8): {10: 16}}).linear(x, other)
     assert calls == [10, 9]
+
+
+def test_lane_sizes_between_the_chunks_multiples() -> None:
+    """The probed grid: the multiples alone with step 0, else every step below the largest
+    multiple too; a pass runs at the multiples and at the grid sizes some product runs as
+    one call (none listed: the multiples alone)."""
+    from detserve.executor.gemm_classes import lane_run_sizes, lane_size_grid
+
+    multiples = [176, 352, 528]
+    assert lane_size_grid(multiples, 0) == multiples
+    grid = lane_size_grid(multiples, 32)
+    assert grid == sorted({*range(32, 528, 32), 176, 352, 528})
+    one_call = {(4096, 14336): frozenset({64, 224}), (6144, 4096): frozenset({64, 288, 352})}
+    assert lane_run_sizes(multiples, grid, one_call) == [64, 176, 224, 288, 352, 528]
+    assert lane_run_sizes(multiples, grid, {}) == multiples
+    # a listed size off the grid (a probe of other sizes) does not become a pass size
+    assert lane_run_sizes(multiples, grid, {(1, 1): frozenset({100})}) == multiples

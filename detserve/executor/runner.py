@@ -20,7 +20,12 @@ from detserve.executor.attention import (
     fast_attention,
     tiled_attention,
 )
-from detserve.executor.gemm_classes import probe_lane_one_calls, smallest_at_least
+from detserve.executor.gemm_classes import (
+    lane_run_sizes,
+    lane_size_grid,
+    probe_lane_one_calls,
+    smallest_at_least,
+)
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.ops import FixedShapeOps, TorchOps, pad_rows, silu_mul
 from detserve.executor.transfer import upload
@@ -207,14 +212,10 @@ class ModelRunner:
             self.kernel_set = gpu.KERNEL_VERSION
             if lane_gemm_rows and lane_one_calls:
                 multiples = self.lane_sizes()
-                step = lane_size_step or multiples[-1]
-                grid = sorted({*range(step, multiples[-1], step), *multiples})
+                grid = lane_size_grid(multiples, lane_size_step)
                 self.lane_one_call = probe_lane_one_calls(model.gemm_weights(), lane_gemm_rows,
                                                           grid, model.gemm_biases())
-                # a pass runs at the smallest size that holds its rows: a size between the
-                # chunk's multiples is worth a graph where some product runs it as one call
-                listed = set().union(*self.lane_one_call.values())
-                self._lane_sizes = sorted({*multiples, *(listed & set(grid))})
+                self._lane_sizes = lane_run_sizes(multiples, grid, self.lane_one_call)
                 # part of the numerics: a verifier's runner must have probed the same
                 self.kernel_set += "".join(
                     f"+one{n}x{k}@{','.join(map(str, sorted(v)))}"
