@@ -95,6 +95,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               lane_decode_in_mixed_steps=not args.lane_decode_sits_out,
                               pipeline_lane_prefill=not args.no_pipeline_lane_prefill,
                               decode_past_queued_windows=not args.no_decode_past_queued_windows,
+                              lane_max_wait_steps=args.lane_max_wait_steps,
                               prefill_batch_tokens=args.prefill_batch_tokens,
                               probe_single_calls=not args.no_single_calls,
                               lane_one_calls=not args.no_lane_one_calls,
@@ -150,6 +151,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "lane_sizes": lane_sizes,
         "pipeline_lane_prefill": not args.no_pipeline_lane_prefill,
         "decode_past_queued_windows": not args.no_decode_past_queued_windows,
+        "lane_max_wait_steps": args.lane_max_wait_steps,
         "prefill_batch_tokens": prefill_batch_tokens,
         "prefill_held_steps": stats["prefill_held_steps"],
         "duration_s": elapsed,
@@ -248,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lane-size-step", type=int, default=0,
                    help="CUDA, with lane one calls: lane pass sizes between the GEMM chunk's "
                         "multiples, in steps of this many rows; 0: only the multiples")
+    p.add_argument("--lane-max-wait-steps", type=int, default=8,
+                   help="llm42: steps a lane pass waits to fill once work is ready for it (a "
+                        "deterministic prompt does not decode until its chunks are in the "
+                        "lane: its wait is that sequence's stall)")
     p.add_argument("--eager-steps", action="store_true",
                    help="CUDA: steps that carry prompt chunks run eagerly, not as graphs "
                         "(cuda_graph_step_rows=0)")
