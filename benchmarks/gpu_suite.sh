@@ -11,6 +11,7 @@
 #                                      # $SWEEP, e.g. 16,32,64,128x1,4,8,16, adds a W x G sweep)
 #   benchmarks/gpu_suite.sh target10  # the 10 % target: nondeterministic vs llm42, interleaved x2
 #   benchmarks/gpu_suite.sh target100 # the 100 % target: batch_invariant vs llm42
+#     (both: $EXTRA goes to bench_offline as more flags, e.g. EXTRA="--lane-max-wait-steps 16")
 #   benchmarks/gpu_suite.sh mixed     # one eager mixed step per variant, profiled (p512, p128)
 # Results go to ${OUT:-results/gpu}; the SmolLM2 GGUF path comes from $SMOLLM2 (default:
 # the local cache, fetched once).
@@ -64,7 +65,7 @@ case "${1:-}" in
                         || pick=(--modes batch_invariant,llm42 --ratios 1.0)
     python -m benchmarks.bench_offline --model random:llama3-8b --device cuda --dtype bfloat16 \
       --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
-      --warmup-requests 256 "${pick[@]}" --out "$out/offline-$1.json" 2>&1 | tail -12 ;;
+      --warmup-requests 256 "${pick[@]}" ${EXTRA:-} --out "$out/offline-$1.json" 2>&1 | tail -12 ;;
   mixed)
     for p in 512 128; do
       python -m benchmarks.bench_mixed_step --model random:llama3-8b --prefill-tokens $p --profile \
