@@ -71,5 +71,5 @@ case "${1:-}" in
       python -m benchmarks.bench_mixed_step --model random:llama3-8b --prefill-tokens $p --profile \
         --out "$out/mixed-p$p.json" 2>&1 | grep -v Warning | tail -6
     done ;;
-  *) sed -n 2,15p "$0"; exit 2 ;;
+  *) sed -n 2,17p "$0"; exit 2 ;;
 esac
