@@ -133,3 +133,51 @@ def test_link_delivers_aborts_refuses_and_fails_over(redis_url: str) -> None:
     lost = out["r3_last"]
     assert isinstance(lost, ChannelLost) and "rep-1" in lost.message
     assert out["pick_after_loss"] is None
+
+
+async def _idle_link(model: str, keepalive_ms: int, idle_s: float) -> list[DecodeChunk]:
+    """Open a link, leave it without data for ``idle_s`` while the client pings every
+    ``keepalive_ms`` (as an idle router's link does every 10 s), then submit a request."""
+    import grpc
+
+    from services.decoder.link import KEEPALIVE, METHOD, SUBMIT, TOKEN_KEY, dumps, loads
+
+    loop = EngineLoop(_engine(model), "rep-idle", deliver=deliver_on_event_loops)
+    loop.start()
+    server = await LinkServer(loop).start("127.0.0.1", bind="127.0.0.1")
+    options = [(k, v) for k, v in KEEPALIVE if k != "grpc.keepalive_time_ms"]
+    channel = grpc.aio.insecure_channel(server.address,
+                                        options=[*options, ("grpc.keepalive_time_ms", keepalive_ms)])
+    outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    async def frames():  # type: ignore[no-untyped-def]
+        while (frame := await outbox.get()) is not None:
+            yield frame
+
+    try:
+        call = channel.stream_stream(METHOD)(frames(), metadata=((TOKEN_KEY, server.token),))
+        it = call.__aiter__()
+        assert loads(await it.__anext__()) == []  # attached
+        await asyncio.sleep(idle_s)  # idle: only the client's keepalive pings go by
+        outbox.put_nowait(dumps((SUBMIT, _request("late", 6))))
+        chunks: list[DecodeChunk] = []
+        while not chunks or not chunks[-1].finished:
+            wires = loads(await asyncio.wait_for(it.__anext__(), 30))
+            chunks += [DecodeChunk.from_wire(w) for w in wires]
+        outbox.put_nowait(None)
+        return chunks
+    finally:
+        await channel.close()
+        await server.stop(0)
+        loop.stop()
+
+
+def test_an_idle_link_survives_the_routers_keepalive_pings() -> None:
+    """A link with no data for a while still carries the next request: the link server
+    accepts the router's keepalive pings however often they come. (A gRPC server's default
+    policy answers a third ping within 5 minutes without data with GOAWAY "too_many_pings"
+    and closes the connection: idle routers' links died after ~30 s, and this test failed
+    with UNAVAILABLE "Too many pings" before the server's ping policy was set.) The pings
+    come every second here, every 10 s in the cluster."""
+    chunks = asyncio.run(_idle_link(tiny_model(), keepalive_ms=1000, idle_s=6.0))
+    assert chunks[-1].finished and sum(len(c.token_ids) for c in chunks) == 6

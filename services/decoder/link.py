@@ -42,6 +42,11 @@ KEEPALIVE = (("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 1
              ("grpc.keepalive_permit_without_calls", 1),
              ("grpc.http2.max_pings_without_data", 0),
              ("grpc.max_receive_message_length", 64 << 20))
+# the link server: take those pings however often they come while no data flows (gRPC's
+# default answers the third ping within 5 minutes without data with GOAWAY
+# "too_many_pings", which closed idle routers' links after ~30 s)
+SERVER_OPTIONS = (*KEEPALIVE, ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+                  ("grpc.http2.max_ping_strikes", 0))
 
 
 def dumps(frame: Any) -> bytes:
@@ -64,7 +69,7 @@ class LinkServer:
 
     async def start(self, host: str, bind: str = "0.0.0.0") -> LinkServer:
         """Listen on a free port of ``bind``; ``address`` is ``host:port``."""
-        server = grpc.aio.server(options=KEEPALIVE)
+        server = grpc.aio.server(options=SERVER_OPTIONS)
         handler = grpc.stream_stream_rpc_method_handler(self._open)  # raw bytes both ways
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, {"Open": handler}),))

@@ -38,7 +38,7 @@ _MODELS_LOCK = threading.Lock()
 # accept the decoders' keepalive pings (services/verifier/stream.py) during long passes
 _SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
 
