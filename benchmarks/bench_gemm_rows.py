@@ -3,8 +3,8 @@
 For every product shape (N, K) of ``--shape`` (Llama-3-8B by default) and every row count M
 of ``--rows``: the time of one ``F.linear`` call (bf16, a CUDA graph of ``--calls`` calls
 replayed, so no launch gaps), and whether that one call gives every row the bits that calls
-of exactly ``--chunk`` rows (the lane's) give it, on two inputs (as
-``gemm_classes.lane_call_sizes`` probes). ``--pads B:P,...``: the time of a B-row product
+of exactly ``--chunk`` rows (the lane's) give it (``gemm_classes.lane_call_sizes``, the
+engine's start-up probe: two inputs). ``--pads B:P,...``: the time of a B-row product
 padded to P rows (zero rows appended, the result cut back), against the plain B- and P-row
 calls: what padding one product to its class member costs next to padding them all.
 
@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from detserve.executor.gemm_classes import lane_call_sizes
 from detserve.executor.graphs import capture_graph
-from detserve.executor.ops import run_in_row_chunks
 
 # (name, N, K) of every product of a Llama layer plus the lm_head
 SHAPES = {
@@ -59,19 +59,6 @@ def padded_linear(x: Tensor, zeros: Tensor, w: Tensor) -> Tensor:
     return F.linear(torch.cat([x, zeros]), w)[:x.shape[0]]
 
 
-def same_as_chunk(w: Tensor, m: int, chunk: int, gen: torch.Generator) -> bool:
-    """One call over ``m`` rows gives every row the bits of ``chunk``-row calls (two inputs)."""
-    k = w.shape[1]
-    plain = torch.randn(m, k, generator=gen)
-    wide = torch.randn(m, k, generator=gen) * torch.exp(2 * torch.randn(m, 1, generator=gen))
-    for x in (plain, wide):
-        x = x.to(w.device, w.dtype)
-        ref = run_in_row_chunks(lambda c: F.linear(c, w), x, chunk)
-        if not torch.equal(F.linear(x, w), ref):
-            return False
-    return True
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -93,12 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dev, torch.bfloat16)
         x = torch.randn(max(rows + [p for _, p in pads]), k, generator=gen).to(dev, torch.bfloat16)
         ms: dict[int, float] = {}
-        same: dict[int, bool] = {}
         pad_ms: dict[str, float] = {}
         for m in rows:
-            xm = x[:m].contiguous()
-            ms[m] = graph_ms(partial(F.linear, xm, w), a.calls)
-            same[m] = same_as_chunk(w, m, a.chunk, gen)
+            ms[m] = graph_ms(partial(F.linear, x[:m].contiguous(), w), a.calls)
+        one_call = lane_call_sizes(w, a.chunk, rows)  # the engine's own probe
+        same = {m: m == a.chunk or m in one_call for m in rows}
         for b, padded in pads:
             xb = x[:b].contiguous()
             zeros = x.new_zeros((padded - b, k))

@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lane-size-step", type=int, default=0,
                    help="CUDA, with lane one calls: lane pass sizes between the GEMM chunk's "
                         "multiples, in steps of this many rows; 0: only the multiples")
-    p.add_argument("--lane-max-wait-steps", type=int, default=8,
+    p.add_argument("--lane-max-wait-steps", type=int,
+                   default=SchedulerConfig.lane_max_wait_steps,
                    help="llm42: steps a lane pass waits to fill once work is ready for it (a "
                         "deterministic prompt does not decode until its chunks are in the "
                         "lane: its wait is that sequence's stall)")
