@@ -51,6 +51,7 @@ from detserve.model.loader import RANDOM_PREFIX, load_model
 from detserve.model.random_init import shape_config
 from detserve.params import SamplingParams
 from detserve.serve_config import APP_NAME, DECODER
+from services.router.metrics import watch_loop_lag
 
 MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"  # as services.verifier.deployment.mps_running reads it
 
@@ -282,7 +283,7 @@ async def _phases(url: str, model: str, w: Workload, idle_requests: int, repeat:
             lags: list[float] = []
             page = await _metrics_page(client)
             router_before, paths = parse_router_lag(page), parse_dispatch(page)
-            probe = asyncio.create_task(_loop_lag(lags))
+            probe = asyncio.create_task(watch_loop_lag(lags.append, 0.005))
             cpu0 = time.process_time()  # this client's CPU (its sends and its stream reading)
             start = time.monotonic()
             if pool is None:
@@ -367,14 +368,6 @@ def _link_share(before: tuple[float, float, float], after: tuple[float, float, f
                 ) -> float:
     link, handle = after[0] - before[0], after[1] - before[1]
     return link / (link + handle) if link + handle else 0.0
-
-
-async def _loop_lag(lags: list[float], period: float = 0.005) -> None:
-    """Append how late each ``period`` sleep of this event loop woke up (seconds)."""
-    while True:
-        t = time.monotonic()
-        await asyncio.sleep(period)
-        lags.append(max(0.0, time.monotonic() - t - period))
 
 
 async def _split(decoder: Any, client: list[ClientTiming]) -> dict[str, float]:

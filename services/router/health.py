@@ -46,7 +46,7 @@ class DecoderHealth:
         if self._task is None:
             loop = asyncio.get_running_loop()
             self._task = loop.create_task(self._run())
-            self._lag_task = loop.create_task(watch_loop_lag(self._metrics.loop_lag))
+            self._lag_task = loop.create_task(watch_loop_lag(self._metrics.loop_lag.observe))
 
     def stop(self) -> None:
         for task in (self._task, self._lag_task):

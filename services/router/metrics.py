@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -65,12 +65,13 @@ class EngineCounters(Collector):
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
-async def watch_loop_lag(histogram: Histogram, period_s: float = 0.01) -> None:
-    """Observe forever how late each ``period_s`` sleep of the running loop wakes up."""
+async def watch_loop_lag(observe: Callable[[float], object], period_s: float = 0.01) -> None:
+    """Pass ``observe`` forever how late (seconds) each ``period_s`` sleep of the running
+    loop wakes up."""
     while True:
         t = time.monotonic()
         await asyncio.sleep(period_s)
-        histogram.observe(max(0.0, time.monotonic() - t - period_s))
+        observe(max(0.0, time.monotonic() - t - period_s))
 
 
 class RouterMetrics:
