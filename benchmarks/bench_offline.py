@@ -18,6 +18,7 @@ import json
 import math
 import platform
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -96,6 +97,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               pipeline_lane_prefill=not args.no_pipeline_lane_prefill,
                               decode_past_queued_windows=not args.no_decode_past_queued_windows,
                               lane_max_wait_steps=args.lane_max_wait_steps,
+                              lane_cut_prompts=args.lane_cut_prompts,
                               prefill_batch_tokens=args.prefill_batch_tokens,
                               probe_single_calls=not args.no_single_calls,
                               lane_one_calls=not args.no_lane_one_calls,
@@ -123,10 +125,12 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     start = time.monotonic()  # the clock of the requests' stats
     out_tokens = 0
     finished: dict[bool, list[float]] = {True: [], False: []}  # deterministic? -> finish s
+    first: dict[bool, list[float]] = {True: [], False: []}  # deterministic? -> first token s
     while engine.has_unfinished_requests():
         for o in engine.step():  # final outputs only, as offline generation returns them
             out_tokens += len(o.token_ids)
             finished[o.is_deterministic].append((o.stats.finish_time or start) - start)
+            first[o.is_deterministic].append((o.stats.first_token_time or start) - start)
     sync()
     elapsed = time.perf_counter() - t0
     stats = engine.stats()
@@ -142,6 +146,8 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         torch.cuda.empty_cache()
     in_tokens = sum(len(p) for p, _ in prompts) if prompts else sum(s[0] for s in shapes)
     decoded = stats["fast_tokens"] + stats["windows"]
+    lane_used = stats["lane_rows"] - stats["lane_padding_rows"]
+    kinds = (("deterministic", True), ("non_deterministic", False))
     return {
         "mode": mode, "deterministic_ratio": ratio, "num_requests": len(shapes),
         "verify_window": args.verify_window, "verify_group": args.verify_group,
@@ -152,6 +158,8 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "pipeline_lane_prefill": not args.no_pipeline_lane_prefill,
         "decode_past_queued_windows": not args.no_decode_past_queued_windows,
         "lane_max_wait_steps": args.lane_max_wait_steps,
+        "lane_cut_prompts": args.lane_cut_prompts, "prompt_cuts": stats["prompt_cuts"],
+        "variant": getattr(args, "variant", ""),
         "prefill_batch_tokens": prefill_batch_tokens,
         "prefill_held_steps": stats["prefill_held_steps"],
         "duration_s": elapsed,
@@ -168,6 +176,9 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "lane_padding_fraction": stats["lane_padding_fraction"],
         "lane_seconds": stats["lane_seconds"],
         "lane_rows_computed_per_pass": stats["lane_computed_rows"] / max(1, stats["verify_passes"]),
+        # padding among the rows the lane computed (lane_padding_fraction: among G x W per pass)
+        "lane_computed_padding_fraction": (1 - lane_used / stats["lane_computed_rows"]
+                                           if stats["lane_computed_rows"] else 0.0),
         "decode_buckets": list(buckets) if buckets else None,
         "lane_bound_waits": stats["lane_bound_waits"],
         "steps": {k: stats[k] for k in ("decode_steps", "mixed_steps")},
@@ -175,9 +186,11 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         # batch (tokens a fast step produced)
         "last_finish_s": {"deterministic": max(finished[True], default=None),
                           "non_deterministic": max(finished[False], default=None)},
-        "mean_finish_s": {k: sum(v) / len(v) if v else None for k, v in
-                          (("deterministic", finished[True]),
-                           ("non_deterministic", finished[False]))},
+        "mean_finish_s": {k: statistics.fmean(finished[d]) if finished[d] else None
+                          for k, d in kinds},
+        # from t=0 (every request queued then): admission wait + prompt + the first token
+        "mean_first_token_s": {k: statistics.fmean(first[d]) if first[d] else None
+                               for k, d in kinds},
         "fast_tokens_per_step": stats["fast_tokens"] / max(1, stats["decode_steps"]
                                                            + stats["mixed_steps"]),
         # running lane sequences per step: on the fast path, waiting for their prompt in
@@ -255,6 +268,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="llm42: steps a lane pass waits to fill once work is ready for it (a "
                         "deterministic prompt does not decode until its chunks are in the "
                         "lane: its wait is that sequence's stall)")
+    p.add_argument("--lane-cut-prompts", action="store_true",
+                   help="llm42: a lane pass that would pad more rows than its prompt chunks "
+                        "could give up ends them at the next smaller pass size "
+                        "(lane_cut_prompts=True)")
+    p.add_argument("--variants", default=None,
+                   help="llm42 runs once per variant, each a comma list of flag=value "
+                        "(argparse names), variants split by ';', e.g. "
+                        "'lane_max_wait_steps=8;lane_max_wait_steps=16,lane_cut_prompts=1'")
     p.add_argument("--eager-steps", action="store_true",
                    help="CUDA: steps that carry prompt chunks run eagerly, not as graphs "
                         "(cuda_graph_step_rows=0)")
@@ -278,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="llm42 W x G grid at the largest ratio, e.g. 16,32,64,128x1,4,8,16")
     p.add_argument("--out", default=None, help="JSON path (markdown written beside it)")
     args = p.parse_args(argv)
+    variants = parse_variants(args)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     dtype = resolve_dtype(args.dtype)
@@ -304,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     def record(r: dict[str, Any]) -> None:
         runs.append(r)
         geo = f"W={r['verify_window']:<3} G={r['verify_group']:<2}" if r["mode"] == "llm42" else " " * 11
+        if r.get("variant"):
+            print(f"{'':>16} variant: {r['variant']}", flush=True)
         print(f"{r['mode']:>16} det={r['deterministic_ratio']:>4.0%} {geo} "
               f"{r['output_throughput']:9.1f} out tok/s  "
               f"{r['total_token_throughput']:9.1f} tot tok/s  rollbacks={r['rollbacks']:>4} "
@@ -321,12 +345,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(last['deterministic'])}, others {fmt(mean['non_deterministic'])} / "
               f"{fmt(last['non_deterministic'])}; {r['fast_tokens_per_step']:.1f} fast tokens "
               "a step", flush=True)
+        ttft = r["mean_first_token_s"]
+        print(f"{'':>16} first token (mean from t=0): deterministic "
+              f"{fmt(ttft['deterministic'])}, others {fmt(ttft['non_deterministic'])}", flush=True)
         if r["mode"] == "llm42":
             hp = r["head_products"]
             print(f"{'':>16} lane sequences a step: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in r["lane_seqs_per_step"].items())
                 + f"; products with aligned decode rows: {hp['one_call']} one call, "
                 f"{hp['split']} split", flush=True)
+            print(f"{'':>16} lane: {r['verify_passes']} passes, "
+                  f"{r['lane_rows_computed_per_pass']:.0f} rows computed a pass, "
+                  f"{r['lane_computed_padding_fraction']:.1%} of them padding, "
+                  f"{r['prompt_cuts']} passes cut prompts short, {r['lane_seconds']:.2f} s", flush=True)
         _save(args, runs)  # after every run: a cut-off job still leaves its figures
 
     for rep in range(args.repeat):  # interleaved: a slow spell hits every mode alike
@@ -334,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
             ratios = ([float(r) for r in args.ratios.split(",")] if mode == "llm42"
                       else [1.0 if mode in ("batch_invariant", "lane_only") else 0.0])
             for ratio in ratios:
-                record({**run_one(loaded, args, mode, ratio, shapes, prompts), "repeat": rep})
+                for sub in variants if mode == "llm42" else [args]:
+                    record({**run_one(loaded, sub, mode, ratio, shapes, prompts), "repeat": rep})
     if args.sweep:
         ws, gs = (tuple(int(x) for x in part.split(",")) for part in args.sweep.split("x"))
         ratio = max(float(r) for r in args.ratios.split(","))
@@ -345,17 +377,42 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def parse_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """``args`` once per ``--variants`` entry, with its flags set (values parsed as the
+    flag's current type) and ``variant`` naming it; ``[args]`` without the option."""
+    if not args.variants:
+        return [args]
+    out = []
+    for spec in args.variants.split(";"):
+        over: dict[str, Any] = {}
+        for part in filter(None, spec.split(",")):
+            name, _, text = part.partition("=")
+            name = name.strip().replace("-", "_")
+            if name not in vars(args) or name in ("variants", "out") or not text:
+                raise SystemExit(f"--variants: {part!r} is not flag=value of a known flag")
+            cur, text = getattr(args, name), text.strip()
+            if isinstance(cur, bool):
+                over[name] = text not in ("0", "false", "no", "off")
+            elif cur is None:  # (flags without a default here take numbers)
+                over[name] = int(text) if text.lstrip("-").isdigit() else text
+            else:
+                over[name] = type(cur)(text)
+        out.append(argparse.Namespace(**{**vars(args), **over, "variant": spec.strip()}))
+    return out
+
+
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (mode, ratio, W, G): the median output throughput over its runs, its range, and
     its ratio to the median nondeterministic run."""
     groups: dict[tuple[Any, ...], list[float]] = {}
     for r in runs:
-        key = (r["mode"], r["deterministic_ratio"], r["verify_window"], r["verify_group"])
+        key = (r["mode"], r["deterministic_ratio"], r["verify_window"], r["verify_group"],
+               r.get("variant", ""))
         groups.setdefault(key, []).append(r["output_throughput"])
     base = groups.get(next((k for k in groups if k[0] == "nondeterministic"), ()), [])
     base_med = statistics.median(base) if base else None
     return [{"mode": k[0], "deterministic_ratio": k[1], "verify_window": k[2],
-             "verify_group": k[3], "runs": len(v), "median_output_throughput":
+             "verify_group": k[3], "variant": k[4], "runs": len(v), "median_output_throughput":
              statistics.median(v), "min": min(v), "max": max(v),
              "vs_nondeterministic_median": statistics.median(v) / base_med if base_med else None}
             for k, v in groups.items()]
@@ -387,7 +444,8 @@ def markdown(report: dict[str, Any], base: dict[str, Any] | None) -> str:
     for r in report["runs"]:
         rel = f"{r['output_throughput'] / base['output_throughput']:.3f}x" if base else "-"
         geo = f"{r['verify_window']} x {r['verify_group']}" if r["mode"] == "llm42" else "-"
-        lines.append(f"| {r['mode']} | {r['deterministic_ratio']:.0%} | {geo} | "
+        name = f"{r['mode']} ({r['variant']})" if r.get("variant") else r["mode"]
+        lines.append(f"| {name} | {r['deterministic_ratio']:.0%} | {geo} | "
                      f"{r['output_throughput']:.1f} | {r['total_token_throughput']:.1f} | {rel} | "
                      f"{r['rollbacks']} | {r['recomputed_pct_of_decoded']:.2f} | "
                      f"{r['lane_padding_fraction']:.1%} |")
@@ -400,7 +458,8 @@ def markdown(report: dict[str, Any], base: dict[str, Any] | None) -> str:
         for s in summary:
             rel = (f"{s['vs_nondeterministic_median']:.3f}x"
                    if s["vs_nondeterministic_median"] else "-")
-            lines.append(f"| {s['mode']} | {s['deterministic_ratio']:.0%} | {s['runs']} | "
+            name = f"{s['mode']} ({s['variant']})" if s.get("variant") else s["mode"]
+            lines.append(f"| {name} | {s['deterministic_ratio']:.0%} | {s['runs']} | "
                          f"{s['median_output_throughput']:.1f} | {s['min']:.1f}-{s['max']:.1f} | "
                          f"{rel} |")
     return "\n".join(lines) + "\n"
@@ -414,7 +473,7 @@ def command_flags(a: Mapping[str, Any], skip: Iterable[str] = ("out",)) -> list[
     for k, v in a.items():
         if v is None or v is False or k in skipped:
             continue
-        flags.append(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}"))
+        flags.append(f"--{k.replace('_', '-')}" + ("" if v is True else f" {shlex.quote(str(v))}"))
     return flags
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks import bench_offline
 
 
@@ -35,6 +37,28 @@ def test_repeated_runs_are_summarized_by_median(tmp_path: Path) -> None:
         summary["llm42"]["median_output_throughput"] / base)
     md = out.with_suffix(".md").read_text()
     assert "Medians over the repeated runs" in md and "--repeat 2" in md
+
+
+def test_llm42_variants_run_with_their_flags_and_are_summarized_apart(tmp_path: Path) -> None:
+    out = tmp_path / "variants.json"
+    assert bench_offline.main([
+        "--model", "random:tiny", "--num-requests", "6", "--input-len", "12",
+        "--output-len", "10", "--modes", "nondeterministic,llm42", "--ratios", "0.5",
+        "--verify-window", "8", "--verify-group", "2", "--warmup-requests", "1",
+        "--variants", "lane_max_wait_steps=2;lane_max_wait_steps=16,lane_cut_prompts=1",
+        "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    llm42 = [r for r in report["runs"] if r["mode"] == "llm42"]
+    assert [(r["lane_max_wait_steps"], r["lane_cut_prompts"]) for r in llm42] == [
+        (2, False), (16, True)]
+    assert [r["variant"] for r in llm42] == [
+        "lane_max_wait_steps=2", "lane_max_wait_steps=16,lane_cut_prompts=1"]
+    assert all(r["mean_first_token_s"]["deterministic"] is not None for r in llm42)
+    assert len(report["summary"]) == 3  # nondeterministic + one row per variant
+    assert "'lane_max_wait_steps=2;" in out.with_suffix(".md").read_text()  # quoted for a shell
+    for bad in ("no_such_flag=1", "lane_max_wait_steps", "variants=x"):
+        with pytest.raises(SystemExit, match="--variants"):
+            bench_offline.main(["--model", "random:tiny", "--num-requests", "1", "--variants", bad])
 
 
 def test_mixed_step_benchmark_times_the_four_variants(tmp_path: Path) -> None:
