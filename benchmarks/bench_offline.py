@@ -97,7 +97,6 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               pipeline_lane_prefill=not args.no_pipeline_lane_prefill,
                               decode_past_queued_windows=not args.no_decode_past_queued_windows,
                               lane_max_wait_steps=args.lane_max_wait_steps,
-                              lane_cut_prompts=args.lane_cut_prompts,
                               prefill_batch_tokens=args.prefill_batch_tokens,
                               probe_single_calls=not args.no_single_calls,
                               lane_one_calls=not args.no_lane_one_calls,
@@ -158,7 +157,6 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "pipeline_lane_prefill": not args.no_pipeline_lane_prefill,
         "decode_past_queued_windows": not args.no_decode_past_queued_windows,
         "lane_max_wait_steps": args.lane_max_wait_steps,
-        "lane_cut_prompts": args.lane_cut_prompts, "prompt_cuts": stats["prompt_cuts"],
         "variant": getattr(args, "variant", ""),
         "prefill_batch_tokens": prefill_batch_tokens,
         "prefill_held_steps": stats["prefill_held_steps"],
@@ -268,14 +266,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="llm42: steps a lane pass waits to fill once work is ready for it (a "
                         "deterministic prompt does not decode until its chunks are in the "
                         "lane: its wait is that sequence's stall)")
-    p.add_argument("--lane-cut-prompts", action="store_true",
-                   help="llm42: a lane pass that would pad more rows than its prompt chunks "
-                        "could give up ends them at the next smaller pass size "
-                        "(lane_cut_prompts=True)")
     p.add_argument("--variants", default=None,
                    help="llm42 runs once per variant, each a comma list of flag=value "
                         "(argparse names), variants split by ';', e.g. "
-                        "'lane_max_wait_steps=8;lane_max_wait_steps=16,lane_cut_prompts=1'")
+                        "'lane_max_wait_steps=8;lane_max_wait_steps=16,lane_size_step=32'")
     p.add_argument("--eager-steps", action="store_true",
                    help="CUDA: steps that carry prompt chunks run eagerly, not as graphs "
                         "(cuda_graph_step_rows=0)")
@@ -357,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'':>16} lane: {r['verify_passes']} passes, "
                   f"{r['lane_rows_computed_per_pass']:.0f} rows computed a pass, "
                   f"{r['lane_computed_padding_fraction']:.1%} of them padding, "
-                  f"{r['prompt_cuts']} passes cut prompts short, {r['lane_seconds']:.2f} s", flush=True)
+                  f"{r['lane_seconds']:.2f} s", flush=True)
         _save(args, runs)  # after every run: a cut-off job still leaves its figures
 
     for rep in range(args.repeat):  # interleaved: a slow spell hits every mode alike

@@ -78,14 +78,6 @@ class SchedulerConfig:
     # wait) on CPU, where the engine decides
     prefill_batch_tokens: int | None = None
     prefill_max_wait_steps: int = 8
-    # a lane pass runs at the smallest of the runner's pass sizes that holds its rows
-    # (``Scheduler.pass_sizes``: on CUDA multiples of the GEMM chunk, 176 rows on the 8B
-    # shape), its padding computed like real rows. With True a pass that would pad more rows
-    # than its last prompt chunks could give up ends those chunks at the next smaller size
-    # instead; the rest of those prompts goes with a later pass (they wait for company like
-    # any prompt chunk: up to ``lane_max_wait_steps``). Rows computed fall, a deterministic
-    # prompt's first token may come one pass later
-    lane_cut_prompts: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -205,7 +197,7 @@ class EngineConfig:
                overlap_windows: bool = True,
                lane_bound_fraction: float = SchedulerConfig.lane_bound_fraction,
                lane_decode_in_mixed_steps: bool = True, pipeline_lane_prefill: bool = True,
-               decode_past_queued_windows: bool = True, lane_cut_prompts: bool = False,
+               decode_past_queued_windows: bool = True,
                prefill_batch_tokens: int | None = None, block_size: int = 16,
                num_blocks: int | None = None, enable_prefix_caching: bool = True,
                **kw: object) -> EngineConfig:
@@ -219,7 +211,6 @@ class EngineConfig:
                                 lane_decode_in_mixed_steps=lane_decode_in_mixed_steps,
                                 pipeline_lane_prefill=pipeline_lane_prefill,
                                 decode_past_queued_windows=decode_past_queued_windows,
-                                lane_cut_prompts=lane_cut_prompts,
                                 prefill_batch_tokens=prefill_batch_tokens)
         if num_blocks is None:
             # enough for a full lane of long sequences plus headroom

@@ -93,7 +93,6 @@ class LLMEngine:
                                   lane_one_calls=config.lane_one_calls,
                                   lane_size_step=config.lane_size_step,
                                   decode_pads=self.alignment.pads if self.alignment else None)
-        self.scheduler.pass_sizes = self.runner.lane_sizes() if sc.uses_lane else []
         if cuda and config.cuda_graphs:
             mode = config.mode
             decode = {"llm42": "fast", "nondeterministic": "fast", "batch_invariant": "bi"}.get(mode)
@@ -509,7 +508,6 @@ class LLMEngine:
         out["recomputed_tokens"] = c["tokens_rolled_back"] + c["preempted_tokens"]
         out["prefix_cache_hit_tokens"] = self.scheduler.prefix_hit_tokens
         out["prefill_held_steps"] = self.scheduler.prefill_held_steps
-        out["prompt_cuts"] = self.scheduler.prompt_cuts
         out["lane_padding_fraction"] = c["lane_padding_rows"] / c["lane_rows"] if c["lane_rows"] else 0.0
         out["lane_seconds"] = c["lane_seconds_us"] / 1e6
         # where the engine's wall time goes (seconds): scheduling, fast-path steps (decode

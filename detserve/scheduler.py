@@ -95,10 +95,6 @@ class Scheduler:
         self.lane_state_steps: Counter[str] = Counter()
         self.prefill_held_steps = 0  # steps that held new prompts back (_hold_prompts)
         self._prompt_held_since: dict[int, int] = {}  # id(seq) -> first step it could run
-        # the row counts a lane pass runs at (set by the engine from its runner; empty: the
-        # pass's rows as they are), for ``lane_cut_prompts``
-        self.pass_sizes: list[int] = []
-        self.prompt_cuts = 0  # passes whose prompt chunks were ended early (lane_cut_prompts)
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -269,7 +265,6 @@ class Scheduler:
             s.lane_end = end
             s.lane_step = self.step_count
             rows_left -= n
-        rows_left = self._prompt_rows(prefills, starts, rows_left)
         for s in sorted(prefills, key=lambda s: s.arrival):
             if rows_left == 0:
                 break
@@ -284,25 +279,6 @@ class Scheduler:
         for it in items:
             it.seq.ready_step = None
         return items
-
-    def _prompt_rows(self, prefills: list[Sequence], starts: dict[int, int],
-                     rows_left: int) -> int:
-        """Rows this pass gives prompt chunks, ``rows_left`` after its windows: all of
-        them, unless ``lane_cut_prompts`` finds the pass would pad more rows than it would
-        move to a later pass by ending its prompt chunks at the next smaller pass size."""
-        sizes = self.pass_sizes
-        if not (self.cfg.lane_cut_prompts and sizes and prefills):
-            return rows_left
-        windows = self.cfg.lane_rows - rows_left
-        wanted = sum(s.num_committed - starts[id(s)] for s in prefills
-                     if s.status is Status.RUNNING)
-        used = windows + min(wanted, rows_left)
-        run = next((n for n in sizes if n >= used), used)
-        cut = max((n for n in sizes if windows < n <= used), default=used)
-        if cut == used or run - used <= used - cut:  # (no smaller size, or not worth it)
-            return rows_left
-        self.prompt_cuts += 1
-        return cut - windows
 
     def overlap_cap(self, seq: Sequence) -> int:
         """How many tokens a sequence whose window is in the lane may decode past it."""

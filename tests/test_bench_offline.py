@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -45,17 +46,21 @@ def test_llm42_variants_run_with_their_flags_and_are_summarized_apart(tmp_path: 
         "--model", "random:tiny", "--num-requests", "6", "--input-len", "12",
         "--output-len", "10", "--modes", "nondeterministic,llm42", "--ratios", "0.5",
         "--verify-window", "8", "--verify-group", "2", "--warmup-requests", "1",
-        "--variants", "lane_max_wait_steps=2;lane_max_wait_steps=16,lane_cut_prompts=1",
+        "--variants", "lane_max_wait_steps=2;lane_max_wait_steps=16,eager_steps=1",
         "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     llm42 = [r for r in report["runs"] if r["mode"] == "llm42"]
-    assert [(r["lane_max_wait_steps"], r["lane_cut_prompts"]) for r in llm42] == [
-        (2, False), (16, True)]
+    assert [r["lane_max_wait_steps"] for r in llm42] == [2, 16]
     assert [r["variant"] for r in llm42] == [
-        "lane_max_wait_steps=2", "lane_max_wait_steps=16,lane_cut_prompts=1"]
+        "lane_max_wait_steps=2", "lane_max_wait_steps=16,eager_steps=1"]
     assert all(r["mean_first_token_s"]["deterministic"] is not None for r in llm42)
     assert len(report["summary"]) == 3  # nondeterministic + one row per variant
     assert "'lane_max_wait_steps=2;" in out.with_suffix(".md").read_text()  # quoted for a shell
+    base = argparse.Namespace(variants="eager_steps=1,lane_sms=32;eager_steps=off,lane_max_wait_steps=4",
+                              eager_steps=False, lane_sms=None, lane_max_wait_steps=8, out=None)
+    parsed = [(v.eager_steps, v.lane_sms, v.lane_max_wait_steps)
+              for v in bench_offline.parse_variants(base)]
+    assert parsed == [(True, 32, 8), (False, None, 4)]
     for bad in ("no_such_flag=1", "lane_max_wait_steps", "variants=x"):
         with pytest.raises(SystemExit, match="--variants"):
             bench_offline.main(["--model", "random:tiny", "--num-requests", "1", "--variants", bad])

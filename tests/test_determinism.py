@@ -281,26 +281,6 @@ def test_lane_row_chunks_on_cpu_keep_lane_only_equality(model: str, case: str) -
     assert stats["lane_computed_rows"] < stats["lane_rows"]
 
 
-def test_prompts_cut_at_lane_sizes_equal_the_oracle(model: str) -> None:
-    """``lane_cut_prompts`` with 8-row lane sizes on CPU: deterministic prompts of 17-42
-    tokens, arriving apart among others, go to the lane in chunks ended early at a size
-    (the rest in a later pass); each output equals lane_only's, under perturbation.
-    Control: the same run without the option cuts nothing."""
-    prompts = random_prompts(4, [17, 26, 34, 42], seed=23)
-    reqs = [Req(p, SamplingParams(max_tokens=24, is_deterministic=True, logprobs=1,
-                                  temperature=0.8 * (i % 2), seed=i, ignore_eos=True),
-                arrival=5 * i) for i, p in enumerate(prompts)] + _others(3, det=False, seed=9)
-    oracle, _, o = run_engine(model, reqs[:4], mode="lane_only", lane_gemm_rows=8)
-    o.close()
-    for cut in (True, False):
-        outs, stats, eng = run_engine(model, reqs, perturbation=0.25, seed=5, lane_gemm_rows=8,
-                                      lane_cut_prompts=cut)
-        eng.close()
-        assert stats["perturbed_tokens"] > 0
-        assert [signature(o) for o in outs[:4]] == [signature(o) for o in oracle]
-        assert (stats["prompt_cuts"] > 0) == cut
-
-
 @pytest.mark.parametrize("threaded", [False, True], ids=["in-process", "lane-thread"])
 def test_pipelined_prompt_chunks_equal_the_oracle(model: str, threaded: bool,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:

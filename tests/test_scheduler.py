@@ -419,31 +419,6 @@ def test_long_prompt_chunks_pipeline_into_the_lane(pipeline: bool) -> None:
         assert [(i.start, i.end) for i in s.schedule().lane] == [(8, 16)]
 
 
-@pytest.mark.parametrize(("cut", "prompt", "first"), [
-    (True, 10, [(0, 8), (8, 10)]),   # 6 pad rows at 16 > 2 rows moved to the next pass
-    (True, 14, [(0, 14)]),           # 2 pad rows < 6 rows to move: not worth it
-    (False, 10, [(0, 10)]),          # off: the pass takes the whole prompt, padded to 16
-])
-def test_lane_cut_prompts_ends_a_chunk_at_a_pass_size(cut: bool, prompt: int,
-                                                      first: list[tuple[int, int]]) -> None:
-    """With ``lane_cut_prompts`` a pass that would pad more rows than its prompt chunk could
-    give up (pass sizes 8 and 16 here) ends the chunk at the smaller size; the rest goes
-    next, pipelined behind it."""
-    s = _sched(W=4, G=4, lane_cut_prompts=cut)
-    s.pass_sizes = [8, 16]
-    seq = _seq(0, prompt, det=True)
-    s.add(seq)
-    sent = list(s.schedule().lane)
-    if len(first) > 1:
-        sent += s.schedule().lane
-    assert [(i.start, i.end) for i in sent] == first
-    assert s.prompt_cuts == (len(first) - 1)
-    for item in sent:
-        s.on_lane_result(item, [9] if item.end == prompt else [])
-    assert seq.num_lane_kv == prompt and seq.num_committed == prompt + 1
-    s.check_integrity()
-
-
 def test_an_aborted_prompt_sends_no_more_chunks() -> None:
     s = _sched(W=4, G=2)
     seq = _seq(0, 21, det=True)
