@@ -11,7 +11,7 @@
 #                                      # $SWEEP, e.g. 16,32,64,128x1,4,8,16, adds a W x G sweep)
 #   benchmarks/gpu_suite.sh target10  # the 10 % target: nondeterministic vs llm42, interleaved x2
 #   benchmarks/gpu_suite.sh target100 # the 100 % target: batch_invariant vs llm42
-#     (both: $EXTRA goes to bench_offline as more flags, e.g. EXTRA="--lane-max-wait-steps 16")
+#     (both: $EXTRA goes to bench_offline as more flags, e.g. EXTRA="--lane-max-wait-steps 32")
 #   benchmarks/gpu_suite.sh mixed     # one eager mixed step per variant, profiled (p512, p128)
 # Results go to ${OUT:-results/gpu}; the SmolLM2 GGUF path comes from $SMOLLM2 (default:
 # the local cache, fetched once).
