@@ -86,6 +86,8 @@ LANE_SWEEP = [
     LaneConfig(tile=32, block_m=32, num_warps=4, num_stages=2),
     LaneConfig(tile=64, block_m=128, num_warps=8, num_stages=2),
     LaneConfig(tile=16, block_m=64, num_warps=4, num_stages=3),
+    LaneConfig(tile=64, block_m=64, num_warps=4, num_stages=1),
+    LaneConfig(tile=64, block_m=64, num_warps=4, num_stages=4),
 ]
 
 
@@ -197,9 +199,12 @@ def sweep(quick: bool, what: set[str]) -> list[dict]:
                                         max_q_len=max(q_lens), cfg=pcfg), quick)
             out.append({"what": "prefill", "cfg": dataclasses.asdict(pcfg), "case": case,
                         "value": t * 1e3, "unit": "us"})
-    for case, chunks in [("decode-like 32 rows ctx 2048", [(2048, 1)] * 32),
-                         ("verify 8x16 on 2048", [(2048, 16)] * 8),
-                         ("chunk 1x2048", [(2048, 2048)])]:
+    # (case, (context, rows) per sequence, rows_per_program: 1 as the fast path's decode
+    # rows call it, None: chosen from M as a lane pass does)
+    for case, chunks, rpp in [("decode 64 rows ctx 520", [(520, 1)] * 64, 1),
+                              ("decode-like 32 rows ctx 2048", [(2048, 1)] * 32, None),
+                              ("verify 8x64 on 600", [(600, 64)] * 8, None),
+                              ("chunk 1x2048", [(2048, 2048)], None)]:
         if "lane" not in what:
             break
         kv = make_cache([c for c, _ in chunks])
@@ -207,11 +212,16 @@ def sweep(quick: bool, what: set[str]) -> list[dict]:
         pos = torch.cat([torch.arange(c - qn, c) for c, qn in chunks])
         seq, pos = seq.to(torch.int32).cuda(), pos.to(torch.int32).cuda()
         q = torch.randn(len(seq), H, D, device="cuda", dtype=torch.bfloat16)
+        call = functools.partial(lane_attention, q, kv.k_cache, kv.v_cache, kv.block_tables,
+                                 seq, pos, rows_per_program=rpp)
+        ref = call(cfg=TABLE.lane)
         for lcfg in LANE_SWEEP:
-            t = bench(functools.partial(lane_attention, q, kv.k_cache, kv.v_cache,
-                                        kv.block_tables, seq, pos, cfg=lcfg), quick)
+            t = bench(functools.partial(call, cfg=lcfg), quick)
+            # the lane's bits are part of the determinism profile: whether this config
+            # keeps them (tile, block_m and num_warps are documented to move them)
             out.append({"what": "lane", "cfg": dataclasses.asdict(lcfg), "case": case,
-                        "value": t * 1e3, "unit": "us"})
+                        "value": t * 1e3, "unit": "us",
+                        "same_bits": bool(torch.equal(call(cfg=lcfg), ref))})
     return out
 
 
@@ -321,30 +331,32 @@ def bench_rmsnorm(quick: bool) -> list[dict]:
 
 def print_tables(res: dict) -> None:
     print(f"\n{res['device']}  torch {res['torch']}  triton {res['triton']}  {res['date']}")
-    print("\nmatmul bf16 TFLOP/s: matmul_bi / cuBLAS")
-    shapes = list(LLAMA_8B)
-    print(f"{'M':>6} " + " ".join(f"{s:>17}" for s in shapes))
-    by = {(r["shape"], r["M"]): r for r in res["matmul"]}
-    for m in sorted({r["M"] for r in res["matmul"]}):
-        cells = [f"{by[s, m]['tflops_bi']:7.1f} /{by[s, m]['tflops_cublas']:7.1f}  " for s in shapes]
-        print(f"{m:>6} " + " ".join(cells))
-    print("distinct values of row 0 over M (1 = batch-invariant):",
-          {s: (v["distinct_row0_bi"], v["distinct_row0_cublas"]) for s, v in res["matmul_invariance"].items()})
-    print("\nattention (ms): ours / lane / SDPA")
-    for r in res["attention"]:
-        extra = (f"KV GB/s {r['kv_GBps']:.0f} / {r['kv_GBps_lane']:.0f} / {r['kv_GBps_sdpa']:.0f}"
-                 f"  splits={r['splits']}" if r["kernel"] == "decode" else
-                 f"TFLOP/s {r['tflops']:.0f} / {r['tflops_lane']:.0f} / {r['tflops_sdpa']:.0f}")
-        print(f"{r['kernel']:>8} {r['case']:<22} {r['ms']:8.3f} / {r['ms_lane']:8.3f} / "
-              f"{r['ms_sdpa']:8.3f}   {extra}")
-    print("\nrmsnorm [M, 4096] bf16 (ms): rmsnorm_bi / F.rms_norm")
-    for r in res["rmsnorm"]:
-        print(f"{r['M']:>6} {r['ms_bi']:.4f} / {r['ms_torch']:.4f}")
+    if "matmul" in res:  # (not with --sweep-only)
+        print("\nmatmul bf16 TFLOP/s: matmul_bi / cuBLAS")
+        shapes = list(LLAMA_8B)
+        print(f"{'M':>6} " + " ".join(f"{s:>17}" for s in shapes))
+        by = {(r["shape"], r["M"]): r for r in res["matmul"]}
+        for m in sorted({r["M"] for r in res["matmul"]}):
+            cells = [f"{by[s, m]['tflops_bi']:7.1f} /{by[s, m]['tflops_cublas']:7.1f}  " for s in shapes]
+            print(f"{m:>6} " + " ".join(cells))
+        print("distinct values of row 0 over M (1 = batch-invariant):",
+              {s: (v["distinct_row0_bi"], v["distinct_row0_cublas"]) for s, v in res["matmul_invariance"].items()})
+        print("\nattention (ms): ours / lane / SDPA")
+        for r in res["attention"]:
+            extra = (f"KV GB/s {r['kv_GBps']:.0f} / {r['kv_GBps_lane']:.0f} / {r['kv_GBps_sdpa']:.0f}"
+                     f"  splits={r['splits']}" if r["kernel"] == "decode" else
+                     f"TFLOP/s {r['tflops']:.0f} / {r['tflops_lane']:.0f} / {r['tflops_sdpa']:.0f}")
+            print(f"{r['kernel']:>8} {r['case']:<22} {r['ms']:8.3f} / {r['ms_lane']:8.3f} / "
+                  f"{r['ms_sdpa']:8.3f}   {extra}")
+        print("\nrmsnorm [M, 4096] bf16 (ms): rmsnorm_bi / F.rms_norm")
+        for r in res["rmsnorm"]:
+            print(f"{r['M']:>6} {r['ms_bi']:.4f} / {r['ms_torch']:.4f}")
     if res.get("sweep"):
         print("\nconfig sweep")
         for r in res["sweep"]:
             cfg = " ".join(f"{k}={v}" for k, v in r["cfg"].items())
-            print(f"  {r['what']:>6} {r['case']:<28} {r['value']:9.1f} {r['unit']:<8} {cfg}")
+            bits = {True: "  same bits", False: "  other bits"}.get(r.get("same_bits"), "")
+            print(f"  {r['what']:>6} {r['case']:<28} {r['value']:9.1f} {r['unit']:<8} {cfg}{bits}")
 
 
 def main() -> None:
@@ -354,6 +366,8 @@ def main() -> None:
     ap.add_argument("--sweep", default="", metavar="KINDS",
                     help="also time candidate configs of these kernels: comma list of "
                          "matmul,decode,prefill,lane")
+    ap.add_argument("--sweep-only", action="store_true",
+                    help="time only the --sweep configs, not the kernel comparisons")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA device")
@@ -364,9 +378,10 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "kernel_version": KERNEL_VERSION, "table": dataclasses.asdict(TABLE),
     }
-    res["matmul"], res["matmul_invariance"] = bench_matmul(args.quick, MS)
-    res["attention"] = bench_attention(args.quick)
-    res["rmsnorm"] = bench_rmsnorm(args.quick)
+    if not args.sweep_only:
+        res["matmul"], res["matmul_invariance"] = bench_matmul(args.quick, MS)
+        res["attention"] = bench_attention(args.quick)
+        res["rmsnorm"] = bench_rmsnorm(args.quick)
     if args.sweep:
         res["sweep"] = sweep(args.quick, set(args.sweep.split(",")))
     args.out.parent.mkdir(parents=True, exist_ok=True)
