@@ -24,11 +24,14 @@ from detserve.executor.transfer import upload
 
 @dataclass(frozen=True)
 class RowSegment:
-    """Consecutive positions [start, start + len(input_ids)) of one sequence."""
+    """Consecutive positions [start, start + len(input_ids)) of one sequence. ``lane``: the
+    sequence's tokens are verified by the lane (its fast-path decode rows want the lane's
+    attention bits; other rows may take any kernel)."""
 
     input_ids: tuple[int, ...]
     start: int
     block_table: tuple[int, ...]
+    lane: bool = False
 
 
 @dataclass
