@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     dec_tables = [tables.new(ctx + 2) for _ in range(a.batch)]
     for t in dec_tables:
         fill(runner, t, ctx)
-    dec = [RowSegment((5,), ctx, t, lane=True) for t in dec_tables]  # lane traffic
+    dec = [RowSegment((5,), ctx, t) for t in dec_tables]
     decode_steps(runner, dec, 3)  # warm-up
     t_dec = decode_steps(runner, dec, a.steps)
     passes = [window_pass(runner, win_tables, ctx, w, i) for i in range(a.passes)]

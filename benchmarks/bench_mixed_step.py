@@ -59,7 +59,7 @@ def mixed_batch(decode_rows: int, context: int, prefill_tokens: int, block_size:
     specs: list[SamplingSpec | None] = []
     for i in range(decode_rows):
         table = tuple(range(i * per_decode, (i + 1) * per_decode))
-        segs.append(RowSegment(((7 * i) % (vocab - 3) + 3,), context, table, lane=True))
+        segs.append(RowSegment(((7 * i) % (vocab - 3) + 3,), context, table))
         specs.append(SamplingSpec(prompt_len=context))
     first = decode_rows * per_decode
     table = tuple(range(first, first + -(-prefill_tokens // block_size)))

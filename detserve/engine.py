@@ -87,8 +87,8 @@ class LLMEngine:
                                config.lane_gemm_rows if sc.uses_lane else 0)
         self.runner = ModelRunner(self.model, self.pool, sc.lane_rows, sc.verify_window,
                                   config.batch_invariant_rows, self.lane_gemm_rows,
-                                  # (no lane, no alignment: nondeterministic decode rows
-                                  # take split-KV attention, the fastest kernel)
+                                  # nondeterministic mode has no lane to align with: its
+                                  # decode rows take split-KV attention, the faster kernel
                                   align_fast_path=cuda and config.align_fast_path
                                   and sc.uses_lane,
                                   decode_buckets=self.alignment.buckets if self.alignment else None,
@@ -299,8 +299,8 @@ class LLMEngine:
     def _launch_fast(self, items: list[FastItem], prev: _Launch | None) -> _Launch:
         """Queue the fast batch on the device. A row whose input token is a placeholder
         takes it from ``prev``'s tokens on the device."""
-        segs = [RowSegment(tuple(i.seq.token_ids[i.start:i.end]), i.start,
-                           tuple(i.seq.block_table), lane=i.seq.uses_lane) for i in items]
+        segs = [RowSegment(tuple(i.seq.token_ids[i.start:i.end]), i.start, tuple(i.seq.block_table))
+                for i in items]
         feed = None
         waiting = [(n, i) for n, i in enumerate(items) if i.seq.token_ids[i.start] == PLACEHOLDER]
         if waiting:

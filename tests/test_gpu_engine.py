@@ -47,9 +47,16 @@ def test_batch_invariant_mode_on_gpu(model: str) -> None:
 
 
 def test_nondeterministic_mode_runs_on_gpu(model: str) -> None:
-    outs, stats, _ = run_engine(model, _reqs(det=False), mode="nondeterministic", **CUDA)
+    """Nondeterministic mode has no lane to align with: its decode rows take split-KV
+    attention (the faster kernel), llm42's the lane's kernel."""
+    outs, stats, eng = run_engine(model, _reqs(det=False), mode="nondeterministic", **CUDA)
     assert all(len(o.token_ids) == 40 for o in outs)
     assert stats["verify_passes"] == 0
+    assert not eng.runner.align_fast_path and eng.alignment is None
+    eng.close()
+    _, _, lane = run_engine(model, _reqs(det=True)[:1], mode="llm42", **CUDA)
+    assert lane.runner.align_fast_path
+    lane.close()
 
 
 def test_cuda_graphs_batch_invariant_bitwise_equal_to_eager(model: str) -> None:

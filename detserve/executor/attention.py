@@ -24,14 +24,11 @@ from detserve.executor.transfer import upload
 
 @dataclass(frozen=True)
 class RowSegment:
-    """Consecutive positions [start, start + len(input_ids)) of one sequence. ``lane``: the
-    sequence's tokens are verified by the lane (its fast-path decode rows want the lane's
-    attention bits; other rows may take any kernel)."""
+    """Consecutive positions [start, start + len(input_ids)) of one sequence."""
 
     input_ids: tuple[int, ...]
     start: int
     block_table: tuple[int, ...]
-    lane: bool = False
 
 
 @dataclass

@@ -91,7 +91,6 @@ class DecodeInputs:
     row_pos: Tensor         # int32: position of each decode row
     num_splits: int
     masks: tuple[Tensor, Tensor, Tensor] | None  # aligned split-KV: ``aligned_split_masks``
-    aligned: bool = True    # some decode row takes the lane kernel
 
 
 @dataclass
@@ -108,10 +107,6 @@ class GpuMeta:
     cu_seqlens: Tensor      # int32 [P+1]
     max_q_len: int
     all_decode: bool        # every segment is one row, in segment order
-    # which decode rows the lane verifies (bool, in decode-row order), or None when all of
-    # them or none of them do (``decode_lanes`` says which)
-    decode_lane: Tensor | None = None
-    decode_lanes: str = "all"  # "all", "none" or "some" of the decode rows are lane rows
     # the decode rows are exactly rows [a, b), the prefill rows exactly rows [c, d) (the
     # scheduler puts decode rows first): attention then reads and writes row slices, with
     # no gather or scatter of q and of its output per layer
@@ -146,24 +141,17 @@ class GpuMeta:
             return upload(x, dev, dtype)
 
         lane_pos = batch.lane_positions.to(torch.int32)
-        lanes = [segs[i].lane for i in dec_segs]
-        some = any(lanes) and not all(lanes)
-        which = "some" if some else "all" if all(lanes) else "none"
         return cls(batch.seg_tables.to(torch.int32), t(lens, torch.int32),
                    batch.row_seg.to(torch.int32), lane_pos, t(dec_rows), t(dec_segs),
                    max((lens[i] for i in dec_segs), default=0), t(pre_rows), t(pre_segs),
                    t(cu, torch.int32),
                    max((len(segs[i].input_ids) for i in pre_segs), default=0),
                    all_decode=len(dec_rows) == batch.num_rows == len(segs),
-                   decode_lane=t([int(x) for x in lanes], torch.bool) if some else None,
-                   decode_lanes=which,
                    decode_span=_span(dec_rows), prefill_span=_span(pre_rows))
 
     def decode_inputs(self, num_kv_heads: int, device: torch.device,
                       aligned: bool) -> DecodeInputs:
-        """The decode rows' kernel inputs (the same for every layer of the step). Aligned,
-        only the lane's rows take the lane kernel (none: no alignment at all)."""
-        aligned = aligned and self.decode_lanes != "none"
+        """The decode rows' kernel inputs (the same for every layer of the step)."""
         key = (num_kv_heads, aligned)
         got = self._decode.get(key)
         if got is not None:
@@ -177,11 +165,8 @@ class GpuMeta:
         else:
             tables, ctx, row_pos = self.seg_tables[segs], self.context_lens[segs], self.lane_pos[rows]
             row_seq = torch.arange(len(rows), dtype=torch.int32, device=device)
-        masks = None
-        if aligned and (splits > 1 or self.decode_lane is not None):
-            masks = aligned_split_masks(ctx, row_pos, self.decode_lane, split=splits > 1)
-        got = self._decode[key] = DecodeInputs(tables, ctx, row_seq, row_pos, splits, masks,
-                                               aligned)
+        masks = aligned_split_masks(ctx, row_pos) if aligned and splits > 1 else None
+        got = self._decode[key] = DecodeInputs(tables, ctx, row_seq, row_pos, splits, masks)
         return got
 
     def prefill_inputs(self) -> tuple[Tensor, Tensor]:
@@ -206,20 +191,13 @@ def rope_write(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor, positi
                          slots)
 
 
-def aligned_split_masks(context_lens: Tensor, row_pos: Tensor, lane: Tensor | None = None,
-                        split: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """For aligned decode that splits its rows between the two kernels: (row_pos for the
-    lane kernel, -1 where it does not take the row; context_lens for split-KV, 0 where the
-    lane kernel takes the row; the rows the lane kernel takes, as [B, 1, 1] for
-    ``torch.where``). The lane kernel takes the rows whose context is short enough for one
-    split (all of them unless ``split``), of ``lane``'s rows only when given (bool [B]:
-    rows the lane will verify; the others go to split-KV, the faster kernel)."""
-    take = (context_lens <= TABLE.decode.aligned_min_tokens_per_split if split
-            else torch.ones_like(context_lens, dtype=torch.bool))
-    if lane is not None:
-        take = take & lane
-    return (torch.where(take, row_pos, -1), torch.where(take, 0, context_lens),
-            take[:, None, None])
+def aligned_split_masks(context_lens: Tensor, row_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """For aligned decode with split-KV: (row_pos for the lane kernel, -1 where the context
+    is too long for it; context_lens for split-KV, 0 where the lane kernel takes the row;
+    the rows the lane kernel takes, as [B, 1, 1] for ``torch.where``)."""
+    short = context_lens <= TABLE.decode.aligned_min_tokens_per_split
+    return (torch.where(short, row_pos, -1), torch.where(short, 0, context_lens),
+            short[:, None, None])
 
 
 def fast_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor,
@@ -234,15 +212,13 @@ def fast_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: T
     goes through the lane's own kernel (one row per program). The lane kernel's bits do not
     depend on the rows around a row, so the token gets exactly the attention the lane will
     recompute for it, and its window can verify. Longer rows in batches too small to fill
-    the GPU take split-KV (``num_splits`` > 1) instead. ``masks`` (``aligned_split_masks``
-    of these rows) say which rows the lane kernel takes, when built by the caller: with a
-    ``lane`` mask there, rows the lane will not verify take split-KV whatever ``num_splits``.
-    Writes ``out`` when given. Graph-safe: no host sync.
+    the GPU take split-KV (``num_splits`` > 1) instead (``masks``: ``aligned_split_masks``
+    of these rows, when already built). Writes ``out`` when given. Graph-safe: no host sync.
     """
     if not aligned:
         return decode_attention(q, k_cache, v_cache, tables, context_lens,
                                 num_splits=num_splits, out=out)
-    if num_splits == 1 and masks is None:
+    if num_splits == 1:
         return lane_attention(q, k_cache, v_cache, tables, row_seq, row_pos,
                               rows_per_program=1, out=out)
     near_pos, far_ctx, short = masks or aligned_split_masks(context_lens, row_pos)
@@ -262,7 +238,7 @@ def fast_attention_gpu(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor
     def decode(qd: Tensor, out: Tensor | None = None) -> Tensor:
         assert dec is not None
         return fast_decode_attention(qd, kc, vc, dec.tables, dec.context_lens, dec.row_seq,
-                                     dec.row_pos, dec.num_splits, dec.aligned, dec.masks, out)
+                                     dec.row_pos, dec.num_splits, aligned, dec.masks, out)
 
     if dec is not None and meta.all_decode:  # the common case: no gather/scatter of q
         return decode(q)

@@ -34,7 +34,7 @@ from torch import Tensor
 from detserve.block_manager import SCRATCH_BLOCK
 from detserve.executor.attention import RowBatch, RowSegment
 from detserve.executor.gemm_classes import smallest_at_least
-from detserve.executor.gpu import Rope, aligned_split_masks, fast_decode_attention, rope_write
+from detserve.executor.gpu import Rope, fast_decode_attention, rope_write
 from detserve.executor.kv_pool import KVPool
 from detserve.kernels._utils import num_sms
 from detserve.kernels.decode_attention import choose_num_splits
@@ -104,9 +104,7 @@ class DecodeGraphs:
 
     ``kind``: "fast" (``fast_decode_attention``: the lane's kernel where one split suffices
     if ``aligned``, else split-KV) or "bi" (batch-invariant ops and position-aligned lane
-    attention). Aligned fast graphs come in two variants: every row a lane row (all take the
-    lane kernel), and "mixed": only the lane rows take it, the others split-KV (the faster
-    kernel; nothing will verify them).
+    attention).
     """
 
     def __init__(self, model: LlamaModel, pool: KVPool, ops: Ops, kind: str, max_batch: int,
@@ -132,8 +130,7 @@ class DecodeGraphs:
         # on the device). Uploaded whole, as one contiguous copy, every replay
         self.longs = torch.zeros((4, size), dtype=torch.long, device=dev)
         self.prev = torch.zeros(size, dtype=torch.long, device=dev)
-        # ctx, lane pos, lane row (1: the lane verifies the row; read by mixed graphs)
-        self.ints = torch.zeros((3, size), dtype=torch.int32, device=dev)
+        self.ints = torch.zeros((2, size), dtype=torch.int32, device=dev)   # ctx, lane pos
         self.tables = torch.full((size, max_blocks), SCRATCH_BLOCK, dtype=torch.int32,
                                  device=dev)
         self.row_seq = torch.arange(size, dtype=torch.int32, device=dev)
@@ -144,33 +141,28 @@ class DecodeGraphs:
         # replays not yet added (with asynchronous scheduling several may be in flight)
         self._timing: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self._mempool = torch.cuda.graph_pool_handle()
-        # (bucket, splits, mixed) -> graph. A fast bucket whose longest context needs
-        # split-KV also gets a one-split graph, replayed while every context is short enough
-        # for one; an aligned one also gets mixed graphs (see the class docstring).
-        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
-        self.mixed_replays = 0
+        # (bucket, splits) -> graph. A fast bucket whose longest context needs split-KV also
+        # gets a one-split graph, replayed while every context is short enough for one.
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.last: torch.cuda.CUDAGraph | None = None  # the graph replayed last (benchmarks)
         self._hkv, self._sms = model.config.num_kv_heads, num_sms(dev)
         max_ctx = max_blocks * self.block_size
         self._splits = {b: choose_num_splits(b, self._hkv, max_ctx, self._sms)
                         for b in self.buckets}
 
-    def _forward(self, b: int, splits: int, mixed: bool = False) -> Tensor:
+    def _forward(self, b: int, splits: int) -> Tensor:
         pos, slots, src = self.longs[1, :b], self.longs[2, :b], self.longs[3, :b]
         ids = torch.where(src >= 0, self.prev[src.clamp(min=0)], self.longs[0, :b])
         ctx, lane_pos, tables = self.ints[0, :b], self.ints[1, :b], self.tables[:b]
         row_seq = self.row_seq[:b]
         pool, rope, fast = self.pool, self.rope, self.kind == "fast"
-        # mixed: which rows take the lane kernel, worked out once for every layer
-        masks = (aligned_split_masks(ctx, lane_pos, self.ints[2, :b] > 0, split=splits > 1)
-                 if mixed else None)
 
         def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             q = rope_write(pool, layer, q, k, v, pos, slots, rope)
             kc, vc = pool.k(layer), pool.v(layer)
             if fast:
                 return fast_decode_attention(q, kc, vc, tables, ctx, row_seq, lane_pos, splits,
-                                             self.aligned, masks)
+                                             self.aligned)
             return lane_attention(q.contiguous(), kc, vc, tables, row_seq, lane_pos)
 
         hidden = self.model(ids, pos, attn, self.ops, rope_in_attention=True)
@@ -182,14 +174,11 @@ class DecodeGraphs:
         self.longs[2:].fill_(-1)  # warm-up rows write no K/V ...
         self.ints[0].zero_()     # ... and attend to nothing
         self.ints[1].fill_(-1)
-        self.ints[2].zero_()
-        mixes = (False, True) if self.kind == "fast" and self.aligned else (False,)
         for b in reversed(self.buckets):
             variants = {self._splits[b], 1} if self.kind == "fast" else {1}
             for splits in sorted(variants, reverse=True):
-                for mixed in mixes:
-                    self._graphs[(b, splits, mixed)] = capture_graph(
-                        partial(self._forward, b, splits, mixed), self._mempool)
+                self._graphs[(b, splits)] = capture_graph(partial(self._forward, b, splits),
+                                                     self._mempool)
 
     def bucket(self, n: int) -> int | None:
         return smallest_at_least(self.buckets, n)
@@ -210,8 +199,7 @@ class DecodeGraphs:
         longs = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad,
                               src + [-1] * (size - len(src))],
                              dtype=torch.long, pin_memory=True)
-        ints = torch.tensor([[p + 1 for p in pos] + [0] * pad, pos + [-1] * pad,
-                             [int(s.lane) for s in segments] + [0] * pad],
+        ints = torch.tensor([[p + 1 for p in pos] + [0] * pad, pos + [-1] * pad],
                             dtype=torch.int32, pin_memory=True)
         self.longs.copy_(longs, non_blocking=True)
         self.ints.copy_(ints, non_blocking=True)
@@ -240,9 +228,7 @@ class DecodeGraphs:
             max_ctx = max(s.start for s in segments) + 1
             need = choose_num_splits(b, self._hkv, max_ctx, self._sms, aligned=self.aligned)
             splits = 1 if need == 1 else self._splits[b]
-        mixed = self.kind == "fast" and self.aligned and not all(s.lane for s in segments)
-        self.mixed_replays += mixed
-        graph, logits = self._graphs[(b, splits, mixed)]
+        graph, logits = self._graphs[(b, splits)]
         self.settle_timing()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
