@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--mode", default="nondeterministic", choices=("nondeterministic", "llm42"))
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (launch-bound baseline)")
+    p.add_argument("--lane-attention-split", type=int, default=0,
+                   help="llm42: the lane attention kernel's split size (0: no split)")
     p.add_argument("--no-align", action="store_true",
                    help="split-KV decode attention for every context (no lane-kernel decode)")
     p.add_argument("--sync", action="store_true",
@@ -120,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                                   num_blocks=bsz * (a.context + gen + 32) // 16 + 64,
                                   max_num_batched_tokens=budget,
                                   cuda_graphs=not a.eager, align_fast_path=not a.no_align,
+                                  lane_attention_split=a.lane_attention_split,
                                   async_scheduling=False if a.sync else None)
         eng = LLMEngine(cfg, loaded=loaded)
         for i in range(bsz):

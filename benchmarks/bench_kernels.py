@@ -88,6 +88,9 @@ LANE_SWEEP = [
     LaneConfig(tile=16, block_m=64, num_warps=4, num_stages=3),
     LaneConfig(tile=64, block_m=64, num_warps=4, num_stages=1),
     LaneConfig(tile=64, block_m=64, num_warps=4, num_stages=4),
+    # fixed split sizes: other bits past the first split by design (so "other bits" there)
+    LaneConfig(tile=64, block_m=64, num_warps=4, num_stages=3, split=128),
+    LaneConfig(tile=64, block_m=64, num_warps=4, num_stages=3, split=256),
 ]
 
 

@@ -101,6 +101,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               probe_single_calls=not args.no_single_calls,
                               lane_one_calls=not args.no_lane_one_calls,
                               lane_size_step=args.lane_size_step,
+                              lane_attention_split=args.lane_attention_split,
                               async_scheduling=False if args.sync_scheduling else None,
                               cuda_graph_step_rows=(0 if args.eager_steps else
                                                     EngineConfig.cuda_graph_step_rows))
@@ -261,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lane-size-step", type=int, default=0,
                    help="CUDA, with lane one calls: lane pass sizes between the GEMM chunk's "
                         "multiples, in steps of this many rows; 0: only the multiples")
+    p.add_argument("--lane-attention-split", type=int, default=0,
+                   help="CUDA: the lane attention kernel's split size in positions, for the "
+                        "lane and the fast path's aligned decode rows (0: no split)")
     p.add_argument("--lane-max-wait-steps", type=int,
                    default=SchedulerConfig.lane_max_wait_steps,
                    help="llm42: steps a lane pass waits to fill once work is ready for it (a "

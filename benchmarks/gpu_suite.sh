@@ -13,6 +13,8 @@
 #   benchmarks/gpu_suite.sh target100 # the 100 % target: batch_invariant vs llm42
 #     (both: $EXTRA goes to bench_offline as more flags, e.g. EXTRA="--lane-max-wait-steps 32")
 #   benchmarks/gpu_suite.sh mixed     # one eager mixed step per variant, profiled (p512, p128)
+#   benchmarks/gpu_suite.sh split     # the lane attention split (S=${SPLIT:-256}): its GPU tests,
+#                                     # kernel sweep, llm42 decode step, 10 % target without/with
 # Results go to ${OUT:-results/gpu}; the SmolLM2 GGUF path comes from $SMOLLM2 (default:
 # the local cache, fetched once).
 set -uo pipefail
@@ -71,5 +73,19 @@ case "${1:-}" in
       python -m benchmarks.bench_mixed_step --model random:llama3-8b --prefill-tokens $p --profile \
         --out "$out/mixed-p$p.json" 2>&1 | grep -v Warning | tail -6
     done ;;
-  *) sed -n 2,17p "$0"; exit 2 ;;
+  split)
+    s=${SPLIT:-256}
+    python -m pytest -q -m gpu tests/test_kernels_lane_attention.py tests/test_gpu_engine.py \
+      -k "split or aligned_fast_path_alone or dvr_equals" 2>&1 | tee "$out/split_tests.log" | tail -3
+    timeout 200 python -m benchmarks.bench_kernels --quick --sweep lane --sweep-only \
+      --out "$out/lane-sweep.json" 2>&1 | grep "lane decode"
+    for x in 0 "$s"; do
+      python -m benchmarks.bench_decode_step --mode llm42 --batches 64,128 --lane-attention-split "$x" \
+        --out "$out/decode-step-llm42-split$x.json" 2>&1 | grep batch
+    done
+    python -m benchmarks.bench_offline --model random:llama3-8b --device cuda --dtype bfloat16 \
+      --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
+      --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 \
+      --variants "lane_attention_split=0;lane_attention_split=$s" --out "$out/offline-split.json" 2>&1 | tail -12 ;;
+  *) sed -n 2,19p "$0"; exit 2 ;;
 esac

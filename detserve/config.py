@@ -156,6 +156,13 @@ class EngineConfig:
     # the multiples. 0 by default: on an H100 at 10 % deterministic traffic, steps of 32
     # computed about 17 % fewer lane rows yet cost 0.7 % of throughput (docs/benchmarks/gpu)
     lane_size_step: int = 0
+    # CUDA: the lane attention kernel's split size in positions (``LaneConfig.split``; 0: no
+    # split). Splits sit at absolute positions and merge in order, so bits still depend on
+    # a row alone; a decode row's context is then walked by several programs at once (the
+    # kernel is latency-bound on long rows otherwise). The lane and the fast path's aligned
+    # decode rows use it alike, and it is part of the numerics a verifier must share. Rows
+    # past the first split get other bits than with 0. Not yet measured end to end on a GPU
+    lane_attention_split: int = 0
     # plan and queue each step's fast batch before reading the previous step's tokens, so
     # the host's work between steps overlaps the device's (None: on for CUDA, off on CPU)
     async_scheduling: bool | None = None
@@ -186,6 +193,12 @@ class EngineConfig:
         if isinstance(self.lane_size_step, bool) or not isinstance(self.lane_size_step, int) \
                 or self.lane_size_step < 0:
             raise ValueError("lane_size_step must be an integer >= 0 (0: the chunk's multiples)")
+        from detserve.kernels.config import TABLE, LaneConfig
+
+        try:  # (the kernel's own check: 0 or a multiple of its tile)
+            LaneConfig(**{**TABLE.lane.__dict__, "split": self.lane_attention_split})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"lane_attention_split: {e}") from None
         if self.batch_invariant_rows <= 0:
             raise ValueError("batch_invariant_rows must be positive")
         if self.scheduler.max_model_len > self.cache.num_tokens:

@@ -95,6 +95,7 @@ class LLMEngine:
                                   single_call=self.alignment.single_call if self.alignment else None,
                                   lane_one_calls=config.lane_one_calls,
                                   lane_size_step=config.lane_size_step,
+                                  lane_attention_split=config.lane_attention_split,
                                   decode_pads=self.alignment.pads if self.alignment else None)
         if cuda and config.cuda_graphs:
             mode = config.mode

@@ -51,11 +51,12 @@ class LaneGeometry:
     batch_invariant_rows: int
     block_size: int
     lane_gemm_rows: int = 0  # row chunk of the lane's products (0: the whole pass)
+    lane_attention_split: int = 0  # the lane attention kernel's split size (0: none)
 
     def __post_init__(self) -> None:
         if min(self.lane_rows, self.window, self.batch_invariant_rows, self.block_size) <= 0:
             raise ValueError(f"bad lane geometry {self}")
-        if self.lane_gemm_rows < 0:
+        if self.lane_gemm_rows < 0 or self.lane_attention_split < 0:
             raise ValueError(f"bad lane geometry {self}")
         if self.lane_rows % self.window:
             raise ValueError("lane_rows must be a multiple of the window")

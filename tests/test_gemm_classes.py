@@ -89,6 +89,34 @@ def test_lane_gemm_rows_travels_in_the_verifier_geometry() -> None:
         LaneGeometry(512, 64, 32, 16, lane_gemm_rows=-1)
 
 
+def test_lane_attention_split_travels_in_the_geometry_and_is_checked() -> None:
+    """The lane attention's split size changes bits past the first split: a remote verifier
+    gets it in the geometry (hello and registry record alike), and configs reject sizes the
+    kernel cannot run (not a multiple of its tile)."""
+    import dataclasses
+    import json
+
+    from detserve.config import EngineConfig
+    from detserve.kernels.config import TABLE
+    from detserve.registry import LaneGeometry
+    from services.verifier import codec, verifier_pb2
+
+    g = LaneGeometry(512, 64, 32, 16, lane_gemm_rows=176, lane_attention_split=256)
+    pb = verifier_pb2.LaneGeometry(lane_rows=512, window=64, batch_invariant_rows=32,
+                                   block_size=16, lane_gemm_rows=176, lane_attention_split=256)
+    assert codec.decode_geometry(pb) == g
+    assert LaneGeometry(**json.loads(json.dumps(dataclasses.asdict(g)))) == g
+    assert codec.decode_geometry(verifier_pb2.LaneGeometry(
+        lane_rows=512, window=64, batch_invariant_rows=32, block_size=16)).lane_attention_split == 0
+    with pytest.raises(ValueError):
+        LaneGeometry(512, 64, 32, 16, lane_attention_split=-64)
+    tile = TABLE.lane.tile
+    assert EngineConfig.create("random:tiny", lane_attention_split=4 * tile).lane_attention_split
+    for bad in (tile + tile // 2, -tile):
+        with pytest.raises(ValueError, match="lane_attention_split"):
+            EngineConfig.create("random:tiny", lane_attention_split=bad)
+
+
 # Classes measured on an H100 for the Llama-3.1-8B shapes (o_proj splits at 24 rows, down_proj
 # has 128 alone and switches again from 192), as joint classes over the probe sizes.
 H100_8B = [[1], [2, 4, 8, 16], [24, 32, 40, 48, 56, 64, 80, 96, 112, 160, 224], [128],

@@ -108,22 +108,26 @@ def test_lane_graph_dvr_equals_lane_only_with_and_without_graphs(model: str) -> 
     o.close()
 
 
-@pytest.mark.parametrize("graphs", [True, False])
-def test_aligned_fast_path_alone_verifies_every_window(model: str, graphs: bool) -> None:
+@pytest.mark.parametrize(("graphs", "split"), [(True, 0), (False, 0), (True, 64), (False, 64)])
+def test_aligned_fast_path_alone_verifies_every_window(model: str, graphs: bool,
+                                                       split: int) -> None:
     """A deterministic request decoding alone: the fast path runs batch 1 with the lane's
     attention kernel, and the lane's GEMM chunk is in batch 1's cuBLAS class, so every
     window matches bit for bit (no rollback) and equals lane_only. Control: perturbing the
-    fast path on the same engine configuration does roll windows back."""
+    fast path on the same engine configuration does roll windows back. With a lane
+    attention split (64 positions: the request runs to 160) the lane and the fast path
+    split alike, and the kernel set says so."""
     req = [Req(random_prompts(1, [40], seed=9)[0],
                SamplingParams(max_tokens=120, is_deterministic=True, logprobs=1,
                               ignore_eos=True))]
-    kw = {"max_num_seqs": 1, "cuda_graphs": graphs, **CUDA}
+    kw = {"max_num_seqs": 1, "cuda_graphs": graphs, "lane_attention_split": split, **CUDA}
     oracle, _, o = run_engine(model, req, mode="lane_only", window=16, group=1, **kw)
     dvr, stats, eng = run_engine(model, req, window=16, group=1, **kw)
     assert eng.lane_gemm_rows > 0 and eng.determinism_profile()["lane_gemm_rows"] == \
         eng.lane_gemm_rows
     assert stats["windows"] >= 7 and stats["rollbacks"] == 0
     assert signature(dvr[0]) == signature(oracle[0])
+    assert ("+lanesplit64" in eng.runner.kernel_set) == (split == 64)
     _, perturbed, p = run_engine(model, req, window=16, group=1, perturbation=0.2, **kw)
     assert perturbed["rollbacks"] > 0
     for e in (o, eng, p):

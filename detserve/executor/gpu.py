@@ -25,7 +25,7 @@ from detserve.executor.ops import TorchOps, linear_in_row_chunks, silu_mul
 from detserve.executor.transfer import upload
 from detserve.kernels._utils import num_sms
 from detserve.kernels.batch_invariant import matmul_bi, rmsnorm_bi
-from detserve.kernels.config import KERNEL_VERSION, TABLE
+from detserve.kernels.config import KERNEL_VERSION, TABLE, LaneConfig
 from detserve.kernels.decode_attention import choose_num_splits, decode_attention
 from detserve.kernels.kv_write import rope_kv_write
 from detserve.kernels.lane_attention import lane_attention
@@ -204,7 +204,8 @@ def fast_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: T
                           context_lens: Tensor, row_seq: Tensor, row_pos: Tensor,
                           num_splits: int, aligned: bool,
                           masks: tuple[Tensor, Tensor, Tensor] | None = None,
-                          out: Tensor | None = None) -> Tensor:
+                          out: Tensor | None = None,
+                          lane_cfg: LaneConfig = TABLE.lane) -> Tensor:
     """Fast-path decode attention, one token per row (row i: sequence ``row_seq[i]`` at
     position ``row_pos[i]`` = context length - 1, or -1 for a padding row).
 
@@ -214,15 +215,17 @@ def fast_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: T
     recompute for it, and its window can verify. Longer rows in batches too small to fill
     the GPU take split-KV (``num_splits`` > 1) instead (``masks``: ``aligned_split_masks``
     of these rows, when already built). Writes ``out`` when given. Graph-safe: no host sync.
+    ``lane_cfg``: the lane kernel's config, the lane's own (its split size included).
     """
     if not aligned:
         return decode_attention(q, k_cache, v_cache, tables, context_lens,
                                 num_splits=num_splits, out=out)
     if num_splits == 1:
         return lane_attention(q, k_cache, v_cache, tables, row_seq, row_pos,
-                              rows_per_program=1, out=out)
+                              rows_per_program=1, out=out, cfg=lane_cfg)
     near_pos, far_ctx, short = masks or aligned_split_masks(context_lens, row_pos)
-    near = lane_attention(q, k_cache, v_cache, tables, row_seq, near_pos, rows_per_program=1)
+    near = lane_attention(q, k_cache, v_cache, tables, row_seq, near_pos, rows_per_program=1,
+                          cfg=lane_cfg)
     far = decode_attention(q, k_cache, v_cache, tables, far_ctx, num_splits=num_splits)
     if out is None:
         return torch.where(short, near, far)
@@ -230,7 +233,8 @@ def fast_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: T
 
 
 def fast_attention_gpu(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,
-                       batch: RowBatch, meta: GpuMeta, rope: Rope, aligned: bool = True) -> Tensor:
+                       batch: RowBatch, meta: GpuMeta, rope: Rope, aligned: bool = True,
+                       lane_cfg: LaneConfig = TABLE.lane) -> Tensor:
     q = rope_write(pool, layer, q, k, v, batch.positions, batch.slots, rope)
     kc, vc = pool.k(layer), pool.v(layer)
     dec = meta.decode_inputs(kc.shape[2], q.device, aligned) if meta.decode_rows.numel() else None
@@ -238,7 +242,8 @@ def fast_attention_gpu(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor
     def decode(qd: Tensor, out: Tensor | None = None) -> Tensor:
         assert dec is not None
         return fast_decode_attention(qd, kc, vc, dec.tables, dec.context_lens, dec.row_seq,
-                                     dec.row_pos, dec.num_splits, aligned, dec.masks, out)
+                                     dec.row_pos, dec.num_splits, aligned, dec.masks, out,
+                                     lane_cfg)
 
     if dec is not None and meta.all_decode:  # the common case: no gather/scatter of q
         return decode(q)
@@ -263,7 +268,8 @@ def fast_attention_gpu(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor
 
 
 def lane_attention_gpu(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,
-                       batch: RowBatch, meta: GpuMeta, rope: Rope) -> Tensor:
+                       batch: RowBatch, meta: GpuMeta, rope: Rope,
+                       lane_cfg: LaneConfig = TABLE.lane) -> Tensor:
     q = rope_write(pool, layer, q, k, v, batch.positions, batch.slots, rope)
     return lane_attention(q.contiguous(), pool.k(layer), pool.v(layer), meta.seg_tables,
-                          meta.row_seg, meta.lane_pos)
+                          meta.row_seg, meta.lane_pos, cfg=lane_cfg)

@@ -37,6 +37,7 @@ from detserve.executor.gemm_classes import smallest_at_least
 from detserve.executor.gpu import Rope, fast_decode_attention, rope_write
 from detserve.executor.kv_pool import KVPool
 from detserve.kernels._utils import num_sms
+from detserve.kernels.config import TABLE, LaneConfig
 from detserve.kernels.decode_attention import choose_num_splits
 from detserve.kernels.lane_attention import lane_attention
 from detserve.model.llama import LlamaModel, Ops
@@ -109,7 +110,8 @@ class DecodeGraphs:
 
     def __init__(self, model: LlamaModel, pool: KVPool, ops: Ops, kind: str, max_batch: int,
                  max_blocks: int, aligned: bool = True,
-                 buckets: Sequence[int] | None = None) -> None:
+                 buckets: Sequence[int] | None = None,
+                 lane_cfg: LaneConfig = TABLE.lane) -> None:
         """``buckets``: captured sizes (default ``decode_buckets(max_batch)``); some must
         hold ``max_batch`` sequences, and may be larger (an alignment's padded sizes)."""
         if kind not in ("fast", "bi"):
@@ -117,6 +119,7 @@ class DecodeGraphs:
         dev = model.embed_tokens.device
         self.model, self.pool, self.ops, self.kind = model, pool, ops, kind
         self.aligned = aligned
+        self.lane_cfg = lane_cfg  # the lane attention kernel's (bi rows and aligned rows)
         self.block_size = pool.block_size
         self.max_batch = max_batch
         self.max_blocks = max_blocks
@@ -162,8 +165,9 @@ class DecodeGraphs:
             kc, vc = pool.k(layer), pool.v(layer)
             if fast:
                 return fast_decode_attention(q, kc, vc, tables, ctx, row_seq, lane_pos, splits,
-                                             self.aligned)
-            return lane_attention(q.contiguous(), kc, vc, tables, row_seq, lane_pos)
+                                             self.aligned, lane_cfg=self.lane_cfg)
+            return lane_attention(q.contiguous(), kc, vc, tables, row_seq, lane_pos,
+                                  cfg=self.lane_cfg)
 
         hidden = self.model(ids, pos, attn, self.ops, rope_in_attention=True)
         return self.model.logits(hidden, self.ops)
@@ -303,11 +307,13 @@ class StepGraphs:
     """
 
     def __init__(self, model: LlamaModel, pool: KVPool, ops: Ops, sizes: Sequence[int],
-                 max_blocks: int, head_ops: Ops | None = None, head: int = 0) -> None:
+                 max_blocks: int, head_ops: Ops | None = None, head: int = 0,
+                 lane_cfg: LaneConfig = TABLE.lane) -> None:
         dev = model.embed_tokens.device
         self.model, self.pool, self.max_blocks = model, pool, max_blocks
         self.sizes = sorted(sizes)
         self.head = head if head_ops is not None else 0
+        self.lane_cfg = lane_cfg
         self.rope: Rope = (model.rope_cos, model.rope_sin)  # type: ignore[assignment]
         rows = self.sizes[-1]
         self.longs = torch.zeros((4, rows), dtype=torch.long, device=dev)
@@ -331,8 +337,9 @@ class StepGraphs:
         def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             q = rope_write(pool, layer, q, k, v, pos, slots, rope).contiguous()
             kc, vc = pool.k(layer), pool.v(layer)
-            one = lane_attention(q, kc, vc, tables, row_seg, one_pos, rows_per_program=1)
-            many = lane_attention(q, kc, vc, tables, row_seg, many_pos)
+            cfg = self.lane_cfg
+            one = lane_attention(q, kc, vc, tables, row_seg, one_pos, rows_per_program=1, cfg=cfg)
+            many = lane_attention(q, kc, vc, tables, row_seg, many_pos, cfg=cfg)
             return torch.where(single, one, many)
 
         return self.model(ids, pos, attn, ops, rope_in_attention=True)
@@ -389,9 +396,10 @@ class LaneGraph:
     first: a capture in the middle of a run would hold that pass up for a whole capture."""
 
     def __init__(self, model: LlamaModel, pool: KVPool, ops: Ops, sizes: Sequence[int],
-                 max_blocks: int) -> None:
+                 max_blocks: int, lane_cfg: LaneConfig = TABLE.lane) -> None:
         dev = model.embed_tokens.device
         self.model, self.pool, self.ops = model, pool, ops
+        self.lane_cfg = lane_cfg
         self.sizes = sorted(sizes)
         rows = self.sizes[-1]
         self.max_blocks = max_blocks
@@ -412,7 +420,7 @@ class LaneGraph:
         def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             q = rope_write(pool, layer, q, k, v, pos, slots, rope)
             return lane_attention(q.contiguous(), pool.k(layer), pool.v(layer), tables,
-                                  row_seg, lane_pos)
+                                  row_seg, lane_pos, cfg=self.lane_cfg)
 
         return self.model(ids, pos, attn, self.ops, rope_in_attention=True)
 

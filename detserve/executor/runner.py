@@ -7,6 +7,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, cast
 
@@ -29,6 +30,7 @@ from detserve.executor.gemm_classes import (
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.ops import FixedShapeOps, TorchOps, pad_rows, silu_mul
 from detserve.executor.transfer import upload
+from detserve.kernels.config import TABLE
 from detserve.lane import LaneDecision, LanePass, LaneResult, decide
 from detserve.model.llama import LlamaModel, Ops
 from detserve.outputs import TokenLogprob
@@ -178,7 +180,8 @@ class ModelRunner:
                  decode_buckets: Sequence[int] | None = None,
                  single_call: Mapping[tuple[int, int], frozenset[int]] | None = None,
                  lane_one_calls: bool = True, lane_size_step: int = 0,
-                 decode_pads: Mapping[tuple[int, int], Mapping[int, int]] | None = None) -> None:
+                 decode_pads: Mapping[tuple[int, int], Mapping[int, int]] | None = None,
+                 lane_attention_split: int = 0) -> None:
         self.model = model
         self.pool = pool
         self.device = model.embed_tokens.device
@@ -192,6 +195,10 @@ class ModelRunner:
         self.bi_ops: Ops = FixedShapeOps(batch_invariant_rows)
         self.bi_rows = batch_invariant_rows
         self.lane_gemm_rows = lane_gemm_rows
+        # CUDA: the lane attention kernel's split size (0: none; ``LaneConfig.split``), for
+        # the lane and for the fast path's aligned decode rows alike
+        self.lane_attention_split = lane_attention_split
+        self.lane_attn = replace(TABLE.lane, split=lane_attention_split)
         self.align_fast_path = align_fast_path
         self.decode_buckets = tuple(sorted(decode_buckets)) if decode_buckets else None
         self.single_call = dict(single_call or {})
@@ -210,6 +217,8 @@ class ModelRunner:
 
             self.fast_ops = gpu.GpuFastOps()
             self.kernel_set = gpu.KERNEL_VERSION
+            if lane_attention_split:  # other bits: a verifier's runner must split alike
+                self.kernel_set += f"+lanesplit{lane_attention_split}"
             if lane_gemm_rows and lane_one_calls:
                 multiples = self.lane_sizes()
                 grid = lane_size_grid(multiples, lane_size_step)
@@ -242,7 +251,7 @@ class ModelRunner:
                          if decode == "fast" and self.decode_pads else ops)
             self.decode_graphs = DecodeGraphs(self.model, self.pool, graph_ops, decode, max_batch,
                                               max_blocks, aligned=self.align_fast_path,
-                                              buckets=buckets)
+                                              buckets=buckets, lane_cfg=self.lane_attn)
             self.decode_graphs.capture()
             if step_rows > 0:
                 head = self.decode_graphs.bucket(max_batch) or 0
@@ -250,11 +259,12 @@ class ModelRunner:
                                           self.decode_pads)
                             if decode == "fast" and self.decode_buckets and head else None)
                 self.step_graphs = StepGraphs(self.model, self.pool, ops, step_sizes(step_rows),
-                                              max_blocks, head_ops=head_ops, head=head)
+                                              max_blocks, head_ops=head_ops, head=head,
+                                              lane_cfg=self.lane_attn)
                 self.step_graphs.capture()
         if lane:
             self.lane_graph = LaneGraph(self.model, self.pool, self.lane_ops,
-                                        self.lane_sizes(), max_blocks)
+                                        self.lane_sizes(), max_blocks, lane_cfg=self.lane_attn)
 
     def lane_sizes(self) -> list[int]:
         """Row counts a lane pass runs at: multiples of the GEMM chunk up to the pass (the
@@ -281,6 +291,7 @@ class ModelRunner:
             fn = gpu.fast_attention_gpu if kind == "fast" else gpu.lane_attention_gpu
             rope = cast(gpu.Rope, (self.model.rope_cos, self.model.rope_sin))
             attn = partial(fn, self.pool, batch=batch, meta=meta, rope=rope)
+            attn = partial(attn, lane_cfg=self.lane_attn)
             if kind == "fast":
                 attn = partial(attn, aligned=self.align_fast_path)
         elif kind == "fast":

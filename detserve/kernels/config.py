@@ -95,11 +95,19 @@ class LaneConfig:
     block_m: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    # Positions per split, at absolute boundaries (0: no split): *bits* for rows past the
+    # first split. A row's splits [0, S), [S, 2S), ... run as programs of their own (a
+    # decode row's context is walked by several programs at once instead of one) and are
+    # merged in order; a row within the first split keeps the unsplit kernel's bits.
+    split: int = 0
 
     def __post_init__(self) -> None:
         _check_pow2(self, tile=self.tile, block_m=self.block_m, num_warps=self.num_warps)
         if min(self.tile, self.block_m) < 16:
             raise ValueError("lane tile and block_m must be >= 16 (tl.dot)")
+        if self.split < 0 or self.split % self.tile:
+            raise ValueError(f"lane split {self.split} must be 0 or a multiple of the tile "
+                             f"{self.tile}")
 
 
 @dataclass(frozen=True)

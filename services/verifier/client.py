@@ -251,7 +251,8 @@ def make_verifier_factory(redis_url: str, decoder_id: str, kv_handle: KVHandle |
         if tuple(pool.shape) != handle.shape or str(pool.dtype) != f"torch.{handle.dtype}":
             raise ValueError("the engine's KV pool is not the exported one")
         geometry = LaneGeometry(runner.lane_rows, runner.window, runner.bi_rows,
-                                runner.pool.block_size, runner.lane_gemm_rows)
+                                runner.pool.block_size, runner.lane_gemm_rows,
+                                runner.lane_attention_split)
         record = DecoderRecord(decoder_id, handle.epoch, handle, weights_hash, geometry,
                                codec.numerics_profile(runner))
         registry = Registry(redis_url, prefix)

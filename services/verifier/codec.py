@@ -39,12 +39,13 @@ def encode_hello(record: DecoderRecord) -> pb.LaneRequest:
         dtype=record.kv_handle.dtype, numerics=record.numerics,
         geometry=pb.LaneGeometry(lane_rows=g.lane_rows, window=g.window,
                                  batch_invariant_rows=g.batch_invariant_rows,
-                                 block_size=g.block_size, lane_gemm_rows=g.lane_gemm_rows)))
+                                 block_size=g.block_size, lane_gemm_rows=g.lane_gemm_rows,
+                                 lane_attention_split=g.lane_attention_split)))
 
 
 def decode_geometry(g: pb.LaneGeometry) -> LaneGeometry:
     return LaneGeometry(g.lane_rows, g.window, g.batch_invariant_rows, g.block_size,
-                        g.lane_gemm_rows)
+                        g.lane_gemm_rows, g.lane_attention_split)
 
 
 # ---- passes -------------------------------------------------------------------------

@@ -160,7 +160,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         pool = KVPool(mc.num_layers, handle.shape[2], g.block_size, mc.num_kv_heads,
                       mc.head_dim, handle.torch_dtype, self.device, storage=storage)
         runner = ModelRunner(self.model, pool, g.lane_rows, g.window, g.batch_invariant_rows,
-                             lane_gemm_rows=g.lane_gemm_rows)
+                             lane_gemm_rows=g.lane_gemm_rows,
+                             lane_attention_split=g.lane_attention_split)
         numerics = codec.numerics_profile(runner)
         if hello.numerics != numerics:
             raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
