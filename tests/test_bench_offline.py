@@ -10,14 +10,15 @@ import pytest
 
 from benchmarks import bench_offline
 
+# a tiny run of both modes at one ratio, one warm-up request
+TINY = ["--model", "random:tiny", "--num-requests", "6", "--input-len", "12",
+        "--output-len", "10", "--modes", "nondeterministic,llm42", "--ratios", "0.5",
+        "--verify-window", "8", "--verify-group", "2", "--warmup-requests", "1"]
+
 
 def test_repeated_runs_are_summarized_by_median(tmp_path: Path) -> None:
     out = tmp_path / "offline.json"
-    assert bench_offline.main([
-        "--model", "random:tiny", "--num-requests", "6", "--input-len", "12",
-        "--output-len", "10", "--modes", "nondeterministic,llm42", "--ratios", "0.5",
-        "--verify-window", "8", "--verify-group", "2", "--repeat", "2",
-        "--warmup-requests", "1", "--out", str(out)]) == 0
+    assert bench_offline.main([*TINY, "--repeat", "2", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     runs = report["runs"]
     # interleaved: every mode once per repeat, in the order given
@@ -43,10 +44,7 @@ def test_repeated_runs_are_summarized_by_median(tmp_path: Path) -> None:
 def test_llm42_variants_run_with_their_flags_and_are_summarized_apart(tmp_path: Path) -> None:
     out = tmp_path / "variants.json"
     assert bench_offline.main([
-        "--model", "random:tiny", "--num-requests", "6", "--input-len", "12",
-        "--output-len", "10", "--modes", "nondeterministic,llm42", "--ratios", "0.5",
-        "--verify-window", "8", "--verify-group", "2", "--warmup-requests", "1",
-        "--variants", "lane_max_wait_steps=2;lane_max_wait_steps=16,eager_steps=1",
+        *TINY, "--variants", "lane_max_wait_steps=2;lane_max_wait_steps=16,eager_steps=1",
         "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     llm42 = [r for r in report["runs"] if r["mode"] == "llm42"]
