@@ -116,7 +116,10 @@ def _lane_kernel(
     d_mask = offs_d < HEAD_DIM
     head_i = kvh * GROUP + g_i
     q_off = row_i.to(tl.int64) * stride_qm + head_i * stride_qh
-    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=in_i[:, None] & d_mask[None, :],
+    q_in = in_i
+    if SPLIT > 0:  # slots before this split need no q (a program past every row reads none);
+        q_in = q_in & (pos_i >= sp * SPLIT)  # a slot's q only reaches its own row's bits
+    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=q_in[:, None] & d_mask[None, :],
                 other=0.0)
     o_ptrs = out_ptr + (row_i.to(tl.int64) * stride_om + head_i * stride_oh)[:, None] \
         + offs_d[None, :]
