@@ -394,14 +394,18 @@ def parse_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
             elif cur is None:  # (flags without a default here take numbers)
                 over[name] = int(text) if text.lstrip("-").isdigit() else text
             else:
-                over[name] = type(cur)(text)
+                try:
+                    over[name] = type(cur)(text)
+                except ValueError:
+                    raise SystemExit(f"--variants: {part!r}: {name} takes a "
+                                     f"{type(cur).__name__}") from None
         out.append(argparse.Namespace(**{**vars(args), **over, "variant": spec.strip()}))
     return out
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (mode, ratio, W, G): the median output throughput over its runs, its range, and
-    its ratio to the median nondeterministic run."""
+    """Per (mode, ratio, W, G, variant): the median output throughput over its runs, its
+    range, and its ratio to the median nondeterministic run."""
     groups: dict[tuple[Any, ...], list[float]] = {}
     for r in runs:
         key = (r["mode"], r["deterministic_ratio"], r["verify_window"], r["verify_group"],

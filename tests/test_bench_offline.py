@@ -59,7 +59,7 @@ def test_llm42_variants_run_with_their_flags_and_are_summarized_apart(tmp_path: 
     parsed = [(v.eager_steps, v.lane_sms, v.lane_max_wait_steps)
               for v in bench_offline.parse_variants(base)]
     assert parsed == [(True, 32, 8), (False, None, 4)]
-    for bad in ("no_such_flag=1", "lane_max_wait_steps", "variants=x"):
+    for bad in ("no_such_flag=1", "lane_max_wait_steps", "variants=x", "lane_max_wait_steps=x"):
         with pytest.raises(SystemExit, match="--variants"):
             bench_offline.main(["--model", "random:tiny", "--num-requests", "1", "--variants", bad])
 

@@ -195,9 +195,8 @@ class ModelRunner:
         self.bi_ops: Ops = FixedShapeOps(batch_invariant_rows)
         self.bi_rows = batch_invariant_rows
         self.lane_gemm_rows = lane_gemm_rows
-        # CUDA: the lane attention kernel's split size (0: none; ``LaneConfig.split``), for
-        # the lane and for the fast path's aligned decode rows alike
-        self.lane_attention_split = lane_attention_split
+        # CUDA: the lane attention kernel's config, its split size (``LaneConfig.split``, 0:
+        # none) included, for the lane and for the fast path's aligned decode rows alike
         self.lane_attn = replace(TABLE.lane, split=lane_attention_split)
         self.align_fast_path = align_fast_path
         self.decode_buckets = tuple(sorted(decode_buckets)) if decode_buckets else None
@@ -290,8 +289,8 @@ class ModelRunner:
             meta = gpu.GpuMeta.build(batch)
             fn = gpu.fast_attention_gpu if kind == "fast" else gpu.lane_attention_gpu
             rope = cast(gpu.Rope, (self.model.rope_cos, self.model.rope_sin))
-            attn = partial(fn, self.pool, batch=batch, meta=meta, rope=rope)
-            attn = partial(attn, lane_cfg=self.lane_attn)
+            attn = partial(fn, self.pool, batch=batch, meta=meta, rope=rope,
+                           lane_cfg=self.lane_attn)
             if kind == "fast":
                 attn = partial(attn, aligned=self.align_fast_path)
         elif kind == "fast":

@@ -115,10 +115,11 @@ def _lane_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     head_i = kvh * GROUP + g_i
+    lo = sp * SPLIT  # first position of this program's split (0 without splits)
     q_off = row_i.to(tl.int64) * stride_qm + head_i * stride_qh
     q_in = in_i
     if SPLIT > 0:  # slots before this split need no q (a program past every row reads none);
-        q_in = q_in & (pos_i >= sp * SPLIT)  # a slot's q only reaches its own row's bits
+        q_in = q_in & (pos_i >= lo)  # a slot's q only reaches its own row's bits
     q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=q_in[:, None] & d_mask[None, :],
                 other=0.0)
     o_ptrs = out_ptr + (row_i.to(tl.int64) * stride_om + head_i * stride_oh)[:, None] \
@@ -127,7 +128,6 @@ def _lane_kernel(
         pad_i = in_i & (pos_i < 0)
         tl.store(o_ptrs, tl.zeros([ROWS * BLOCK_G, BLOCK_D], dtype=out_ptr.dtype.element_ty),
                  mask=pad_i[:, None] & d_mask[None, :])
-    lo = sp * SPLIT  # first position of this program's split (0 without splits)
 
     # One pass per distinct sequence, led by its first row in the block.
     for row in range(row0, row_end):

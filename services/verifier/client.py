@@ -252,7 +252,7 @@ def make_verifier_factory(redis_url: str, decoder_id: str, kv_handle: KVHandle |
             raise ValueError("the engine's KV pool is not the exported one")
         geometry = LaneGeometry(runner.lane_rows, runner.window, runner.bi_rows,
                                 runner.pool.block_size, runner.lane_gemm_rows,
-                                runner.lane_attention_split)
+                                runner.lane_attn.split)
         record = DecoderRecord(decoder_id, handle.epoch, handle, weights_hash, geometry,
                                codec.numerics_profile(runner))
         registry = Registry(redis_url, prefix)
