@@ -380,7 +380,8 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
                idle_requests: int, verifier_gpu_fraction: float = 0.5,
                stream_interval: int = 1, repeat: int = 1,
                pipeline_lane_prefill: bool = True, switch_interval: float = 0.0,
-               client_procs: int = 1, decoder_link: bool = True) -> Result:
+               client_procs: int = 1, decoder_link: bool = True,
+               verifier_green_context: bool = False) -> Result:
     from ray import serve
 
     from detserve.redis_server import EmbeddedRedis
@@ -398,6 +399,8 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
         if cuda else {})
     if switch_interval:
         placement["switch_interval"] = switch_interval
+    if verifier_green_context:
+        placement["verifier_green_context"] = True
     with EmbeddedRedis() as redis, ExitStack() as stack:
         config = default_serve_config(
             model=model, mode=mode, num_decoders=1, num_verifiers=num_verifiers,
@@ -433,9 +436,10 @@ NOTE_GPU = ("Served = HTTP client -> Router replica (Ray Serve direct ingress: n
             "reach the engine one by one rather than all at t=0. In `llm42` the offline engine "
             "verifies on a lane thread of its own process (all SMs), the served decoder holds "
             "1-f of the GPU and sends its lane passes over gRPC to a verifier replica holding f "
-            "of it, whose lane kernels are confined to that fraction of the SMs (MPS thread "
-            "percentage when the MPS daemon runs, else a green context; without MPS the two "
-            "processes' kernels time-slice); KV shared through CUDA IPC. Targets (issue): "
+            "of it; when the MPS daemon runs, the two processes' kernels run side by side and "
+            "an MPS thread percentage confines the verifier's to that fraction of the SMs; "
+            "without MPS they time-slice and the lane uses every SM (a green context of the "
+            "fraction with --verifier-green-context); KV shared through CUDA IPC. Targets (issue): "
             "served throughput >= 0.95 x offline, idle TTFT <= offline + 10 ms.")
 
 def _loop_lines(rows: list[tuple[Result, str, dict[str, float]]], key: str, head: str,
@@ -449,7 +453,8 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
     gpu = str(meta.get("device", "cpu")).startswith("cuda")
     setup = (f"; device {meta['device']}, dtype {meta['dtype']}, verifier GPU fraction "
              f"f={meta['verifier_gpu_fraction']}, MPS {'on' if meta['mps'] else 'off'}"
-             if gpu else "")
+             + (", verifier lane in a green context of f" if meta.get("verifier_green_context")
+                else "") if gpu else "")
     lines = [f"# Serving overhead on {'GPU' if gpu else 'CPU'} ({meta['date']})", "",
              f"Machine: {meta['machine']}; torch {meta['torch']}{setup}. "
              f"Command: `{meta['command']}`",
@@ -562,6 +567,9 @@ def main() -> None:
     ap.add_argument("--no-decoder-link", action="store_true",
                     help="the router reaches the decoder through Ray Serve handle calls only "
                          "(default: over the decoder's link, services.decoder.link)")
+    ap.add_argument("--verifier-green-context", action="store_true",
+                    help="cuda + llm42 without MPS: confine the verifier's lane to its GPU "
+                         "share with a green context (detserve serve --verifier-green-context)")
     ap.add_argument("--prefill-batch-tokens", type=int, default=None,
                     help="both engines: while others decode, new prompts wait until this many "
                          "of their tokens are pending, at most 8 steps (detserve serve "
@@ -599,7 +607,8 @@ def main() -> None:
         results.append(run_served(a.model, mode, kw, w, a.idle_requests,
                                   a.verifier_gpu_fraction, a.stream_interval, a.repeat,
                                   not a.no_pipeline_lane_prefill, a.switch_interval,
-                                  a.client_procs, not a.no_decoder_link))
+                                  a.client_procs, not a.no_decoder_link,
+                                  a.verifier_green_context))
         print(results[-1], flush=True)
     cpu = f"{hardware('cpu')}, {os.cpu_count()} cores"
     machine = cpu
@@ -615,6 +624,7 @@ def main() -> None:
             "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
             "stream_interval": a.stream_interval, "switch_interval": a.switch_interval,
             "client_procs": a.client_procs,
+            "verifier_green_context": a.verifier_green_context,
             "repeat": a.repeat, **kw,
             "command": "python -m benchmarks.bench_serving_overhead "
                        + " ".join(command_flags(vars(a), skip=()))}

@@ -14,6 +14,8 @@
 # CLIENT_PROCS=N sends the served loaded phase from N client processes (default 1).
 # LINK=0 has the router reach the decoder through Ray Serve handle calls only (default: over
 # the decoder's link, services.decoder.link); give it an OUT of its own.
+# GREEN=1 confines the verifier's lane to its GPU share with a green context when no MPS
+# daemon runs (default: the whole GPU, as the two processes' kernels time-slice).
 # SWITCH_INTERVAL=S sets the decoder replica's Python switch interval (default Python's).
 # MODES="nondeterministic llm42" (default) picks the runs. PROFILE=1 samples the served
 # decoder replica (PROFILE_TARGET=Router: the router replica) with py-spy (from the bundles)
@@ -42,6 +44,7 @@ args=(--model "$model" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}"
       --repeat "${REPEAT:-1}" --switch-interval "${SWITCH_INTERVAL:-0}"
       --client-procs "${CLIENT_PROCS:-1}")
 [ "${LINK:-1}" = 0 ] && args+=(--no-decoder-link)
+[ "${GREEN:-0}" = 1 ] && args+=(--verifier-green-context)
 left() { echo $((budget - SECONDS)); }
 
 main() {

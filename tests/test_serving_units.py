@@ -389,6 +389,32 @@ def test_decoder_link_is_an_optional_boolean_arg_and_a_serve_flag() -> None:
                                      ).decoder_link is True
 
 
+def test_verifier_green_context_is_an_optional_flag_and_only_binds_without_mps(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """Without MPS the verifier's lane takes the whole GPU unless asked to confine itself;
+    under MPS it is capped by the thread percentage (no green context either way)."""
+    from detserve.cli import build_parser
+    from services.cli import serve_config_from
+    from services.verifier.deployment import limit_sms
+
+    assert "verifier_green_context" not in default_serve_config()["applications"][0]["args"]
+    with pytest.raises(ValueError, match="verifier_green_context"):
+        default_serve_config(verifier_green_context=1)
+    a = build_parser().parse_args(["serve", "--device", "cuda", "--verifier-green-context"])
+    assert serve_config_from(a, "redis://127.0.0.1:1/0")["applications"][0]["args"][
+        "verifier_green_context"] is True
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "no-daemon"))
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+    assert limit_sms("cuda:0", 0.5) is None  # time-sliced: the whole GPU
+    assert callable(limit_sms("cuda:0", 0.5, green_context=True))  # (CUDA untouched)
+    assert limit_sms("cpu", 0.5, green_context=True) is None
+    assert limit_sms("cuda:0", 1.0, green_context=True) is None
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))  # a daemon's pipe dir
+    assert limit_sms("cuda:0", 0.25, green_context=True) is None
+    import os
+    assert os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+
+
 def test_fastpath_perturbation_is_an_optional_validated_arg() -> None:
     assert "fastpath_perturbation" not in default_serve_config()["applications"][0]["args"]
     args = default_serve_config(fastpath_perturbation=0.25)["applications"][0]["args"]

@@ -7,13 +7,15 @@ bidirectional stream, which Serve's request path does not carry. Ray Serve still
 the replicas, runs ``check_health`` and replaces a replica that dies or fails it; the
 decoders then fail over to another one (services/verifier/client.py).
 
-On a GPU the replica shares the decoder's GPU (a fractional ``num_gpus``) and should use
-only a slice of its SMs, so the decoder's fast path keeps the rest:
-- under MPS (the daemon is running), ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` caps this
-  process before it first touches CUDA; MPS is also what lets the two processes' kernels
-  run at the same time at all;
-- otherwise the lane thread enters a CUDA green context of that many SMs and runs on its
-  stream. Without MPS the decoder's and the verifier's kernels still time-slice.
+On a GPU the replica shares the decoder's GPU (a fractional ``num_gpus``):
+- under MPS (the daemon is running) the two processes' kernels run at the same time, and
+  ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` caps this process to its share of the SMs (set
+  before it first touches CUDA), so the decoder's fast path keeps the rest;
+- without MPS the GPU time-slices between the two processes: a verifier kernel never runs
+  beside a decoder kernel, so confining the lane to a slice of the SMs only leaves the
+  others idle during its time slices. The lane then takes the whole GPU, unless
+  ``green_context`` asks for a CUDA green context of its share anyway (measured against
+  the whole GPU in docs/benchmarks/gpu/README.md).
 These paths need a GPU and are not exercised by the CPU test suite.
 """
 
@@ -35,15 +37,18 @@ def mps_running() -> bool:
     return os.path.exists(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", _MPS_PIPE_DEFAULT))
 
 
-def limit_sms(device: str, sm_fraction: float) -> Callable[[], None] | None:
-    """Confine lane kernels to ``sm_fraction`` of the GPU. Must run before CUDA is
-    initialised in this process; returns the lane thread's initializer (or None)."""
+def limit_sms(device: str, sm_fraction: float,
+              green_context: bool = False) -> Callable[[], None] | None:
+    """Confine lane kernels to ``sm_fraction`` of the GPU: through MPS when its daemon runs,
+    else through a green context only when ``green_context`` asks for one (see the module
+    docstring). Must run before CUDA is initialised in this process; returns the lane
+    thread's initializer (or None)."""
     if not device.startswith("cuda") or not 0.0 < sm_fraction < 1.0:
         return None
     if mps_running():
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, round(100 * sm_fraction)))
         return None
-    return _green_context_init(device, sm_fraction)
+    return _green_context_init(device, sm_fraction) if green_context else None
 
 
 def _green_context_init(device: str, sm_fraction: float) -> Callable[[], None]:
@@ -69,15 +74,16 @@ def _green_context_init(device: str, sm_fraction: float) -> Callable[[], None]:
                   graceful_shutdown_timeout_s=10)
 class Verifier:
     """Constructor arguments are the application's (see ``services.app``):
-    ``model``, ``redis_url``, ``dtype``, ``device`` and ``sm_fraction`` (normally the
-    replica's fractional GPU share, ``verifier_gpu_fraction``)."""
+    ``model``, ``redis_url``, ``dtype``, ``device``, ``sm_fraction`` (normally the
+    replica's fractional GPU share, ``verifier_gpu_fraction``) and ``green_context``
+    (``verifier_green_context``: confine the lane to that share without MPS too)."""
 
     def __init__(self, model: str, redis_url: str, dtype: str = "float32", device: str = "cpu",
                  sm_fraction: float = 0.0, ttl_s: float = 3.0,
-                 prefix: str = DEFAULT_PREFIX) -> None:
+                 prefix: str = DEFAULT_PREFIX, green_context: bool = False) -> None:
         if device.startswith("cuda"):
             device = "cuda:0"  # Ray exposes the assigned GPU as the only visible one
-        lane_init = limit_sms(device, sm_fraction)
+        lane_init = limit_sms(device, sm_fraction, green_context)
         self.replica = VerifierReplica(model, redis_url, dtype=dtype, device=device,
                                        ttl_s=ttl_s, prefix=prefix, lane_thread_init=lane_init)
 
