@@ -389,6 +389,17 @@ def test_decoder_link_is_an_optional_boolean_arg_and_a_serve_flag() -> None:
                                      ).decoder_link is True
 
 
+def test_decode_request_affinity_is_its_prefix_keys_once_and_survives_pickling() -> None:
+    import pickle
+
+    prompt = tuple(range(3, 40))
+    det = DecodeRequest("d", prompt, SamplingParams(is_deterministic=True, seed=1))
+    assert det.affinity == tuple(prefix_keys(prompt)) and len(det.affinity) == 2
+    assert det.affinity is det.affinity  # hashed once per request object
+    assert pickle.loads(pickle.dumps(det)).affinity == det.affinity
+    assert DecodeRequest("n", prompt, SamplingParams()).affinity == ()
+
+
 def test_verifier_green_context_is_an_optional_flag_and_only_binds_without_mps(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     """Without MPS the verifier's lane takes the whole GPU unless asked to confine itself;

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from detserve.outputs import TokenLogprob
 from detserve.params import SamplingParams
+from services.router.load_ledger import affinity_keys
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,12 @@ class DecodeRequest:
     def cost_tokens(self) -> int:
         """Upper bound on the tokens this request adds to a decoder: prompt + output."""
         return len(self.prompt_token_ids) + self.params.max_tokens
+
+    @cached_property
+    def affinity(self) -> tuple[int, ...]:
+        """What the router routes this request by (``load_ledger.affinity_keys``), hashed
+        once per request object: ranking the replicas and recording the route both read it."""
+        return tuple(affinity_keys(self.prompt_token_ids, self.is_deterministic))
 
 
 @dataclass(frozen=True)

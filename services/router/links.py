@@ -28,7 +28,7 @@ from detserve.registry import LinkRecord, Registry
 from services.decoder.link import ABORT, KEEPALIVE, METHOD, SUBMIT, TOKEN_KEY, dumps, loads
 from services.decoder.messages import DecodeRequest
 from services.router.channels import ChannelLost, Item, deliver_wires
-from services.router.load_ledger import TokenLedger, affinity_keys
+from services.router.load_ledger import TokenLedger
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +146,7 @@ class LinkHub:
         candidates = self.attached
         if not candidates:
             return None
-        keys = affinity_keys(request.prompt_token_ids, request.is_deterministic)
-        return str(self._ledger.rank(candidates, keys)[0])
+        return str(self._ledger.rank(candidates, request.affinity)[0])
 
     def submit(self, request: DecodeRequest, replica: str) -> asyncio.Queue[Item]:
         """Send ``request`` over ``replica``'s link (from ``pick``); its chunks arrive in the
@@ -157,8 +156,7 @@ class LinkHub:
         queue: asyncio.Queue[Item] = asyncio.Queue()
         self.queues[rid] = queue
         self._link_of[rid] = link
-        self._ledger.routed(rid, replica, request.cost_tokens,
-                            affinity_keys(request.prompt_token_ids, request.is_deterministic))
+        self._ledger.routed(rid, replica, request.cost_tokens, request.affinity)
         link.send((SUBMIT, request))
         return queue
 

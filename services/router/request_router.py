@@ -17,7 +17,7 @@ from ray.serve.request_router import (
 )
 
 from services.decoder.messages import ChannelOpen, DecodeRequest, ReplicaPin
-from services.router.load_ledger import TokenLedger, affinity_keys
+from services.router.load_ledger import TokenLedger
 
 
 def _first_arg(pending: PendingRequest | None) -> object:
@@ -32,10 +32,6 @@ def _decode_request(pending: PendingRequest | None) -> DecodeRequest | None:
 def _pinned_replica(pending: PendingRequest | None) -> str | None:
     arg = _first_arg(pending)
     return arg.replica if isinstance(arg, (ChannelOpen, ReplicaPin)) else None
-
-
-def _keys(req: DecodeRequest) -> list[int]:
-    return affinity_keys(req.prompt_token_ids, req.is_deterministic)
 
 
 class LeastTokensRouter(RequestRouter):
@@ -56,7 +52,7 @@ class LeastTokensRouter(RequestRouter):
         if req is None:
             return [candidate_replicas]
         by_id = {r.replica_id: r for r in candidate_replicas}
-        ranked = self._ledger.rank(list(by_id), _keys(req))
+        ranked = self._ledger.rank(list(by_id), req.affinity)
         return [[by_id[rid]] for rid in ranked]  # type: ignore[index]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
@@ -64,7 +60,7 @@ class LeastTokensRouter(RequestRouter):
         req = _decode_request(pending_request)
         if req is not None:
             self._ledger.routed(pending_request.metadata.internal_request_id, replica_id,
-                                req.cost_tokens, _keys(req))
+                                req.cost_tokens, req.affinity)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._ledger.completed(internal_request_id)
