@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.stream_profile import cuda_kernels, describe, stream_summary
 from detserve.config import EngineConfig, SchedulerConfig
 from detserve.engine import LLMEngine
 from detserve.model.loader import load_model, resolve_dtype
@@ -82,8 +83,10 @@ def trace_prompts(path: str, tokenizer: Any, max_model_len: int
 
 def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
             shapes: list[tuple[int, int]],
-            prompts: list[tuple[list[int], int]] | None = None) -> dict[str, Any]:
-    """One engine run. Prompts are random tokens of ``shapes``' lengths, or ``prompts``."""
+            prompts: list[tuple[list[int], int]] | None = None,
+            profile: tuple[int, int] | None = None) -> dict[str, Any]:
+    """One engine run. Prompts are random tokens of ``shapes``' lengths, or ``prompts``.
+    ``profile`` (a, b): record the GPU kernels of engine steps a..b-1 (``stream_profile``)."""
     cfg = EngineConfig.create(args.model, mode, device=args.device, dtype=args.dtype,
                               verify_window=args.verify_window, verify_group=args.verify_group,
                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -126,13 +129,17 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     out_tokens = 0
     finished: dict[bool, list[float]] = {True: [], False: []}  # deterministic? -> finish s
     first: dict[bool, list[float]] = {True: [], False: []}  # deterministic? -> first token s
+    window = None if profile is None else ProfileWindow(*profile, sync)
     while engine.has_unfinished_requests():
+        if window is not None:
+            window.tick()
         for o in engine.step():  # final outputs only, as offline generation returns them
             out_tokens += len(o.token_ids)
             finished[o.is_deterministic].append((o.stats.finish_time or start) - start)
             first[o.is_deterministic].append((o.stats.first_token_time or start) - start)
     sync()
     elapsed = time.perf_counter() - t0
+    profiled = window.finish() if window is not None else None
     stats = engine.stats()
     gemm_rows = engine.lane_gemm_rows
     one_call = {f"{n}x{k}": sorted(v) for (n, k), v in engine.runner.lane_one_call.items()}
@@ -198,6 +205,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         # eager steps' products with lane-aligned decode rows: one call, or split in two
         # (a second weight read; see ModelRunner._padded)
         "head_products": {k: stats[f"head_products_{k}"] for k in ("one_call", "split")},
+        "profile": profiled,
         # asynchronous scheduling: rows fed the previous step's token on the device, rows
         # run after a stop token nobody had read yet (dropped)
         "async_scheduling": async_scheduling,
@@ -207,6 +215,47 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "step_seconds": {k: stats[f"{k}_seconds"] for k in
                          ("schedule", "decode_step", "mixed_step", "lane_wait", "output")},
     }
+
+
+class ProfileWindow:
+    """torch.profiler over engine steps a..b-1 of a run (``tick`` before each step). The
+    profiler's own cost slows the window, so a profiled run's throughput is not a figure."""
+
+    def __init__(self, first: int, end: int, sync: Any) -> None:
+        self.first, self.end, self.sync, self.step = first, end, sync, 0
+        self.prof: Any = None
+        self.summary: dict[str, Any] | None = None
+
+    def tick(self) -> None:
+        if self.step == self.first:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.sync()
+            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self.prof.start()
+        elif self.step == self.end:
+            self.finish()
+        self.step += 1
+
+    def finish(self) -> dict[str, Any] | None:
+        if self.prof is not None:
+            self.sync()
+            self.prof.stop()
+            steps = min(self.step, self.end) - self.first
+            self.summary = stream_summary(cuda_kernels(self.prof.events()), steps)
+            self.prof = None
+        return self.summary
+
+
+def profile_range(text: str) -> tuple[int, int]:
+    """``A:B`` -> (A, B), engine steps A..B-1 (argparse type)."""
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A:B (engine steps), got {text!r}") from None
+    if not 0 <= a < b:
+        raise argparse.ArgumentTypeError(f"need 0 <= A < B, got {text!r}")
+    return a, b
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="read each step's tokens before planning the next "
                         "(async_scheduling=False; by default on CUDA the next step is queued "
                         "first)")
+    p.add_argument("--profile-steps", type=profile_range, default=None, metavar="A:B",
+                   help="CUDA: profile engine steps A..B-1 of every timed run and report GPU "
+                        "kernel time per stream (lane vs fast path) and their overlap; the "
+                        "profiler slows those runs, so read their throughput as nothing")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the whole list of modes this many times, interleaved; the "
                         "summary gives each mode's median (two identical runs can differ "
@@ -297,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="llm42 W x G grid at the largest ratio, e.g. 16,32,64,128x1,4,8,16")
     p.add_argument("--out", default=None, help="JSON path (markdown written beside it)")
     args = p.parse_args(argv)
+    if args.profile_steps and not str(args.device).startswith("cuda"):
+        p.error("--profile-steps needs --device cuda (it reports CUDA kernels)")
     variants = parse_variants(args)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -356,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['lane_rows_computed_per_pass']:.0f} rows computed a pass, "
                   f"{r['lane_computed_padding_fraction']:.1%} of them padding, "
                   f"{r['lane_seconds']:.2f} s", flush=True)
+        if r.get("profile"):
+            for line in describe(r["profile"]):
+                print(f"{'':>16} {line}", flush=True)
         _save(args, runs)  # after every run: a cut-off job still leaves its figures
 
     for rep in range(args.repeat):  # interleaved: a slow spell hits every mode alike
@@ -364,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
                       else [1.0 if mode in ("batch_invariant", "lane_only") else 0.0])
             for ratio in ratios:
                 for sub in variants if mode == "llm42" else [args]:
-                    record({**run_one(loaded, sub, mode, ratio, shapes, prompts), "repeat": rep})
+                    record({**run_one(loaded, sub, mode, ratio, shapes, prompts,
+                                      args.profile_steps), "repeat": rep})
     if args.sweep:
         ws, gs = (tuple(int(x) for x in part.split(",")) for part in args.sweep.split("x"))
         ratio = max(float(r) for r in args.ratios.split(","))

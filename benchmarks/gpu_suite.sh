@@ -13,6 +13,8 @@
 #   benchmarks/gpu_suite.sh target100 # the 100 % target: batch_invariant vs llm42
 #     (both: $EXTRA goes to bench_offline as more flags, e.g. EXTRA="--lane-max-wait-steps 32")
 #   benchmarks/gpu_suite.sh mixed     # one eager mixed step per variant, profiled (p512, p128)
+#   benchmarks/gpu_suite.sh profile10 # the 10 % workload with steps ${STEPS:-600:800} profiled:
+#                                     # GPU time per stream (lane vs fast path), overlap
 #   benchmarks/gpu_suite.sh split     # the lane attention split (S=${SPLIT:-256}): its GPU tests,
 #                                     # kernel sweep, llm42 decode step, 10 % target without/with
 # Results go to ${OUT:-results/gpu}; the SmolLM2 GGUF path comes from $SMOLLM2 (default:
@@ -73,6 +75,11 @@ case "${1:-}" in
       python -m benchmarks.bench_mixed_step --model random:llama3-8b --prefill-tokens $p --profile \
         --out "$out/mixed-p$p.json" 2>&1 | grep -v Warning | tail -6
     done ;;
+  profile10)
+    python -m benchmarks.bench_offline --model random:llama3-8b --device cuda --dtype bfloat16 \
+      --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
+      --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 \
+      --profile-steps "${STEPS:-600:800}" --out "$out/offline-profile10.json" 2>&1 | tail -24 ;;
   split)
     s=${SPLIT:-256}
     python -m pytest -q -m gpu tests/test_kernels_lane_attention.py tests/test_gpu_engine.py \
@@ -87,5 +94,5 @@ case "${1:-}" in
       --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
       --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 \
       --variants "lane_attention_split=0;lane_attention_split=$s" --out "$out/offline-split.json" 2>&1 | tail -12 ;;
-  *) sed -n 2,19p "$0"; exit 2 ;;
+  *) sed -n 2,21p "$0"; exit 2 ;;
 esac

@@ -85,3 +85,31 @@ def test_mixed_step_benchmark_times_the_four_variants(tmp_path: Path) -> None:
     assert all(r["step_ms"] > 0 for r in rows) and rows[0]["vs_nondeterministic"] == 1.0
     # on CPU there is no alignment, so no product is probed and none runs unsplit
     assert all(r["step_rows"] == 30 and r["unsplit_products"] == [] for r in rows)
+
+
+def test_stream_summary_counts_each_stream_once_and_the_overlap_between_them() -> None:
+    from benchmarks.stream_profile import Kernel, stream_summary, union_us
+
+    assert union_us([(0, 10), (5, 12), (20, 25)]) == 17
+    assert union_us([]) == 0
+    kernels = [Kernel(7, "gemm", 0, 4000), Kernel(7, "attn", 3000, 6000),  # 6 ms busy
+               Kernel(9, "lane_gemm", 5000, 9000)]  # 4 ms, 1 of them beside stream 7
+    s = stream_summary(kernels, steps=2)
+    assert [x["stream"] for x in s["streams"]] == [7, 9]  # busiest first
+    fast, lane = s["streams"]
+    assert fast["busy_ms_per_step"] == 3.0 and fast["kernel_ms_per_step"] == 3.5
+    assert lane["busy_ms_per_step"] == 2.0
+    assert s["gpu_busy_ms_per_step"] == 4.5 and s["overlap_ms_per_step"] == 0.5
+    assert s["window_ms_per_step"] == 4.5
+    assert fast["top_kernels"][0] == {"name": "gemm", "ms_per_step": 2.0}
+
+
+def test_profile_steps_flag_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("5", "3:3", "x:4", "-1:2"):
+        with pytest.raises(SystemExit):
+            bench_offline.main([*TINY, "--device", "cuda", "--profile-steps", bad])
+        assert "--profile-steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a CPU run has no CUDA kernels to report
+        bench_offline.main([*TINY, "--profile-steps", "1:3"])
+    assert "needs --device cuda" in capsys.readouterr().err
+    assert bench_offline.profile_range("2:6") == (2, 6)
