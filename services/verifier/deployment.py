@@ -16,7 +16,7 @@ On a GPU the replica shares the decoder's GPU (a fractional ``num_gpus``):
   others idle during its time slices. The lane then takes the whole GPU, unless
   ``green_context`` asks for a CUDA green context of its share anyway (measured against
   the whole GPU in docs/benchmarks/gpu/README.md).
-These paths need a GPU and are not exercised by the CPU test suite.
+The CPU suite tests which of these ``limit_sms`` picks; the paths themselves need a GPU.
 """
 
 from __future__ import annotations
