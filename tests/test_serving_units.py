@@ -414,6 +414,19 @@ def test_verifier_green_context_is_an_optional_flag_and_only_binds_without_mps(
     a = build_parser().parse_args(["serve", "--device", "cuda", "--verifier-green-context"])
     assert serve_config_from(a, "redis://127.0.0.1:1/0")["applications"][0]["args"][
         "verifier_green_context"] is True
+    from services.app import _decoder, _verifier
+
+    def bound(app: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        b = app._bound_deployment  # (Ray Serve's Application keeps its deployment's args)
+        return b.init_kwargs, b.ray_actor_options
+
+    for green in (False, True):  # decoder and verifier split the GPU; the flag reaches it
+        args = default_serve_config(device="cuda", verifier_gpu_fraction=0.25,
+                                    verifier_green_context=green)["applications"][0]["args"]
+        kwargs, options = bound(_verifier(args, 1.0))
+        assert kwargs["sm_fraction"] == 0.25 and kwargs["green_context"] is green
+        assert options["num_gpus"] == 0.25
+        assert _decoder(args, 1.0).ray_actor_options["num_gpus"] == 0.75
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "no-daemon"))
     monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
     assert limit_sms("cuda:0", 0.5) is None  # time-sliced: the whole GPU
