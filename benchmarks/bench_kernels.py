@@ -88,6 +88,11 @@ LANE_SWEEP = [
     LaneConfig(tile=16, block_m=64, num_warps=4, num_stages=3),
     LaneConfig(tile=64, block_m=64, num_warps=4, num_stages=1),
     LaneConfig(tile=64, block_m=64, num_warps=4, num_stages=4),
+    # a query tile as small as split-KV decode's (16 slots): a decode row fills 4 of them
+    # instead of 4 of 64 (other bits than the default's, which a lane change would pay for)
+    LaneConfig(tile=64, block_m=16, num_warps=4, num_stages=2),
+    LaneConfig(tile=64, block_m=16, num_warps=1, num_stages=2),
+    LaneConfig(tile=64, block_m=32, num_warps=4, num_stages=2),
     # fixed split sizes: other bits past the first split by design (so "other bits" there)
     LaneConfig(tile=64, block_m=64, num_warps=4, num_stages=3, split=128),
     LaneConfig(tile=64, block_m=64, num_warps=4, num_stages=3, split=256),
@@ -218,6 +223,13 @@ def sweep(quick: bool, what: set[str]) -> list[dict]:
         call = functools.partial(lane_attention, q, kv.k_cache, kv.v_cache, kv.block_tables,
                                  seq, pos, rows_per_program=rpp)
         ref = call(cfg=TABLE.lane)
+        if rpp == 1:  # decode rows: what nondeterministic mode runs instead (split-KV, one
+            # split at this batch), the time the aligned fast path pays over it
+            one = functools.partial(decode_attention, q, kv.k_cache, kv.v_cache,
+                                    kv.block_tables, kv.context_lens, num_splits=1)
+            out.append({"what": "lane", "cfg": {"kernel": "decode_attention", "num_splits": 1},
+                        "case": case, "value": bench(one, quick) * 1e3, "unit": "us",
+                        "same_bits": bool(torch.equal(one(), ref))})
         for lcfg in LANE_SWEEP:
             t = bench(functools.partial(call, cfg=lcfg), quick)
             # the lane's bits are part of the determinism profile: whether this config
