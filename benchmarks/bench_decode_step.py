@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (launch-bound baseline)")
     p.add_argument("--lane-attention-split", type=int, default=0,
                    help="llm42: the lane attention kernel's split size (0: no split)")
+    p.add_argument("--aligned-decode-lane", default="", metavar="BLOCK_M:NUM_WARPS:NUM_STAGES",
+                   help="llm42: the lane kernel's query tile and launch for the decode rows "
+                        "(default: the lane's own)")
     p.add_argument("--no-align", action="store_true",
                    help="split-KV decode attention for every context (no lane-kernel decode)")
     p.add_argument("--sync", action="store_true",
@@ -123,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                                   max_num_batched_tokens=budget,
                                   cuda_graphs=not a.eager, align_fast_path=not a.no_align,
                                   lane_attention_split=a.lane_attention_split,
+                                  aligned_decode_lane=a.aligned_decode_lane,
                                   async_scheduling=False if a.sync else None)
         eng = LLMEngine(cfg, loaded=loaded)
         for i in range(bsz):

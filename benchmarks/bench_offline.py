@@ -31,6 +31,7 @@ import torch
 from benchmarks.stream_profile import cuda_kernels, describe, stream_summary
 from detserve.config import EngineConfig, SchedulerConfig
 from detserve.engine import LLMEngine
+from detserve.kernels.config import TABLE, lane_variant
 from detserve.model.loader import load_model, resolve_dtype
 from detserve.model.random_init import random_model
 from detserve.params import SamplingParams
@@ -105,6 +106,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               lane_one_calls=not args.no_lane_one_calls,
                               lane_size_step=args.lane_size_step,
                               lane_attention_split=args.lane_attention_split,
+                              aligned_decode_lane=args.aligned_decode_lane,
                               async_scheduling=False if args.sync_scheduling else None,
                               cuda_graph_step_rows=(0 if args.eager_steps else
                                                     EngineConfig.cuda_graph_step_rows))
@@ -314,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lane-attention-split", type=int, default=0,
                    help="CUDA: the lane attention kernel's split size in positions, for the "
                         "lane and the fast path's aligned decode rows (0: no split)")
+    p.add_argument("--aligned-decode-lane", default="", metavar="BLOCK_M:NUM_WARPS:NUM_STAGES",
+                   help="CUDA, llm42: the lane kernel's query tile and launch for the fast "
+                        "path's decode rows (default: the lane's own; worth it only where "
+                        "bench_kernels' lane sweep says it keeps the lane's bits)")
     p.add_argument("--lane-max-wait-steps", type=int,
                    default=SchedulerConfig.lane_max_wait_steps,
                    help="llm42: steps a lane pass waits to fill once work is ready for it (a "
@@ -353,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_steps and not str(args.device).startswith("cuda"):
         p.error("--profile-steps needs --device cuda (it reports CUDA kernels)")
     variants = parse_variants(args)
+    for sub in variants:  # refused here, not after the first timed runs
+        try:
+            lane_variant(TABLE.lane, sub.aligned_decode_lane)
+        except ValueError as e:
+            p.error(f"--aligned-decode-lane: {e}")
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     dtype = resolve_dtype(args.dtype)

@@ -15,6 +15,9 @@
 #   benchmarks/gpu_suite.sh mixed     # one eager mixed step per variant, profiled (p512, p128)
 #   benchmarks/gpu_suite.sh profile10 # the 10 % workload with steps ${STEPS:-600:800} profiled:
 #                                     # GPU time per stream (lane vs fast path), overlap
+#   benchmarks/gpu_suite.sh decode-lane # the fast path's decode rows on another lane-kernel
+#                                     # config (CFG=${CFG:-16:1:2}): lane sweep (same bits?),
+#                                     # llm42 decode step, 10 % target without/with
 #   benchmarks/gpu_suite.sh split     # the lane attention split (S=${SPLIT:-256}): its GPU tests,
 #                                     # kernel sweep, llm42 decode step, 10 % target without/with
 # Results go to ${OUT:-results/gpu}; the SmolLM2 GGUF path comes from $SMOLLM2 (default:
@@ -80,6 +83,18 @@ case "${1:-}" in
       --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
       --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 \
       --profile-steps "${STEPS:-600:800}" --out "$out/offline-profile10.json" 2>&1 | tail -24 ;;
+  decode-lane)
+    c=${CFG:-16:1:2}
+    timeout 200 python -m benchmarks.bench_kernels --quick --sweep lane --sweep-only \
+      --out "$out/lane-sweep.json" 2>&1 | grep "lane decode"
+    for x in "" "$c"; do
+      python -m benchmarks.bench_decode_step --mode llm42 --batches 64,128 --aligned-decode-lane "$x" \
+        --out "$out/decode-step-llm42-$(echo "${x:-lane}" | tr : -).json" 2>&1 | grep batch
+    done
+    python -m benchmarks.bench_offline --model random:llama3-8b --device cuda --dtype bfloat16 \
+      --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
+      --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 \
+      --variants ";aligned_decode_lane=$c" --out "$out/offline-decode-lane.json" 2>&1 | tail -12 ;;
   split)
     s=${SPLIT:-256}
     python -m pytest -q -m gpu tests/test_kernels_lane_attention.py tests/test_gpu_engine.py \
@@ -94,5 +109,5 @@ case "${1:-}" in
       --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
       --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 \
       --variants "lane_attention_split=0;lane_attention_split=$s" --out "$out/offline-split.json" 2>&1 | tail -12 ;;
-  *) sed -n 2,21p "$0"; exit 2 ;;
+  *) sed -n 2,24p "$0"; exit 2 ;;
 esac

@@ -162,8 +162,15 @@ class EngineConfig:
     # a row alone; a decode row's context is then walked by several programs at once (the
     # kernel is latency-bound on long rows otherwise). The lane and the fast path's aligned
     # decode rows use it alike, and it is part of the numerics a verifier must share. Rows
-    # past the first split get other bits than with 0. Not yet measured end to end on a GPU
+    # past the first split get other bits than with 0. Slower on an H100 at every size tried
+    # (docs/benchmarks/gpu/README.md), so off
     lane_attention_split: int = 0
+    # CUDA, aligned fast path: the lane kernel's query tile and launch for the fast path's
+    # decode rows, "BLOCK_M:NUM_WARPS:NUM_STAGES" ("": the lane's own). A decode row fills
+    # only its query heads' slots of the tile, so a smaller tile may be faster; it is worth
+    # using only where it keeps the lane's bits (bench_kernels' lane sweep says which do),
+    # else the windows it decodes roll back (never wrong output: the lane verifies them)
+    aligned_decode_lane: str = ""
     # plan and queue each step's fast batch before reading the previous step's tokens, so
     # the host's work between steps overlaps the device's (None: on for CUDA, off on CPU)
     async_scheduling: bool | None = None
@@ -200,6 +207,12 @@ class EngineConfig:
             dataclasses.replace(TABLE.lane, split=self.lane_attention_split)
         except (TypeError, ValueError) as e:
             raise ValueError(f"lane_attention_split: {e}") from None
+        from detserve.kernels.config import lane_variant
+
+        try:
+            lane_variant(TABLE.lane, self.aligned_decode_lane)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"aligned_decode_lane: {e}") from None
         if self.batch_invariant_rows <= 0:
             raise ValueError("batch_invariant_rows must be positive")
         if self.scheduler.max_model_len > self.cache.num_tokens:

@@ -113,3 +113,10 @@ def test_profile_steps_flag_is_checked(capsys: pytest.CaptureFixture[str]) -> No
         bench_offline.main([*TINY, "--profile-steps", "1:3"])
     assert "needs --device cuda" in capsys.readouterr().err
     assert bench_offline.profile_range("2:6") == (2, 6)
+
+
+def test_a_bad_aligned_decode_lane_is_refused_before_any_run(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench_offline.main([*TINY, "--variants", ";aligned_decode_lane=16:3:2"])
+    assert "--aligned-decode-lane" in capsys.readouterr().err

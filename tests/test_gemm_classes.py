@@ -117,6 +117,25 @@ def test_lane_attention_split_travels_in_the_geometry_and_is_checked() -> None:
             EngineConfig.create("random:tiny", lane_attention_split=bad)
 
 
+def test_aligned_decode_lane_is_parsed_and_checked() -> None:
+    """The fast path's decode-row config of the lane kernel: "BLOCK_M:NUM_WARPS:NUM_STAGES"
+    over the lane's tile and split; bad specs are refused where the config is made."""
+    from detserve.config import EngineConfig
+    from detserve.engine import LLMEngine
+    from detserve.kernels.config import TABLE, LaneConfig, lane_variant
+
+    assert lane_variant(TABLE.lane, "") is TABLE.lane
+    got = lane_variant(LaneConfig(tile=32, split=64), "16:1:2")
+    assert got == LaneConfig(tile=32, block_m=16, num_warps=1, num_stages=2, split=64)
+    for bad in ("16:1", "a:1:2", "12:4:2", "16:3:2", "8:1:2", "16:1:0"):
+        with pytest.raises(ValueError, match="aligned_decode_lane"):
+            EngineConfig.create("random:tiny", aligned_decode_lane=bad)
+    eng = LLMEngine.from_args("random:tiny", "llm42", aligned_decode_lane="32:4:2")
+    assert eng.runner.lane_attn == TABLE.lane  # the lane keeps its own
+    assert (eng.runner.decode_attn.block_m, eng.runner.decode_attn.num_stages) == (32, 2)
+    eng.close()
+
+
 # Classes measured on an H100 for the Llama-3.1-8B shapes (o_proj splits at 24 rows, down_proj
 # has 128 alone and switches again from 192), as joint classes over the probe sizes.
 H100_8B = [[1], [2, 4, 8, 16], [24, 32, 40, 48, 56, 64, 80, 96, 112, 160, 224], [128],

@@ -134,6 +134,29 @@ def test_aligned_fast_path_alone_verifies_every_window(model: str, graphs: bool,
         e.close()
 
 
+def test_aligned_decode_lane_config_keeps_dvr_equal_to_lane_only(model: str) -> None:
+    """The fast path's decode rows on another config of the lane kernel (a 16-slot query
+    tile, one warp): committed output still equals lane_only, whatever that config's bits
+    (the lane verifies every window; a window whose bits differ rolls back), the lane and
+    prompt rows keep the lane's own config, and batch_invariant graphs never take it."""
+    from detserve.kernels.config import TABLE
+
+    reqs = _reqs(det=True)
+    oracle, _, o = run_engine(model, reqs, mode="lane_only", **CUDA)
+    dvr, _, eng = run_engine(model, reqs, aligned_decode_lane="16:1:2", **CUDA)
+    assert (eng.runner.decode_attn.block_m, eng.runner.decode_attn.num_warps) == (16, 1)
+    assert eng.runner.lane_attn == TABLE.lane
+    assert eng.runner.decode_graphs is not None
+    assert eng.runner.decode_graphs.lane_cfg == eng.runner.decode_attn
+    for a, b in zip(oracle, dvr, strict=True):
+        assert signature(a) == signature(b)
+    _, _, bi = run_engine(model, _reqs(det=True)[:2], mode="batch_invariant",
+                          aligned_decode_lane="16:1:2", **CUDA)
+    assert bi.runner.decode_graphs is not None and bi.runner.decode_graphs.lane_cfg == TABLE.lane
+    for e in (o, eng, bi):
+        e.close()
+
+
 def test_unaligned_fast_path_still_deterministic(model: str) -> None:
     """align_fast_path=False (split-KV decode, whole-pass lane GEMMs) keeps DVR == lane_only."""
     reqs = _reqs(det=True)

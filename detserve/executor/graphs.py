@@ -298,7 +298,9 @@ class StepGraphs:
     no K/V and attend to nothing. Attention is the lane's kernel, which takes any mix of
     segments in a fixed launch grid: decode rows one per program (as the decode graphs run
     them), a chunk's rows several per program so that they read each KV tile once; a row's
-    bits do not depend on which (``lane_attention``'s invariant).
+    bits do not depend on which (``lane_attention``'s invariant). ``decode_cfg``: the
+    kernel's config for the decode rows (``EngineConfig.aligned_decode_lane``; default
+    ``lane_cfg``, the lane's own, which the prompt rows always take).
 
     ``ops``: the products' reduction policy. ``head_ops`` (optional, the fast path aligned
     with the lane): a second graph per size above ``head`` whose products run the step's
@@ -308,12 +310,14 @@ class StepGraphs:
 
     def __init__(self, model: LlamaModel, pool: KVPool, ops: Ops, sizes: Sequence[int],
                  max_blocks: int, head_ops: Ops | None = None, head: int = 0,
-                 lane_cfg: LaneConfig = TABLE.lane) -> None:
+                 lane_cfg: LaneConfig = TABLE.lane, decode_cfg: LaneConfig | None = None
+                 ) -> None:
         dev = model.embed_tokens.device
         self.model, self.pool, self.max_blocks = model, pool, max_blocks
         self.sizes = sorted(sizes)
         self.head = head if head_ops is not None else 0
-        self.lane_cfg = lane_cfg
+        self.lane_cfg = lane_cfg  # prompt rows
+        self.decode_cfg = decode_cfg or lane_cfg  # decode rows (one row a program)
         self.rope: Rope = (model.rope_cos, model.rope_sin)  # type: ignore[assignment]
         rows = self.sizes[-1]
         self.longs = torch.zeros((4, rows), dtype=torch.long, device=dev)
@@ -337,9 +341,9 @@ class StepGraphs:
         def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             q = rope_write(pool, layer, q, k, v, pos, slots, rope).contiguous()
             kc, vc = pool.k(layer), pool.v(layer)
-            cfg = self.lane_cfg
-            one = lane_attention(q, kc, vc, tables, row_seg, one_pos, rows_per_program=1, cfg=cfg)
-            many = lane_attention(q, kc, vc, tables, row_seg, many_pos, cfg=cfg)
+            one = lane_attention(q, kc, vc, tables, row_seg, one_pos, rows_per_program=1,
+                                 cfg=self.decode_cfg)
+            many = lane_attention(q, kc, vc, tables, row_seg, many_pos, cfg=self.lane_cfg)
             return torch.where(single, one, many)
 
         return self.model(ids, pos, attn, ops, rope_in_attention=True)

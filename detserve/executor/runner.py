@@ -30,7 +30,7 @@ from detserve.executor.gemm_classes import (
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.ops import FixedShapeOps, TorchOps, pad_rows, silu_mul
 from detserve.executor.transfer import upload
-from detserve.kernels.config import TABLE
+from detserve.kernels.config import TABLE, lane_variant
 from detserve.lane import LaneDecision, LanePass, LaneResult, decide
 from detserve.model.llama import LlamaModel, Ops
 from detserve.outputs import TokenLogprob
@@ -181,7 +181,7 @@ class ModelRunner:
                  single_call: Mapping[tuple[int, int], frozenset[int]] | None = None,
                  lane_one_calls: bool = True, lane_size_step: int = 0,
                  decode_pads: Mapping[tuple[int, int], Mapping[int, int]] | None = None,
-                 lane_attention_split: int = 0) -> None:
+                 lane_attention_split: int = 0, aligned_decode_lane: str = "") -> None:
         self.model = model
         self.pool = pool
         self.device = model.embed_tokens.device
@@ -198,6 +198,9 @@ class ModelRunner:
         # CUDA: the lane attention kernel's config, its split size (``LaneConfig.split``, 0:
         # none) included, for the lane and for the fast path's aligned decode rows alike
         self.lane_attn = replace(TABLE.lane, split=lane_attention_split)
+        # ... and the fast path's aligned decode rows call it with this query tile and launch
+        # (EngineConfig.aligned_decode_lane; the lane's own by default)
+        self.decode_attn = lane_variant(self.lane_attn, aligned_decode_lane)
         self.align_fast_path = align_fast_path
         self.decode_buckets = tuple(sorted(decode_buckets)) if decode_buckets else None
         self.single_call = dict(single_call or {})
@@ -248,9 +251,11 @@ class ModelRunner:
             buckets = self.decode_buckets if decode == "fast" else None
             graph_ops = (PaddedProductOps(ops, self.decode_pads)
                          if decode == "fast" and self.decode_pads else ops)
+            # batch_invariant decode rows give committed bits: the lane's config, always
+            one_row = self.decode_attn if decode == "fast" else self.lane_attn
             self.decode_graphs = DecodeGraphs(self.model, self.pool, graph_ops, decode, max_batch,
                                               max_blocks, aligned=self.align_fast_path,
-                                              buckets=buckets, lane_cfg=self.lane_attn)
+                                              buckets=buckets, lane_cfg=one_row)
             self.decode_graphs.capture()
             if step_rows > 0:
                 head = self.decode_graphs.bucket(max_batch) or 0
@@ -259,7 +264,7 @@ class ModelRunner:
                             if decode == "fast" and self.decode_buckets and head else None)
                 self.step_graphs = StepGraphs(self.model, self.pool, ops, step_sizes(step_rows),
                                               max_blocks, head_ops=head_ops, head=head,
-                                              lane_cfg=self.lane_attn)
+                                              lane_cfg=self.lane_attn, decode_cfg=one_row)
                 self.step_graphs.capture()
         if lane:
             self.lane_graph = LaneGraph(self.model, self.pool, self.lane_ops,
@@ -290,7 +295,7 @@ class ModelRunner:
             fn = gpu.fast_attention_gpu if kind == "fast" else gpu.lane_attention_gpu
             rope = cast(gpu.Rope, (self.model.rope_cos, self.model.rope_sin))
             attn = partial(fn, self.pool, batch=batch, meta=meta, rope=rope,
-                           lane_cfg=self.lane_attn)
+                           lane_cfg=self.decode_attn if kind == "fast" else self.lane_attn)
             if kind == "fast":
                 attn = partial(attn, aligned=self.align_fast_path)
         elif kind == "fast":

@@ -8,7 +8,7 @@ speed. Every value is a power of two where a kernel uses it as a block size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Bump whenever a *bits* constant or the arithmetic of lane_attention / batch_invariant changes.
 KERNEL_VERSION = "kernels-2"
@@ -108,6 +108,21 @@ class LaneConfig:
         if self.split < 0 or self.split % self.tile:
             raise ValueError(f"lane split {self.split} must be 0 or a multiple of the tile "
                              f"{self.tile}")
+
+
+def lane_variant(base: LaneConfig, spec: str) -> LaneConfig:
+    """``base`` with the query tile and launch of ``spec``, "BLOCK_M:NUM_WARPS:NUM_STAGES"
+    ("" = ``base``): the config the fast path's aligned decode rows call the lane kernel
+    with (``EngineConfig.aligned_decode_lane``). Tile and split stay the lane's."""
+    if not spec:
+        return base
+    try:
+        block_m, num_warps, num_stages = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"expected BLOCK_M:NUM_WARPS:NUM_STAGES, got {spec!r}") from None
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    return replace(base, block_m=block_m, num_warps=num_warps, num_stages=num_stages)
 
 
 @dataclass(frozen=True)
