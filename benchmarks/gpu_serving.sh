@@ -26,7 +26,8 @@
 # 150 / 170 s), and the third run (llm42 again, under the MPS daemon; MPS=0 skips it) starts
 # only if enough time is left.
 # Results: $OUT (default results/gpu-serving): serving-run.log, <run>.json and <run>.md
-# (at most 7 files); a table at the end.
+# (at most 7 files; a run that nears its timeout adds <run>-stacks.txt: py-spy dumps of the
+# replicas and the GPU's utilisation); a table at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-results/gpu-serving}; mkdir -p "$out"
@@ -101,14 +102,30 @@ ray_logs() {  # what the replicas said (log_to_driver is off), when a run failed
   done
 }
 
+stacks() {  # name: what every replica's threads are doing (py-spy dump), and the GPU's state
+  local pid
+  { nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+    for pid in $(pgrep -f "ServeReplica:"); do
+      echo "--- $(tr '\0' ' ' < /proc/"$pid"/cmdline | cut -c1-80) (pid $pid)"
+      timeout 20 py-spy dump --pid "$pid" 2>&1 | head -150
+    done; } > "$out/$1-stacks.txt" 2>&1
+}
+
 bench() {  # name timeout_s mode
-  local name=$1 t=$2 mode=$3 rc
+  local name=$1 t=$2 mode=$3 rc watch
   if [ "$(left)" -lt 60 ]; then echo "== $name: skipped, $(left) s left"; return 0; fi
   [ "$t" -le "$(left)" ] || t=$(left)
   echo "== $name: mode $mode, timeout ${t}s, $(left) s left"
+  # a run about to time out leaves its replicas' stacks (<name>-stacks.txt) behind first
+  local flag="$out/.$name.running" wait_s=$((t > 60 ? t - 40 : t / 2)) i
+  touch "$flag"
+  { for ((i = 0; i < wait_s; i++)); do [ -e "$flag" ] || exit 0; sleep 1; done
+    stacks "$name"; } >/dev/null 2>&1 &
+  watch=$!
   timeout -k 10 "$t" python3 -m benchmarks.bench_serving_overhead "${args[@]}" --modes "$mode" \
     --out "$out/$name"
   rc=$?
+  rm -f "$flag"; wait "$watch" 2>/dev/null  # (the watcher sees the flag gone within 1 s)
   if [ $rc != 0 ]; then
     echo "== $name: exit $rc"; ray_logs
     # a killed run leaves its Ray processes (and ports 18000/19000) behind; RAY_STOP=0 keeps
