@@ -223,20 +223,25 @@ def sweep(quick: bool, what: set[str]) -> list[dict]:
         call = functools.partial(lane_attention, q, kv.k_cache, kv.v_cache, kv.block_tables,
                                  seq, pos, rows_per_program=rpp)
         ref = call(cfg=TABLE.lane)
+        split_kv = None
         if rpp == 1:  # decode rows: what nondeterministic mode runs instead (split-KV, one
             # split at this batch), the time the aligned fast path pays over it
             one = functools.partial(decode_attention, q, kv.k_cache, kv.v_cache,
                                     kv.block_tables, kv.context_lens, num_splits=1)
+            split_kv = one()
             out.append({"what": "lane", "cfg": {"kernel": "decode_attention", "num_splits": 1},
                         "case": case, "value": bench(one, quick) * 1e3, "unit": "us",
-                        "same_bits": bool(torch.equal(one(), ref))})
+                        "same_bits": bool(torch.equal(split_kv, ref))})
         for lcfg in LANE_SWEEP:
             t = bench(functools.partial(call, cfg=lcfg), quick)
+            got = call(cfg=lcfg)
             # the lane's bits are part of the determinism profile: whether this config
             # keeps them (tile, block_m and num_warps are documented to move them)
-            out.append({"what": "lane", "cfg": dataclasses.asdict(lcfg), "case": case,
-                        "value": t * 1e3, "unit": "us",
-                        "same_bits": bool(torch.equal(call(cfg=lcfg), ref))})
+            row = {"what": "lane", "cfg": dataclasses.asdict(lcfg), "case": case,
+                   "value": t * 1e3, "unit": "us", "same_bits": bool(torch.equal(got, ref))}
+            if split_kv is not None:  # a lane config whose decode rows split-KV could give
+                row["same_bits_as_decode_attention"] = bool(torch.equal(got, split_kv))
+            out.append(row)
     return out
 
 
@@ -371,6 +376,8 @@ def print_tables(res: dict) -> None:
         for r in res["sweep"]:
             cfg = " ".join(f"{k}={v}" for k, v in r["cfg"].items())
             bits = {True: "  same bits", False: "  other bits"}.get(r.get("same_bits"), "")
+            if r.get("same_bits_as_decode_attention"):
+                bits += " (= decode_attention's)"
             print(f"  {r['what']:>6} {r['case']:<28} {r['value']:9.1f} {r['unit']:<8} {cfg}{bits}")
 
 
