@@ -196,10 +196,11 @@ class ModelRunner:
         self.bi_rows = batch_invariant_rows
         self.lane_gemm_rows = lane_gemm_rows
         # CUDA: the lane attention kernel's config, its split size (``LaneConfig.split``, 0:
-        # none) included, for the lane and for the fast path's aligned decode rows alike
+        # none) included: the lane's, and batch_invariant's decode rows'
         self.lane_attn = replace(TABLE.lane, split=lane_attention_split)
-        # ... and the fast path's aligned decode rows call it with this query tile and launch
-        # (EngineConfig.aligned_decode_lane; the lane's own by default)
+        # the same kernel for the fast path's aligned decode rows, with the same tile and
+        # split but a query tile and launch of their own if EngineConfig.aligned_decode_lane
+        # asks for one (by default the lane's config itself)
         self.decode_attn = lane_variant(self.lane_attn, aligned_decode_lane)
         self.align_fast_path = align_fast_path
         self.decode_buckets = tuple(sorted(decode_buckets)) if decode_buckets else None
