@@ -24,16 +24,11 @@ class Kernel(NamedTuple):
 
 def union_us(spans: Iterable[tuple[float, float]]) -> float:
     """Total length of the union of [start, end) intervals."""
-    total, cur_start, cur_end = 0.0, None, None
+    total, covered = 0.0, float("-inf")  # covered: the end of the union so far
     for s, e in sorted(spans):
-        if cur_end is None or s > cur_end:
-            if cur_end is not None and cur_start is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = s, e
-        else:
-            cur_end = max(cur_end, e)
-    if cur_end is not None and cur_start is not None:
-        total += cur_end - cur_start
+        if e > covered:
+            total += e - max(s, covered)
+            covered = e
     return total
 
 

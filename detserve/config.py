@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from detserve.kernels.config import TABLE, lane_variant  # (no triton: table and checks only)
+
 MODES = ("llm42", "nondeterministic", "batch_invariant", "lane_only")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -201,14 +203,10 @@ class EngineConfig:
         if isinstance(self.lane_size_step, bool) or not isinstance(self.lane_size_step, int) \
                 or self.lane_size_step < 0:
             raise ValueError("lane_size_step must be an integer >= 0 (0: the chunk's multiples)")
-        from detserve.kernels.config import TABLE
-
         try:  # (the kernel's own check: 0 or a multiple of its tile)
             dataclasses.replace(TABLE.lane, split=self.lane_attention_split)
         except (TypeError, ValueError) as e:
             raise ValueError(f"lane_attention_split: {e}") from None
-        from detserve.kernels.config import lane_variant
-
         try:
             lane_variant(TABLE.lane, self.aligned_decode_lane)
         except (TypeError, ValueError) as e:

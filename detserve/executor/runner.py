@@ -296,9 +296,9 @@ class ModelRunner:
             fn = gpu.fast_attention_gpu if kind == "fast" else gpu.lane_attention_gpu
             rope = cast(gpu.Rope, (self.model.rope_cos, self.model.rope_sin))
             attn = partial(fn, self.pool, batch=batch, meta=meta, rope=rope,
-                           lane_cfg=self.decode_attn if kind == "fast" else self.lane_attn)
-            if kind == "fast":
-                attn = partial(attn, aligned=self.align_fast_path)
+                           lane_cfg=self.lane_attn)
+            if kind == "fast":  # (its decode rows' config of the lane kernel)
+                attn = partial(attn, aligned=self.align_fast_path, lane_cfg=self.decode_attn)
         elif kind == "fast":
             attn = partial(fast_attention, self.pool, batch=batch)
         else:
