@@ -53,8 +53,6 @@ from detserve.params import SamplingParams
 from detserve.serve_config import APP_NAME, DECODER
 from services.router.metrics import watch_loop_lag
 
-MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"  # as services.verifier.deployment.mps_running reads it
-
 
 @dataclass(frozen=True)
 class Workload:
@@ -616,11 +614,12 @@ def main() -> None:
         props = torch.cuda.get_device_properties(0)
         machine = (f"{hardware('cuda')} ({props.multi_processor_count} SMs, "
                    f"{props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}); {cpu}")
-    mps_pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", MPS_PIPE_DEFAULT)
+    from services.verifier.deployment import mps_running  # (what the verifier replica reads)
+
     meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": machine, "torch": torch.__version__, "model": a.model,
             "verifier_gpu_fraction": a.verifier_gpu_fraction if gpu else 0.0,
-            "mps": gpu and os.path.exists(mps_pipe),
+            "mps": gpu and mps_running(),
             "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
             "stream_interval": a.stream_interval, "switch_interval": a.switch_interval,
             "client_procs": a.client_procs,
