@@ -3,6 +3,7 @@ admission, request preparation and the serve-config extension."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import replace
@@ -428,14 +429,15 @@ def test_verifier_green_context_is_an_optional_flag_and_only_binds_without_mps(
         assert options["num_gpus"] == 0.25
         assert _decoder(args, 1.0).ray_actor_options["num_gpus"] == 0.75
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "no-daemon"))
-    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+    # (set, so that the value limit_sms writes is undone after the test like this one)
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "not set by limit_sms")
     assert limit_sms("cuda:0", 0.5) is None  # time-sliced: the whole GPU
     assert callable(limit_sms("cuda:0", 0.5, green_context=True))  # (CUDA untouched)
     assert limit_sms("cpu", 0.5, green_context=True) is None
     assert limit_sms("cuda:0", 1.0, green_context=True) is None
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))  # a daemon's pipe dir
+    assert os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "not set by limit_sms"
     assert limit_sms("cuda:0", 0.25, green_context=True) is None
-    import os
     assert os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
 
 
