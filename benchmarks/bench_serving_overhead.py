@@ -11,8 +11,9 @@ another process and the decoder reaches it over gRPC), streamed through HTTP.
 
 On a GPU (``--device cuda``) the decoder replica is a Ray actor holding the GPU; with
 ``llm42`` the verifier replica shares it (``num_gpus`` of ``--verifier-gpu-fraction`` for
-the verifier, the rest for the decoder; the verifier's lane kernels get that fraction of the
-SMs: an MPS thread percentage when the MPS daemon runs, else a green context). The model
+the verifier, the rest for the decoder; the verifier's lane kernels use every SM unless
+``--verifier-confine`` confines them to that fraction: an MPS thread percentage when the MPS
+daemon runs, else a green context). The model
 is anything ``detserve.model.loader`` loads, ``random:<shape>`` included (e.g.
 ``random:llama3-8b``: the 8B shape served with no checkpoint to bring; decoder and verifier
 draw the same weights from one seed); benchmarks/gpu_serving.sh runs it on the GPU machine.
@@ -379,7 +380,7 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
                stream_interval: int = 1, repeat: int = 1,
                pipeline_lane_prefill: bool = True, switch_interval: float = 0.0,
                client_procs: int = 1, decoder_link: bool = True,
-               verifier_green_context: bool = False) -> Result:
+               verifier_confine: bool = False) -> Result:
     from ray import serve
 
     from detserve.redis_server import EmbeddedRedis
@@ -397,8 +398,8 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
         if cuda else {})
     if switch_interval:
         placement["switch_interval"] = switch_interval
-    if verifier_green_context:
-        placement["verifier_green_context"] = True
+    if verifier_confine:
+        placement["verifier_confine"] = True
     with EmbeddedRedis() as redis, ExitStack() as stack:
         config = default_serve_config(
             model=model, mode=mode, num_decoders=1, num_verifiers=num_verifiers,
@@ -434,10 +435,10 @@ NOTE_GPU = ("Served = HTTP client -> Router replica (Ray Serve direct ingress: n
             "reach the engine one by one rather than all at t=0. In `llm42` the offline engine "
             "verifies on a lane thread of its own process (all SMs), the served decoder holds "
             "1-f of the GPU and sends its lane passes over gRPC to a verifier replica holding f "
-            "of it; when the MPS daemon runs, the two processes' kernels run side by side and "
-            "an MPS thread percentage confines the verifier's to that fraction of the SMs; "
-            "without MPS they time-slice and the lane uses every SM (a green context of the "
-            "fraction with --verifier-green-context); KV shared through CUDA IPC. Targets (issue): "
+            "of it; when the MPS daemon runs, the two processes' kernels run side by side, "
+            "without MPS they time-slice; either way the lane uses every SM unless "
+            "--verifier-confine confines it to f (an MPS thread percentage, else a green "
+            "context); KV shared through CUDA IPC. Targets (issue): "
             "served throughput >= 0.95 x offline, idle TTFT <= offline + 10 ms.")
 
 def _loop_lines(rows: list[tuple[Result, str, dict[str, float]]], key: str, head: str,
@@ -451,7 +452,7 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
     gpu = str(meta.get("device", "cpu")).startswith("cuda")
     setup = (f"; device {meta['device']}, dtype {meta['dtype']}, verifier GPU fraction "
              f"f={meta['verifier_gpu_fraction']}, MPS {'on' if meta['mps'] else 'off'}"
-             + (", verifier lane in a green context of f" if meta.get("verifier_green_context")
+             + (", verifier lane confined to f of the SMs" if meta.get("verifier_confine")
                 else "") if gpu else "")
     lines = [f"# Serving overhead on {'GPU' if gpu else 'CPU'} ({meta['date']})", "",
              f"Machine: {meta['machine']}; torch {meta['torch']}{setup}. "
@@ -565,9 +566,10 @@ def main() -> None:
     ap.add_argument("--no-decoder-link", action="store_true",
                     help="the router reaches the decoder through Ray Serve handle calls only "
                          "(default: over the decoder's link, services.decoder.link)")
-    ap.add_argument("--verifier-green-context", action="store_true",
-                    help="cuda + llm42 without MPS: confine the verifier's lane to its GPU "
-                         "share with a green context (detserve serve --verifier-green-context)")
+    ap.add_argument("--verifier-confine", action="store_true",
+                    help="cuda + llm42: confine the verifier's lane to its GPU share (an MPS "
+                         "thread percentage, else a green context; detserve serve "
+                         "--verifier-confine)")
     ap.add_argument("--prefill-batch-tokens", type=int, default=None,
                     help="both engines: while others decode, new prompts wait until this many "
                          "of their tokens are pending, at most 8 steps (detserve serve "
@@ -606,7 +608,7 @@ def main() -> None:
                                   a.verifier_gpu_fraction, a.stream_interval, a.repeat,
                                   not a.no_pipeline_lane_prefill, a.switch_interval,
                                   a.client_procs, not a.no_decoder_link,
-                                  a.verifier_green_context))
+                                  a.verifier_confine))
         print(results[-1], flush=True)
     cpu = f"{hardware('cpu')}, {os.cpu_count()} cores"
     machine = cpu
@@ -623,7 +625,7 @@ def main() -> None:
             "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
             "stream_interval": a.stream_interval, "switch_interval": a.switch_interval,
             "client_procs": a.client_procs,
-            "verifier_green_context": a.verifier_green_context,
+            "verifier_confine": a.verifier_confine,
             "repeat": a.repeat, **kw,
             "command": "python -m benchmarks.bench_serving_overhead "
                        + " ".join(command_flags(vars(a), skip=()))}

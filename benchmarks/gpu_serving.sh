@@ -14,8 +14,8 @@
 # CLIENT_PROCS=N sends the served loaded phase from N client processes (default 1).
 # LINK=0 has the router reach the decoder through Ray Serve handle calls only (default: over
 # the decoder's link, services.decoder.link); give it an OUT of its own.
-# GREEN=1 confines the verifier's lane to its GPU share with a green context when no MPS
-# daemon runs (default: the whole GPU, as the two processes' kernels time-slice).
+# CONFINE=1 confines the verifier's lane to its GPU share (an MPS thread percentage under
+# the MPS daemon, else a green context; default: the whole GPU).
 # SWITCH_INTERVAL=S sets the decoder replica's Python switch interval (default Python's).
 # MODES="nondeterministic llm42" (default) picks the runs. PROFILE=1 samples the served
 # decoder replica (PROFILE_TARGET=Router: the router replica) with py-spy (from the bundles)
@@ -27,14 +27,15 @@
 # only if enough time is left.
 # Results: $OUT (default results/gpu-serving): serving-run.log, <run>.json and <run>.md
 # (at most 7 files; a run that nears its timeout adds <run>-stacks.txt: py-spy dumps of the
-# replicas and the GPU's utilisation); a table at the end.
+# replicas and the GPU's utilisation; STACKS_AT="60 120" dumps them at those seconds into
+# every run instead, as <run>-stacks-60.txt ...); a table at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-results/gpu-serving}; mkdir -p "$out"
 budget=${BUDGET_S:-360}
 stage=${STAGE:-/tmp/stage}
 model=${MODEL:-$stage/SmolLM2-135M-Instruct.Q4_1.gguf}
-export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH  # (py-spy)
 export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
 # workload: at most max_num_seqs (64) requests and inside the default KV pool (1023 blocks of
 # 16 tokens). DEVICE=cpu DTYPE=float32 NREQ=2 ... give a CPU smoke test of this script.
@@ -45,7 +46,7 @@ args=(--model "$model" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}"
       --repeat "${REPEAT:-1}" --switch-interval "${SWITCH_INTERVAL:-0}"
       --client-procs "${CLIENT_PROCS:-1}")
 [ "${LINK:-1}" = 0 ] && args+=(--no-decoder-link)
-[ "${GREEN:-0}" = 1 ] && args+=(--verifier-green-context)
+[ "${CONFINE:-0}" = 1 ] && args+=(--verifier-confine)
 left() { echo $((budget - SECONDS)); }
 
 main() {
@@ -116,11 +117,16 @@ bench() {  # name timeout_s mode
   if [ "$(left)" -lt 60 ]; then echo "== $name: skipped, $(left) s left"; return 0; fi
   [ "$t" -le "$(left)" ] || t=$(left)
   echo "== $name: mode $mode, timeout ${t}s, $(left) s left"
-  # a run about to time out leaves its replicas' stacks (<name>-stacks.txt) behind first
-  local flag="$out/.$name.running" wait_s=$((t > 60 ? t - 40 : t / 2)) i
+  # a run about to time out leaves its replicas' stacks (<name>-stacks.txt) behind first;
+  # STACKS_AT="s1 s2 ..." dumps them at those seconds into the run instead (-stacks-<s>.txt)
+  local flag="$out/.$name.running" at i s
+  at=${STACKS_AT:-$((t > 60 ? t - 40 : t / 2))}
   touch "$flag"
-  { for ((i = 0; i < wait_s; i++)); do [ -e "$flag" ] || exit 0; sleep 1; done
-    stacks "$name"; } >/dev/null 2>&1 &
+  { i=0
+    for s in $at; do
+      for (( ; i < s; i++)); do [ -e "$flag" ] || exit 0; sleep 1; done
+      stacks "$name${STACKS_AT:+-$s}"
+    done; } >/dev/null 2>&1 &
   watch=$!
   timeout -k 10 "$t" python3 -m benchmarks.bench_serving_overhead "${args[@]}" --modes "$mode" \
     --out "$out/$name"

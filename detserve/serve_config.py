@@ -60,11 +60,11 @@ OPTIONAL_ARGS: Mapping[str, Any] = {"fastpath_perturbation": 0.0, "stream_interv
                                     # routers reach decoders over their links (gRPC
                                     # streams found in Redis) instead of Ray Serve calls
                                     "decoder_link": True,
-                                    # without MPS, confine the verifier's lane to its GPU
-                                    # share through a green context anyway (default: the
-                                    # whole GPU, as the processes time-slice; see
-                                    # services/verifier/deployment.py)
-                                    "verifier_green_context": False,
+                                    # confine the verifier's lane to its GPU share (MPS
+                                    # thread percentage, else a green context); default:
+                                    # the whole GPU (services/verifier/deployment.py says
+                                    # why)
+                                    "verifier_confine": False,
                                     "lane_bound_fraction": SchedulerConfig.lane_bound_fraction,
                                     "switch_interval": 0.0,
                                     # None (absent): the engine's default for its device
@@ -206,7 +206,7 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
     if "prefill_batch_tokens" in args:  # (up to a whole model length of prompt tokens)
         _check_int("prefill_batch_tokens", args["prefill_batch_tokens"], lo=0,
                    hi=args["max_model_len"])
-    for name in ("pipeline_lane_prefill", "decoder_link", "verifier_green_context"):
+    for name in ("pipeline_lane_prefill", "decoder_link", "verifier_confine"):
         if name in args and not isinstance(args[name], bool):
             raise ValueError(f"{name} must be a boolean")
     for name in ("switch_interval", "lane_bound_fraction", "fastpath_perturbation"):

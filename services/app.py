@@ -75,4 +75,4 @@ def _verifier(args: Mapping[str, Any], num_cpus: float) -> Any:
         ray_actor_options={"num_cpus": num_cpus, "num_gpus": gpus},
     ).bind(model=args["model"], redis_url=args["redis_url"], dtype=args["dtype"],
            device=args["device"], sm_fraction=gpus,
-           green_context=bool(args.get("verifier_green_context", False)))
+           confine=bool(args.get("verifier_confine", False)))

@@ -66,10 +66,12 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="decoder replicas' Python thread switch interval in seconds (default: "
                         "Python's 0.005): how long their event loop may keep the GIL from the "
                         "engine thread")
-    p.add_argument("--verifier-green-context", action="store_true",
-                   help="cuda, no MPS daemon: confine each verifier's lane kernels to its GPU "
-                        "share with a green context (default: the lane uses every SM, since "
-                        "without MPS the decoder's and the verifier's kernels time-slice)")
+    p.add_argument("--verifier-confine", action="store_true",
+                   help="cuda: confine each verifier's lane kernels to its GPU share (an MPS "
+                        "thread percentage under the MPS daemon, else a green context). Off "
+                        "by default: the lane uses every SM, since without MPS the two "
+                        "processes' kernels time-slice, and under a capped MPS share cuBLAS "
+                        "picks other reduction orders than the decoder's (windows roll back)")
     p.add_argument("--host", default="0.0.0.0", help="HTTP bind address")
     p.add_argument("--port", type=int, default=d["http_port"], help="HTTP port")
     p.add_argument("--grpc-port", type=int, default=d["grpc_port"])
@@ -99,8 +101,8 @@ def serve_config_from(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
         overrides["decoder_link"] = False
     if a.switch_interval is not None:
         overrides["switch_interval"] = a.switch_interval
-    if a.verifier_green_context:
-        overrides["verifier_green_context"] = True
+    if a.verifier_confine:
+        overrides["verifier_confine"] = True
     if a.lane_bound_fraction is not None:
         overrides["lane_bound_fraction"] = a.lane_bound_fraction
     if a.prefill_batch_tokens is not None:

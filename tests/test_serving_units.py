@@ -401,20 +401,20 @@ def test_decode_request_affinity_is_its_prefix_keys_once_and_survives_pickling()
     assert DecodeRequest("n", prompt, SamplingParams()).affinity == ()
 
 
-def test_verifier_green_context_is_an_optional_flag_and_only_binds_without_mps(
+def test_verifier_confine_is_an_optional_flag_and_picks_mps_or_a_green_context(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    """Without MPS the verifier's lane takes the whole GPU unless asked to confine itself;
-    under MPS it is capped by the thread percentage (no green context either way)."""
+    """The verifier's lane takes the whole GPU unless asked to confine itself: then under MPS
+    the thread percentage caps it (no green context), without MPS a green context does."""
     from detserve.cli import build_parser
     from services.cli import serve_config_from
     from services.verifier.deployment import limit_sms
 
-    assert "verifier_green_context" not in default_serve_config()["applications"][0]["args"]
-    with pytest.raises(ValueError, match="verifier_green_context"):
-        default_serve_config(verifier_green_context=1)
-    a = build_parser().parse_args(["serve", "--device", "cuda", "--verifier-green-context"])
+    assert "verifier_confine" not in default_serve_config()["applications"][0]["args"]
+    with pytest.raises(ValueError, match="verifier_confine"):
+        default_serve_config(verifier_confine=1)
+    a = build_parser().parse_args(["serve", "--device", "cuda", "--verifier-confine"])
     assert serve_config_from(a, "redis://127.0.0.1:1/0")["applications"][0]["args"][
-        "verifier_green_context"] is True
+        "verifier_confine"] is True
     from services.app import _decoder, _verifier
 
     def bound(app: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -423,21 +423,22 @@ def test_verifier_green_context_is_an_optional_flag_and_only_binds_without_mps(
 
     for green in (False, True):  # decoder and verifier split the GPU; the flag reaches it
         args = default_serve_config(device="cuda", verifier_gpu_fraction=0.25,
-                                    verifier_green_context=green)["applications"][0]["args"]
+                                    verifier_confine=green)["applications"][0]["args"]
         kwargs, options = bound(_verifier(args, 1.0))
-        assert kwargs["sm_fraction"] == 0.25 and kwargs["green_context"] is green
+        assert kwargs["sm_fraction"] == 0.25 and kwargs["confine"] is green
         assert options["num_gpus"] == 0.25
         assert _decoder(args, 1.0).ray_actor_options["num_gpus"] == 0.75
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "no-daemon"))
     # (set, so that the value limit_sms writes is undone after the test like this one)
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "not set by limit_sms")
     assert limit_sms("cuda:0", 0.5) is None  # time-sliced: the whole GPU
-    assert callable(limit_sms("cuda:0", 0.5, green_context=True))  # (CUDA untouched)
-    assert limit_sms("cpu", 0.5, green_context=True) is None
-    assert limit_sms("cuda:0", 1.0, green_context=True) is None
+    assert callable(limit_sms("cuda:0", 0.5, confine=True))  # (CUDA untouched)
+    assert limit_sms("cpu", 0.5, confine=True) is None
+    assert limit_sms("cuda:0", 1.0, confine=True) is None
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))  # a daemon's pipe dir
+    assert limit_sms("cuda:0", 0.25) is None  # MPS, not confined: the whole GPU, no cap
     assert os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "not set by limit_sms"
-    assert limit_sms("cuda:0", 0.25, green_context=True) is None
+    assert limit_sms("cuda:0", 0.25, confine=True) is None
     assert os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
 
 

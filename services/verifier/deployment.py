@@ -7,15 +7,19 @@ bidirectional stream, which Serve's request path does not carry. Ray Serve still
 the replicas, runs ``check_health`` and replaces a replica that dies or fails it; the
 decoders then fail over to another one (services/verifier/client.py).
 
-On a GPU the replica shares the decoder's GPU (a fractional ``num_gpus``):
-- under MPS (the daemon is running) the two processes' kernels run at the same time, and
-  ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` caps this process to its share of the SMs (set
-  before it first touches CUDA), so the decoder's fast path keeps the rest;
+On a GPU the replica shares the decoder's GPU (a fractional ``num_gpus``), and its lane
+uses every SM unless ``confine`` asks to confine it to that share:
+- under MPS (the daemon is running) the two processes' kernels run at the same time.
+  ``confine`` caps this process with ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (set before it
+  first touches CUDA). Not by default: a capped client sees fewer SMs, and cuBLAS picks its
+  GEMM algorithms, so its reduction orders, by the SM count; the lane's products then stop
+  matching the decoder's aligned fast path and nearly every window rolls back (an 8B run on
+  an H100 recomputed every fast-path token and served 0.10x of the offline engine,
+  docs/benchmarks/gpu/README.md). Output stays correct either way: the lane decides.
 - without MPS the GPU time-slices between the two processes: a verifier kernel never runs
   beside a decoder kernel, so confining the lane to a slice of the SMs only leaves the
-  others idle during its time slices. The lane then takes the whole GPU, unless
-  ``green_context`` asks for a CUDA green context of its share anyway (measured against
-  the whole GPU in docs/benchmarks/gpu/README.md).
+  others idle during its time slices; ``confine`` then makes a CUDA green context of the
+  share (measured against the whole GPU in docs/benchmarks/gpu/README.md).
 The CPU suite tests which of these ``limit_sms`` picks; the paths themselves need a GPU.
 """
 
@@ -38,17 +42,17 @@ def mps_running() -> bool:
 
 
 def limit_sms(device: str, sm_fraction: float,
-              green_context: bool = False) -> Callable[[], None] | None:
-    """Confine lane kernels to ``sm_fraction`` of the GPU: through MPS when its daemon runs,
-    else through a green context only when ``green_context`` asks for one (see the module
-    docstring). Must run before CUDA is initialised in this process; returns the lane
-    thread's initializer (or None)."""
-    if not device.startswith("cuda") or not 0.0 < sm_fraction < 1.0:
+              confine: bool = False) -> Callable[[], None] | None:
+    """With ``confine``, confine lane kernels to ``sm_fraction`` of the GPU: through MPS when
+    its daemon runs, else through a green context (see the module docstring); without it,
+    nothing. Must run before CUDA is initialised in this process; returns the lane thread's
+    initializer (or None)."""
+    if not confine or not device.startswith("cuda") or not 0.0 < sm_fraction < 1.0:
         return None
     if mps_running():
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, round(100 * sm_fraction)))
         return None
-    return _green_context_init(device, sm_fraction) if green_context else None
+    return _green_context_init(device, sm_fraction)
 
 
 def _green_context_init(device: str, sm_fraction: float) -> Callable[[], None]:
@@ -75,15 +79,15 @@ def _green_context_init(device: str, sm_fraction: float) -> Callable[[], None]:
 class Verifier:
     """Constructor arguments are the application's (see ``services.app``):
     ``model``, ``redis_url``, ``dtype``, ``device``, ``sm_fraction`` (normally the
-    replica's fractional GPU share, ``verifier_gpu_fraction``) and ``green_context``
-    (``verifier_green_context``: confine the lane to that share without MPS too)."""
+    replica's fractional GPU share, ``verifier_gpu_fraction``) and ``confine``
+    (``verifier_confine``: confine the lane to that share)."""
 
     def __init__(self, model: str, redis_url: str, dtype: str = "float32", device: str = "cpu",
                  sm_fraction: float = 0.0, ttl_s: float = 3.0,
-                 prefix: str = DEFAULT_PREFIX, green_context: bool = False) -> None:
+                 prefix: str = DEFAULT_PREFIX, confine: bool = False) -> None:
         if device.startswith("cuda"):
             device = "cuda:0"  # Ray exposes the assigned GPU as the only visible one
-        lane_init = limit_sms(device, sm_fraction, green_context)
+        lane_init = limit_sms(device, sm_fraction, confine)
         self.replica = VerifierReplica(model, redis_url, dtype=dtype, device=device,
                                        ttl_s=ttl_s, prefix=prefix, lane_thread_init=lane_init)
 
