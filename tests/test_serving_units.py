@@ -585,3 +585,28 @@ def test_switch_interval_reaches_the_decoder_settings() -> None:
     for bad in (-1e-3, 2.0, "fast", None, False):
         with pytest.raises(ValueError, match="switch_interval"):
             default_serve_config(switch_interval=bad)
+
+
+def test_serve_mps_flag_starts_a_daemon_only_where_it_can(monkeypatch: pytest.MonkeyPatch,
+                                                          tmp_path: Any, capsys: Any) -> None:
+    """``detserve serve --mps``: refused off CUDA and without the MPS binaries (a clear
+    message, nothing started); a daemon already running (its pipe directory exists) is
+    used as it is."""
+    from contextlib import ExitStack
+
+    from detserve.cli import build_parser
+    from services.cli import _start_mps
+
+    assert build_parser().parse_args(["serve", "--device", "cuda", "--mps"]).mps is True
+    assert build_parser().parse_args(["serve"]).mps is False
+    with ExitStack() as stack:
+        with pytest.raises(SystemExit, match="needs --device cuda"):
+            _start_mps(stack, "cpu")
+        monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "none"))
+        monkeypatch.setenv("PATH", str(tmp_path))  # (no nvidia-cuda-mps-control there)
+        with pytest.raises(SystemExit, match="nvidia-cuda-mps-control"):
+            _start_mps(stack, "cuda")
+        assert not (tmp_path / "none").exists()
+        monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))  # a running daemon's
+        _start_mps(stack, "cuda")
+        assert "already running" in capsys.readouterr().out
