@@ -3,8 +3,8 @@
 Through Ray Serve every request costs two handle calls' worth of hops (the router's call to
 the replica, and the replica's answers back through a Serve stream): about 3.5 ms each way
 on a GPU host (docs/benchmarks/gpu/README.md). A link is one long-lived bidirectional
-stream per (router, decoder replica): the router writes ``submit`` and ``abort`` frames,
-the replica writes everything its engine committed for that router's requests since the
+stream per (router, decoder replica): the router writes ``submit`` and ``abort`` frames
+(each message a list of them: whatever it had queued), the replica writes everything its engine committed for that router's requests since the
 previous frame (``services.decoder.channel``), so a request costs one frame each way.
 
 Routers find links in the Redis registry (``detserve.registry.LinkRecord``, kept alive by a
@@ -105,12 +105,18 @@ class LinkServer:
     async def _read(self, frames: AsyncIterator[bytes], channel: Channel) -> None:
         sink = ChannelSink(asyncio.get_running_loop(), channel)
         async for data in frames:
-            kind, payload = loads(data)
-            if kind == SUBMIT and isinstance(payload, DecodeRequest):
-                channel.done[payload.request_id] = asyncio.Event()
-                self.submitted += 1
-                self.engine_loop.submit(payload, sink)
-            elif kind == ABORT and channel.done.pop(str(payload), None) is not None:
-                self.engine_loop.abort(str(payload))
-            elif kind not in (SUBMIT, ABORT):
-                log.warning("link: unknown frame %r", kind)
+            message = loads(data)  # the frames a router had queued: [(kind, payload), ...]
+            if not isinstance(message, list):
+                log.warning("link: a message that is not a list of frames: %r", type(message))
+                continue
+            for frame in message:
+                kind, payload = frame if isinstance(frame, tuple) and len(frame) == 2 \
+                    else (frame, None)
+                if kind == SUBMIT and isinstance(payload, DecodeRequest):
+                    channel.done[payload.request_id] = asyncio.Event()
+                    self.submitted += 1
+                    self.engine_loop.submit(payload, sink)
+                elif kind == ABORT and channel.done.pop(str(payload), None) is not None:
+                    self.engine_loop.abort(str(payload))
+                elif kind not in (SUBMIT, ABORT):
+                    log.warning("link: unknown frame %r", kind)
