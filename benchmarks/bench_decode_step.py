@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (launch-bound baseline)")
     p.add_argument("--lane-attention-split", type=int, default=0,
                    help="llm42: the lane attention kernel's split size (0: no split)")
+    p.add_argument("--lane-full-tiles", action="store_true",
+                   help="llm42: the lane kernel runs whole KV tiles unmasked")
     p.add_argument("--aligned-decode-lane", default="", metavar="BLOCK_M:NUM_WARPS:NUM_STAGES",
                    help="llm42: the lane kernel's query tile and launch for the decode rows "
                         "(default: the lane's own)")
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                                   max_num_batched_tokens=budget,
                                   cuda_graphs=not a.eager, align_fast_path=not a.no_align,
                                   lane_attention_split=a.lane_attention_split,
+                                  lane_full_tiles=a.lane_full_tiles,
                                   aligned_decode_lane=a.aligned_decode_lane,
                                   async_scheduling=False if a.sync else None)
         eng = LLMEngine(cfg, loaded=loaded)

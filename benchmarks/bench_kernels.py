@@ -96,6 +96,9 @@ LANE_SWEEP = [
     # fixed split sizes: other bits past the first split by design (so "other bits" there)
     LaneConfig(tile=64, block_m=64, num_warps=4, num_stages=3, split=128),
     LaneConfig(tile=64, block_m=64, num_warps=4, num_stages=3, split=256),
+    # tiles every live slot sees whole run unmasked: meant to keep the default's bits
+    LaneConfig(tile=64, block_m=64, num_warps=4, num_stages=3, full_tiles=True),
+    LaneConfig(tile=64, block_m=16, num_warps=1, num_stages=2, full_tiles=True),
 ]
 
 

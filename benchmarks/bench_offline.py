@@ -106,6 +106,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               lane_one_calls=not args.no_lane_one_calls,
                               lane_size_step=args.lane_size_step,
                               lane_attention_split=args.lane_attention_split,
+                              lane_full_tiles=args.lane_full_tiles,
                               aligned_decode_lane=args.aligned_decode_lane,
                               async_scheduling=False if args.sync_scheduling else None,
                               cuda_graph_step_rows=(0 if args.eager_steps else
@@ -316,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lane-attention-split", type=int, default=0,
                    help="CUDA: the lane attention kernel's split size in positions, for the "
                         "lane and the fast path's aligned decode rows (0: no split)")
+    p.add_argument("--lane-full-tiles", action="store_true",
+                   help="CUDA: the lane attention kernel runs whole KV tiles unmasked "
+                        "(EngineConfig.lane_full_tiles)")
     p.add_argument("--aligned-decode-lane", default="", metavar="BLOCK_M:NUM_WARPS:NUM_STAGES",
                    help="CUDA, llm42: the lane kernel's query tile and launch for the fast "
                         "path's decode rows (default: the lane's own; worth it only where "

@@ -18,6 +18,8 @@
 #   benchmarks/gpu_suite.sh decode-lane # the fast path's decode rows on another lane-kernel
 #                                     # config (CFG=${CFG:-16:1:2}): lane sweep (same bits?),
 #                                     # llm42 decode step, 10 % target without/with
+#   benchmarks/gpu_suite.sh full-tiles # the lane kernel with whole tiles unmasked: GPU tests,
+#                                     # lane sweep, llm42 decode step, 10 % target without/with
 #   benchmarks/gpu_suite.sh split     # the lane attention split (S=${SPLIT:-256}): its GPU tests,
 #                                     # kernel sweep, llm42 decode step, 10 % target without/with
 # Results go to ${OUT:-results/gpu}; the SmolLM2 GGUF path comes from $SMOLLM2 (default:
@@ -95,6 +97,20 @@ case "${1:-}" in
       --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
       --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 \
       --variants ";aligned_decode_lane=$c" --out "$out/offline-decode-lane.json" 2>&1 | tail -12 ;;
+  full-tiles)
+    # the lane kernel with whole KV tiles unmasked: same bits? faster? (LaneConfig.full_tiles)
+    python -m pytest -q -m gpu tests/test_kernels_lane_attention.py tests/test_gpu_engine.py \
+      -k "full_tiles or dvr_equals or aligned_fast_path_alone" 2>&1 | tee "$out/full_tiles_tests.log" | tail -3
+    timeout 200 python -m benchmarks.bench_kernels --quick --sweep lane --sweep-only \
+      --out "$out/lane-sweep.json" 2>&1 | grep "lane decode"
+    for x in "" --lane-full-tiles; do
+      python -m benchmarks.bench_decode_step --mode llm42 --batches 64,128 $x \
+        --out "$out/decode-step-llm42${x:+-full}.json" 2>&1 | grep batch
+    done
+    python -m benchmarks.bench_offline --model random:llama3-8b --device cuda --dtype bfloat16 \
+      --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
+      --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 \
+      --variants ";lane_full_tiles=1" --out "$out/offline-full-tiles.json" 2>&1 | tail -12 ;;
   split)
     s=${SPLIT:-256}
     python -m pytest -q -m gpu tests/test_kernels_lane_attention.py tests/test_gpu_engine.py \
@@ -109,5 +125,5 @@ case "${1:-}" in
       --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
       --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 \
       --variants "lane_attention_split=0;lane_attention_split=$s" --out "$out/offline-split.json" 2>&1 | tail -12 ;;
-  *) sed -n 2,24p "$0"; exit 2 ;;
+  *) sed -n 2,26p "$0"; exit 2 ;;
 esac

@@ -96,6 +96,7 @@ class LLMEngine:
                                   lane_one_calls=config.lane_one_calls,
                                   lane_size_step=config.lane_size_step,
                                   lane_attention_split=config.lane_attention_split,
+                                  lane_full_tiles=config.lane_full_tiles,
                                   aligned_decode_lane=config.aligned_decode_lane,
                                   decode_pads=self.alignment.pads if self.alignment else None)
         if cuda and config.cuda_graphs:

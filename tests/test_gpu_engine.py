@@ -134,6 +134,27 @@ def test_aligned_fast_path_alone_verifies_every_window(model: str, graphs: bool,
         e.close()
 
 
+def test_lane_full_tiles_keep_dvr_equal_to_lane_only_and_windows_verifying(model: str) -> None:
+    """EngineConfig.lane_full_tiles: the lane and the aligned fast path both run whole KV
+    tiles unmasked; committed output equals lane_only's, a lone request's windows verify
+    without a rollback, and the kernel set says so. (Whether the bits equal the masked
+    kernel's is test_kernels_lane_attention's full_tiles test.)"""
+    reqs = _reqs(det=True)
+    kw = {"lane_full_tiles": True, **CUDA}
+    oracle, _, o = run_engine(model, reqs, mode="lane_only", **kw)
+    dvr, _, eng = run_engine(model, reqs, **kw)
+    assert "+fulltiles" in eng.runner.kernel_set and eng.runner.lane_attn.full_tiles
+    for a, b in zip(oracle, dvr, strict=True):
+        assert signature(a) == signature(b)
+    req = [Req(random_prompts(1, [40], seed=9)[0],
+               SamplingParams(max_tokens=120, is_deterministic=True, logprobs=1,
+                              ignore_eos=True))]
+    _, stats, alone = run_engine(model, req, window=16, group=1, max_num_seqs=1, **kw)
+    assert stats["windows"] >= 7 and stats["rollbacks"] == 0
+    for e in (o, eng, alone):
+        e.close()
+
+
 def test_aligned_decode_lane_config_keeps_dvr_equal_to_lane_only(model: str) -> None:
     """The fast path's decode rows on another config of the lane kernel (a 16-slot query
     tile, one warp): committed output still equals lane_only, whatever that config's bits

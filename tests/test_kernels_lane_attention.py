@@ -168,6 +168,36 @@ def test_split_keeps_first_split_bits_interp() -> None:
                                                                        split=32))
 
 
+def check_full_tiles_keep_the_bits(device: str, dtype: torch.dtype, h: int, hkv: int, d: int,
+                                   page: int, cfg: LaneConfig) -> None:
+    """``LaneConfig.full_tiles``: the tiles every live slot sees whole run unmasked; the
+    output is bit for bit the masked kernel's, for windows (several rows of a sequence in a
+    program, whose smallest p decides which tiles are whole) and decode-like rows alike."""
+    lens = [3 * cfg.tile + 5, cfg.tile // 2, 2 * cfg.tile, cfg.tile]
+    kv = kt.make_paged_kv(lens, hkv, d, page, dtype=dtype, device=device, seed=21)
+    rows = [(s, p) for s, n in enumerate(lens) for p in range(max(0, n - 9), n)]  # windows
+    rows += [(s, p) for s, n in enumerate(lens) for p in range(0, n, 7)] + [(0, -1)]
+    seq, pos = _i32([r[0] for r in rows], device), _i32([r[1] for r in rows], device)
+    q = kt.randn(len(rows), h, d, dtype=dtype, device=device, seed=22)
+    full = dataclasses.replace(cfg, full_tiles=True)
+    for rpp in (1, lane_rows(h // hkv, cfg)):
+        def call(c: LaneConfig, rpp: int = rpp) -> torch.Tensor:
+            return lane_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, seq, pos,
+                                  cfg=c, rows_per_program=rpp)
+        assert kt.bitwise_equal(call(full), call(cfg)), f"rows_per_program={rpp}"
+
+
+@interp
+@pytest.mark.parametrize("split", [0, 32])
+def test_full_tiles_keep_the_bits_interp(split: int) -> None:
+    cfg = LaneConfig(tile=16, block_m=16, split=split)
+    check_full_tiles_keep_the_bits(*CPU, 6, 2, 32, 8, cfg)
+    check_row_invariance(*CPU, 6, 2, 32, 8, [40, 9, 73], 12,
+                         dataclasses.replace(cfg, full_tiles=True))
+    check_matches_reference(*CPU, 6, 2, 32, 8, [1, 37, 70, 16],
+                            dataclasses.replace(cfg, full_tiles=True), 1e-5)
+
+
 def test_lane_split_must_be_tile_multiple() -> None:
     with pytest.raises(ValueError, match="multiple of the tile"):
         LaneConfig(tile=64, split=96)
@@ -211,3 +241,14 @@ def test_split_matches_reference_and_keeps_first_split_bits_gpu() -> None:
     cfg = LaneConfig(split=256)
     check_matches_reference(*GPU, 32, 8, 128, 16, [1, 300, 2048, 4099], cfg, 2e-2)
     check_split_keeps_first_split_bits(*GPU, 32, 8, 128, 16, cfg)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("split", [0, 256])
+def test_full_tiles_keep_the_bits_gpu(split: int) -> None:
+    """On the GPU, where the compiler decides: the unmasked tiles give the masked bits."""
+    cfg = LaneConfig(split=split)
+    check_full_tiles_keep_the_bits(*GPU, 32, 8, 128, 16, cfg)
+    check_row_invariance(*GPU, 32, 8, 128, 16, [2000, 77, 4096, 513], 200,
+                         dataclasses.replace(cfg, full_tiles=True))

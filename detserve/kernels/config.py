@@ -100,6 +100,11 @@ class LaneConfig:
     # decode row's context is walked by several programs at once instead of one) and are
     # merged in order; a row within the first split keeps the unsplit kernel's bits.
     split: int = 0
+    # Tiles that every live slot of a program sees whole run without the position masks
+    # (``_lane_full_tile``): the same operations on the same values, so meant to keep the
+    # bits while saving instructions. Off until a GPU run shows both (bench_kernels' lane
+    # sweep times it and marks whether its bits equal the default's)
+    full_tiles: bool = False
 
     def __post_init__(self) -> None:
         _check_pow2(self, tile=self.tile, block_m=self.block_m, num_warps=self.num_warps)

@@ -86,6 +86,37 @@ def _lane_tile(
     return m_i, l_i, acc
 
 
+@triton.jit
+def _lane_full_tile(
+    q, m_i, l_i, acc, start, live_i,
+    bt_row, k_cache_ptr, v_cache_ptr, kv_head, qk_scale,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    offs_d, d_mask,
+    PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``_lane_tile`` for a tile that every live slot sees whole (it ends at or before the
+    smallest live p): the same operations on the same values, without the position masks
+    on the loads and without keeping any live slot's state (each is updated). The slots
+    that are not live get -inf scores, as in ``_lane_tile``; their state is never read."""
+    offs_n = start + tl.arange(0, TILE)
+    blk = tl.load(bt_row + offs_n // PAGE).to(tl.int64)
+    in_page = offs_n % PAGE
+    kv_mask = d_mask[None, :]
+    k_off = blk * stride_kb + in_page * stride_ks + kv_head * stride_kh
+    k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    qk = tl.where(live_i[:, None], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
+    l_new = l_i * alpha + tl.sum(p, 1)
+    v_off = blk * stride_vb + in_page * stride_vs + kv_head * stride_vh
+    v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    acc_new = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_new, acc_new
+
+
 @triton.jit(do_not_specialize=["M", "rows_per_program", "H", "NS"])
 def _lane_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, row_seq_ptr, row_pos_ptr, out_ptr,
@@ -99,6 +130,7 @@ def _lane_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    FULL_TILES: tl.constexpr,
 ):
     kvh = tl.program_id(1)
     sp = tl.program_id(2)  # this program's split (always 0 without splits)
@@ -144,7 +176,17 @@ def _lane_kernel(
             hi = last + 1
             if SPLIT > 0:
                 hi = tl.minimum(hi, lo + SPLIT)
-            for start in range(lo, hi, TILE):  # tiles t = lo / TILE, ... in order
+            masked_lo = lo
+            if FULL_TILES:  # tiles every live slot sees whole, before the others, in order
+                least = tl.min(tl.where(live_i, pos_i, last), 0)
+                masked_lo = tl.maximum(lo, tl.minimum(hi, (least + 1) // TILE * TILE))
+                for start in range(lo, masked_lo, TILE):
+                    m_i, l_i, acc = _lane_full_tile(
+                        q, m_i, l_i, acc, start, live_i,
+                        bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
+                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                        offs_d, d_mask, PAGE, TILE, PRECISION)
+            for start in range(masked_lo, hi, TILE):  # tiles t = lo / TILE, ... in order
                 m_i, l_i, acc = _lane_tile(
                     q, m_i, l_i, acc, start, pos_i, live_i, last,
                     bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
@@ -277,7 +319,7 @@ def lane_attention(
         GROUP=group, BLOCK_G=next_pow2(group), ROWS=rows,
         HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
         PAGE=page, TILE=cfg.tile, PRECISION=dot_precision(q.dtype), SPLIT=split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FULL_TILES=cfg.full_tiles, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
         _lane_merge[(m, h)](part_m, part_l, part_acc, row_pos, out, h, ns,
