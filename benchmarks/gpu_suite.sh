@@ -30,6 +30,16 @@ out=${OUT:-results/gpu}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 smol=${SMOLLM2:-smollm2}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+lane_sweep() {  # the lane kernel's configs at the fast path's decode-row shapes
+  timeout 200 python -m benchmarks.bench_kernels --quick --sweep lane --sweep-only \
+    --out "$out/lane-sweep.json" 2>&1 | grep "lane decode"
+}
+offline10() {  # VARIANTS NAME: the 10 % workload, nondeterministic and llm42 per variant
+  python -m benchmarks.bench_offline --model random:llama3-8b --device cuda --dtype bfloat16 \
+    --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
+    --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 \
+    --variants "$1" --out "$out/offline-$2.json" 2>&1 | tail -12
+}
 case "${1:-}" in
   smoke)
     python -m pytest -q -m gpu tests/test_gpu_engine.py tests/test_kernels_*.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
@@ -87,43 +97,31 @@ case "${1:-}" in
       --profile-steps "${STEPS:-600:800}" --out "$out/offline-profile10.json" 2>&1 | tail -24 ;;
   decode-lane)
     c=${CFG:-16:1:2}
-    timeout 200 python -m benchmarks.bench_kernels --quick --sweep lane --sweep-only \
-      --out "$out/lane-sweep.json" 2>&1 | grep "lane decode"
+    lane_sweep
     for x in "" "$c"; do
       python -m benchmarks.bench_decode_step --mode llm42 --batches 64,128 --aligned-decode-lane "$x" \
         --out "$out/decode-step-llm42-$(echo "${x:-lane}" | tr : -).json" 2>&1 | grep batch
     done
-    python -m benchmarks.bench_offline --model random:llama3-8b --device cuda --dtype bfloat16 \
-      --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
-      --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 \
-      --variants ";aligned_decode_lane=$c" --out "$out/offline-decode-lane.json" 2>&1 | tail -12 ;;
+    offline10 ";aligned_decode_lane=$c" decode-lane ;;
   full-tiles)
     # the lane kernel with whole KV tiles unmasked: same bits? faster? (LaneConfig.full_tiles)
     python -m pytest -q -m gpu tests/test_kernels_lane_attention.py tests/test_gpu_engine.py \
       -k "full_tiles or dvr_equals or aligned_fast_path_alone" 2>&1 | tee "$out/full_tiles_tests.log" | tail -3
-    timeout 200 python -m benchmarks.bench_kernels --quick --sweep lane --sweep-only \
-      --out "$out/lane-sweep.json" 2>&1 | grep "lane decode"
+    lane_sweep
     for x in "" --lane-full-tiles; do
       python -m benchmarks.bench_decode_step --mode llm42 --batches 64,128 $x \
         --out "$out/decode-step-llm42${x:+-full}.json" 2>&1 | grep batch
     done
-    python -m benchmarks.bench_offline --model random:llama3-8b --device cuda --dtype bfloat16 \
-      --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
-      --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 \
-      --variants ";lane_full_tiles=1" --out "$out/offline-full-tiles.json" 2>&1 | tail -12 ;;
+    offline10 ";lane_full_tiles=1" full-tiles ;;
   split)
     s=${SPLIT:-256}
     python -m pytest -q -m gpu tests/test_kernels_lane_attention.py tests/test_gpu_engine.py \
       -k "split or aligned_fast_path_alone or dvr_equals" 2>&1 | tee "$out/split_tests.log" | tail -3
-    timeout 200 python -m benchmarks.bench_kernels --quick --sweep lane --sweep-only \
-      --out "$out/lane-sweep.json" 2>&1 | grep "lane decode"
+    lane_sweep
     for x in 0 "$s"; do
       python -m benchmarks.bench_decode_step --mode llm42 --batches 64,128 --lane-attention-split "$x" \
         --out "$out/decode-step-llm42-split$x.json" 2>&1 | grep batch
     done
-    python -m benchmarks.bench_offline --model random:llama3-8b --device cuda --dtype bfloat16 \
-      --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
-      --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 \
-      --variants "lane_attention_split=0;lane_attention_split=$s" --out "$out/offline-split.json" 2>&1 | tail -12 ;;
+    offline10 "lane_attention_split=0;lane_attention_split=$s" split ;;
   *) sed -n 2,26p "$0"; exit 2 ;;
 esac

@@ -50,6 +50,17 @@ from detserve.kernels.config import TABLE, LaneConfig
 
 
 @triton.jit
+def _softmax_step(qk, m_i, l_i):
+    """The online softmax's step over one tile's scores (log2 units): the new running max,
+    the old state's rescale, the tile's probabilities and the new running sum."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows seeing nothing: no inf - inf
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _lane_tile(
     q, m_i, l_i, acc, start, pos_i, live_i, last,
     bt_row, k_cache_ptr, v_cache_ptr, kv_head, qk_scale,
@@ -71,11 +82,7 @@ def _lane_tile(
     k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     qk = tl.where(offs_n[None, :] <= pos_i[:, None], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows seeing nothing: no inf - inf
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(qk - m_ref[:, None])
-    l_new = l_i * alpha + tl.sum(p, 1)
+    m_new, alpha, p, l_new = _softmax_step(qk, m_i, l_i)
     v_off = blk * stride_vb + in_page * stride_vs + kv_head * stride_vh
     v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     acc_new = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -106,11 +113,7 @@ def _lane_full_tile(
     k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     qk = tl.where(live_i[:, None], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(qk - m_ref[:, None])
-    l_new = l_i * alpha + tl.sum(p, 1)
+    m_new, alpha, p, l_new = _softmax_step(qk, m_i, l_i)
     v_off = blk * stride_vb + in_page * stride_vs + kv_head * stride_vh
     v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     acc_new = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
