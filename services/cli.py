@@ -180,7 +180,7 @@ def _ensure_free(host: str, port: int) -> None:
 
 def _start_mps(stack: ExitStack, device: str) -> None:
     """Start the CUDA MPS control daemon (``--mps``) unless one runs; ``stack`` stops it."""
-    from services.verifier.deployment import mps_running
+    from services.verifier.deployment import MPS_LOG_DEFAULT, MPS_PIPE_DEFAULT, mps_running
 
     if device != "cuda":
         raise SystemExit("detserve serve: --mps needs --device cuda")
@@ -191,8 +191,8 @@ def _start_mps(stack: ExitStack, device: str) -> None:
     if exe is None:
         raise SystemExit("detserve serve: --mps needs nvidia-cuda-mps-control (the CUDA "
                          "driver's MPS binaries) on PATH")
-    pipe = os.environ.setdefault("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
-    logs = os.environ.setdefault("CUDA_MPS_LOG_DIRECTORY", "/tmp/nvidia-mps-log")
+    pipe = os.environ.setdefault("CUDA_MPS_PIPE_DIRECTORY", MPS_PIPE_DEFAULT)
+    logs = os.environ.setdefault("CUDA_MPS_LOG_DIRECTORY", MPS_LOG_DEFAULT)
     for d in (pipe, logs):
         os.makedirs(d, exist_ok=True)
     done = subprocess.run([exe, "-d"], capture_output=True, text=True, timeout=30)

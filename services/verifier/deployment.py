@@ -34,11 +34,12 @@ from ray import serve
 from detserve.registry import DEFAULT_PREFIX
 from services.verifier.replica import VerifierReplica
 
-_MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"
+# the MPS daemon's directories when CUDA_MPS_PIPE_DIRECTORY / _LOG_DIRECTORY are unset
+MPS_PIPE_DEFAULT, MPS_LOG_DEFAULT = "/tmp/nvidia-mps", "/tmp/nvidia-mps-log"
 
 
 def mps_running() -> bool:
-    return os.path.exists(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", _MPS_PIPE_DEFAULT))
+    return os.path.exists(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", MPS_PIPE_DEFAULT))
 
 
 def limit_sms(device: str, sm_fraction: float,
