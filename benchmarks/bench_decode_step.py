@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (launch-bound baseline)")
     p.add_argument("--lane-attention-split", type=int, default=0,
                    help="llm42: the lane attention kernel's split size (0: no split)")
-    p.add_argument("--lane-full-tiles", action="store_true",
-                   help="llm42: the lane kernel runs whole KV tiles unmasked")
+    p.add_argument("--lane-full-tiles", action=argparse.BooleanOptionalAction, default=True,
+                   help="llm42: the lane kernel runs whole KV tiles unmasked (the same bits)")
     p.add_argument("--aligned-decode-lane", default="", metavar="BLOCK_M:NUM_WARPS:NUM_STAGES",
                    help="llm42: the lane kernel's query tile and launch for the decode rows "
                         "(default: the lane's own)")

@@ -93,12 +93,20 @@ LANE_SWEEP = [
     LaneConfig(tile=64, block_m=16, num_warps=4, num_stages=2),
     LaneConfig(tile=64, block_m=16, num_warps=1, num_stages=2),
     LaneConfig(tile=64, block_m=32, num_warps=4, num_stages=2),
+    # 16 query slots a warp, as the default's 64 over 4 warps (and 16:1 above, which keeps
+    # its bits): the same instruction shapes, so perhaps the same bits, with more programs
+    # in flight for decode rows than the default's, and more loads in flight than 16:1:2
+    LaneConfig(tile=64, block_m=32, num_warps=2, num_stages=2),
+    LaneConfig(tile=64, block_m=32, num_warps=2, num_stages=3),
+    LaneConfig(tile=64, block_m=16, num_warps=1, num_stages=3),
+    LaneConfig(tile=64, block_m=16, num_warps=1, num_stages=4),
+    LaneConfig(tile=64, block_m=128, num_warps=8, num_stages=3),
     # fixed split sizes: other bits past the first split by design (so "other bits" there)
     LaneConfig(tile=64, block_m=64, num_warps=4, num_stages=3, split=128),
     LaneConfig(tile=64, block_m=64, num_warps=4, num_stages=3, split=256),
-    # tiles every live slot sees whole run unmasked: meant to keep the default's bits
-    LaneConfig(tile=64, block_m=64, num_warps=4, num_stages=3, full_tiles=True),
-    LaneConfig(tile=64, block_m=16, num_warps=1, num_stages=2, full_tiles=True),
+    # every tile masked (full_tiles off): the default's bits, slower
+    LaneConfig(tile=64, block_m=64, num_warps=4, num_stages=3, full_tiles=False),
+    LaneConfig(tile=64, block_m=16, num_warps=1, num_stages=2, full_tiles=False),
 ]
 
 

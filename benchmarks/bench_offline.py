@@ -317,9 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lane-attention-split", type=int, default=0,
                    help="CUDA: the lane attention kernel's split size in positions, for the "
                         "lane and the fast path's aligned decode rows (0: no split)")
-    p.add_argument("--lane-full-tiles", action="store_true",
+    p.add_argument("--lane-full-tiles", action=argparse.BooleanOptionalAction, default=True,
                    help="CUDA: the lane attention kernel runs whole KV tiles unmasked "
-                        "(EngineConfig.lane_full_tiles)")
+                        "(EngineConfig.lane_full_tiles; the same bits either way)")
     p.add_argument("--aligned-decode-lane", default="", metavar="BLOCK_M:NUM_WARPS:NUM_STAGES",
                    help="CUDA, llm42: the lane kernel's query tile and launch for the fast "
                         "path's decode rows (default: the lane's own; worth it only where "

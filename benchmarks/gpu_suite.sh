@@ -106,13 +106,13 @@ case "${1:-}" in
   full-tiles)
     # the lane kernel with whole KV tiles unmasked: same bits? faster? (LaneConfig.full_tiles)
     python -m pytest -q -m gpu tests/test_kernels_lane_attention.py tests/test_gpu_engine.py \
-      -k "full_tiles or dvr_equals or aligned_fast_path_alone" 2>&1 | tee "$out/full_tiles_tests.log" | tail -3
+      -k "full_tiles or masked_tiles or dvr_equals or aligned_fast_path_alone" 2>&1 | tee "$out/full_tiles_tests.log" | tail -3
     lane_sweep
-    for x in "" --lane-full-tiles; do
+    for x in --no-lane-full-tiles --lane-full-tiles; do
       python -m benchmarks.bench_decode_step --mode llm42 --batches 64,128 $x \
-        --out "$out/decode-step-llm42${x:+-full}.json" 2>&1 | grep batch
+        --out "$out/decode-step-llm42${x%%-lane-full-tiles}.json" 2>&1 | grep batch
     done
-    offline10 ";lane_full_tiles=1" full-tiles ;;
+    offline10 "lane_full_tiles=0;lane_full_tiles=1" full-tiles ;;
   split)
     s=${SPLIT:-256}
     python -m pytest -q -m gpu tests/test_kernels_lane_attention.py tests/test_gpu_engine.py \

@@ -169,10 +169,9 @@ class EngineConfig:
     lane_attention_split: int = 0
     # CUDA: the lane attention kernel runs the KV tiles every slot of a program sees whole
     # without the position masks (``LaneConfig.full_tiles``; the lane and the aligned decode
-    # rows alike). Meant to give the same bits faster; off until a GPU run shows both
-    # (gpu_suite.sh full-tiles). Part of the numerics: verifier replicas, which take the
-    # default, refuse a decoder that sets it
-    lane_full_tiles: bool = False
+    # rows alike): the masked kernel's bits, faster (docs/benchmarks/gpu/README.md). Not
+    # part of the numerics, so a verifier replica with the other setting agrees
+    lane_full_tiles: bool = True
     # CUDA, aligned fast path: the lane kernel's query tile and launch for the fast path's
     # decode rows, "BLOCK_M:NUM_WARPS:NUM_STAGES" ("": the lane's own). A decode row fills
     # only its query heads' slots of the tile, so a smaller tile may be faster; it is worth
