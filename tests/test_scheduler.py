@@ -549,3 +549,54 @@ def test_prompt_wait_is_off_by_default_outside_the_engine_and_on_cpu() -> None:
     assert {i.seq.request_id for i in s.schedule().fast} == {"s0", "s1"}
     with pytest.raises(ValueError, match="prefill_batch_tokens"):
         SchedulerConfig(prefill_batch_tokens=-1)
+
+
+@pytest.mark.parametrize("slots", [0, 1])
+def test_lane_wait_slots_admit_past_max_num_seqs_while_lane_sequences_wait(slots: int) -> None:
+    """A lane sequence whose prompt is in the lane has no fast-path row; with
+    ``lane_wait_slots`` it does not count against max_num_seqs when admitting, so another
+    request starts. A step still carries rows of at most max_num_seqs sequences, and those
+    left out of one go first in the next (every sequence gets its turn)."""
+    s = _sched(W=4, G=2, max_num_seqs=2, lane_wait_slots=slots, lane_max_wait_steps=0)
+    det = _seq(0, 6, det=True, max_tokens=40)
+    x, y, z = (_seq(i, 5, det=False, max_tokens=40) for i in (1, 2, 3))
+    for q in (det, x, y, z):
+        s.add(q)
+    first = s.schedule()  # det's prompt to the lane, x's on the fast path
+    assert [i.seq for i in first.lane] == [det] and [i.seq for i in first.fast] == [x]
+    _fake_fast(s, first)
+    out = s.schedule()  # det waits on the lane: with a slot, y starts
+    assert len(s.running) == 2 + slots and (y in s.running) == bool(slots)
+    assert z not in s.running, "no more than lane_wait_slots extra"
+    assert {i.seq.request_id for i in out.fast} == ({"s1", "s2"} if slots else {"s1"})
+    _fake_fast(s, out)
+    s.on_lane_result(first.lane[0], [9])  # det decodes again: three want rows
+    ran: list[set[str]] = []
+    for _ in range(4):
+        assert len(s.running) == 2 + slots, "nothing admitted while none waits"
+        out = s.schedule()
+        assert len(out.fast) <= 2, "a step carries at most max_num_seqs sequences"
+        ran.append({i.seq.request_id for i in out.fast})
+        _fake_fast(s, out)
+    if slots:
+        assert all(len(r) == 2 for r in ran)
+        for q in ("s0", "s1", "s2"):  # each sits out at most one step in a row
+            assert all(q in a or q in b for a, b in zip(ran, ran[1:], strict=False))
+    else:
+        assert all(r == {"s0", "s1"} for r in ran)
+
+
+
+def test_lane_wait_slots_admit_nobody_when_blocks_run_low() -> None:
+    """A place beyond max_num_seqs is taken only while an eighth of the KV blocks stays free
+    after the admission (it is not worth preempting a running sequence later)."""
+    for blocks, admitted in ((64, True), (9, False)):  # (with 9, y would fit: 4 of 4 free)
+        s = _sched(W=4, G=2, blocks=blocks, max_num_seqs=2, lane_wait_slots=1,
+                   lane_max_wait_steps=0)
+        det, x, y = _seq(0, 6, det=True), _seq(1, 5, det=False), _seq(2, 13, det=False)
+        for q in (det, x, y):
+            s.add(q)
+        _fake_fast(s, s.schedule())  # det's prompt in the lane; it has no fast row now
+        s.schedule()
+        assert (y in s.running) is admitted, blocks
+        assert s.lane_wait_admissions == int(admitted)
