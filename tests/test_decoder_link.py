@@ -23,6 +23,7 @@ from services.decoder.channel import deliver_on_event_loops
 from services.decoder.engine_loop import EngineLoop
 from services.decoder.link import LinkServer
 from services.decoder.messages import DecodeChunk, DecodeRequest
+from services.router import links
 from services.router.channels import ChannelLost, Item
 from services.router.links import LinkHub
 from tests.engine_utils import tiny_model
@@ -83,6 +84,18 @@ async def _scenario(redis_url: str, model: str) -> dict[str, object]:
         out["r1"] = [t for c in chunks for t in c.token_ids]
         assert chunks[-1].finished and chunks[-1].finish_reason == "length"
         assert server.submitted == 1
+
+        # 1b. a burst goes out coalesced, but in messages of at most MESSAGE_FRAMES frames
+        links.MESSAGE_FRAMES, before = 2, server.messages
+        try:
+            queues = [hub.submit(_request(f"b{i}", 3), "rep-1") for i in range(5)]
+            bursts = [await _drain(q) for q in queues]
+        finally:
+            links.MESSAGE_FRAMES = 256
+        for i, items in enumerate(bursts):
+            hub.release(f"b{i}", abort=False)
+            assert isinstance(items[-1], DecodeChunk) and items[-1].finished
+        assert server.submitted == 6 and server.messages - before == 3
 
         # 2. an abort over the link ends the request in the engine
         queue = hub.submit(_request("r2", 400), "rep-1")

@@ -65,6 +65,7 @@ class LinkServer:
         self.token = secrets.token_hex(16)
         self.address = ""
         self.submitted = 0        # requests received over links
+        self.messages = 0         # messages received over links (each a list of frames)
         self._server: grpc.aio.Server | None = None
 
     async def start(self, host: str, bind: str = "0.0.0.0") -> LinkServer:
@@ -106,6 +107,7 @@ class LinkServer:
         sink = ChannelSink(asyncio.get_running_loop(), channel)
         async for data in frames:
             message = loads(data)  # the frames a router had queued: [(kind, payload), ...]
+            self.messages += 1
             if not isinstance(message, list):
                 log.warning("link: a message that is not a list of frames: %r", type(message))
                 continue

@@ -33,6 +33,18 @@ from services.router.load_ledger import TokenLedger
 log = logging.getLogger(__name__)
 
 
+# what one message carries at most: frames, and prompt tokens over its submit frames (a
+# token pickles to at most 5 bytes: a burst of long prompts stays far below the link's
+# 64 MiB message limit; a frame larger than this still goes, alone)
+MESSAGE_FRAMES = 256
+MESSAGE_TOKENS = 1 << 20
+
+
+def _tokens(frame: tuple[str, Any]) -> int:
+    kind, payload = frame
+    return len(payload.prompt_token_ids) if kind == SUBMIT else 0
+
+
 class _Link:
     """One stream to one decoder replica; frames to send go through one writer task, which
     sends every frame queued by the time it runs as one message (a burst of requests costs
@@ -43,12 +55,12 @@ class _Link:
         self.record = record
         self.attached = False
         self.listed = True           # still in the registry
-        self._out: asyncio.Queue[Any] = asyncio.Queue()
+        self._out: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._channel = grpc.aio.insecure_channel(record.address, options=KEEPALIVE)
         # a context of its own: no request's cancellation reaches the link
         self.task = asyncio.create_task(self._run(), context=contextvars.Context())
 
-    def send(self, frame: Any) -> None:
+    def send(self, frame: tuple[str, Any]) -> None:
         self._out.put_nowait(frame)
 
     async def _run(self) -> None:
@@ -86,8 +98,11 @@ class _Link:
         try:
             while True:
                 frames = [await self._out.get()]
-                while not self._out.empty():
+                tokens = _tokens(frames[0])
+                while (not self._out.empty() and len(frames) < MESSAGE_FRAMES
+                       and tokens < MESSAGE_TOKENS):
                     frames.append(self._out.get_nowait())
+                    tokens += _tokens(frames[-1])
                 await call.write(dumps(frames))
         except asyncio.CancelledError:
             raise
