@@ -93,9 +93,9 @@ LANE_SWEEP = [
     LaneConfig(tile=64, block_m=16, num_warps=4, num_stages=2),
     LaneConfig(tile=64, block_m=16, num_warps=1, num_stages=2),
     LaneConfig(tile=64, block_m=32, num_warps=4, num_stages=2),
-    # 16 query slots a warp, as the default's 64 over 4 warps (and 16:1 above, which keeps
-    # its bits): the same instruction shapes, so perhaps the same bits, with more programs
-    # in flight for decode rows than the default's, and more loads in flight than 16:1:2
+    # 16 query slots a warp, as the default's 64 over 4 warps and 16:1 above, both of
+    # which keep its bits. On an H100 (2026-11-25) 32:2 did not, and the ones that did were
+    # slower than the default (docs/benchmarks/gpu/README.md)
     LaneConfig(tile=64, block_m=32, num_warps=2, num_stages=2),
     LaneConfig(tile=64, block_m=32, num_warps=2, num_stages=3),
     LaneConfig(tile=64, block_m=16, num_warps=1, num_stages=3),
