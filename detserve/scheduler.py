@@ -170,8 +170,7 @@ class Scheduler:
         if not (slots and self.cfg.uses_lane and self.waiting
                 and len(self.running) >= self.cfg.max_num_seqs):
             return 0
-        waiting = sum(1 for s in self.running if s.uses_lane and self._fast_rows(s) == 0)
-        return min(slots, waiting)
+        return min(slots, self._lane_waiting())
 
     def _match_prefix(self, seq: Sequence) -> int:
         """Share lane-computed blocks of an earlier request with the same prefix (lane
@@ -311,8 +310,11 @@ class Scheduler:
         """More than ``lane_bound_fraction`` of the running sequences wait on the lane."""
         if not self.cfg.uses_lane or not self.running or self.cfg.lane_bound_fraction >= 1.0:
             return False
-        waiting = sum(1 for s in self.running if s.uses_lane and self._fast_rows(s) == 0)
-        return waiting > self.cfg.lane_bound_fraction * len(self.running)
+        return self._lane_waiting() > self.cfg.lane_bound_fraction * len(self.running)
+
+    def _lane_waiting(self) -> int:
+        """Running lane sequences with no fast-path row now: they wait on the lane."""
+        return sum(1 for s in self.running if s.uses_lane and self._fast_rows(s) == 0)
 
     def _fast_rows(self, seq: Sequence) -> int:
         """Rows this sequence wants on the fast path now (0: not eligible)."""

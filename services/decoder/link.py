@@ -4,8 +4,9 @@ Through Ray Serve every request costs two handle calls' worth of hops (the route
 the replica, and the replica's answers back through a Serve stream): about 3.5 ms each way
 on a GPU host (docs/benchmarks/gpu/README.md). A link is one long-lived bidirectional
 stream per (router, decoder replica): the router writes ``submit`` and ``abort`` frames
-(each message a list of them: whatever it had queued), the replica writes everything its engine committed for that router's requests since the
-previous frame (``services.decoder.channel``), so a request costs one frame each way.
+(each message a list of them: whatever it had queued), the replica writes everything its
+engine committed for that router's requests since the previous frame
+(``services.decoder.channel``), so a request costs one frame each way.
 
 Routers find links in the Redis registry (``detserve.registry.LinkRecord``, kept alive by a
 heartbeat); Ray Serve still deploys, restarts and health-checks the replicas, and a router
