@@ -199,3 +199,42 @@ def test_an_idle_link_survives_the_routers_keepalive_pings() -> None:
               for rid in ("late", "also", "bare")}
     assert tokens == {"late": 6, "also": 3, "bare": 0}
     assert all(any(c.finished for c in chunks if c.request_id == rid) for rid in ("late", "also"))
+
+
+async def _unpicklable_frame(redis_url: str, model: str) -> dict[str, object]:
+    """A frame the writer cannot send (it does not pickle) ends the link, not the writer
+    alone: the request fails over with ChannelLost, the link is dropped, and once the hub
+    attaches it again a request completes over it."""
+    registry = Registry(redis_url, prefix="detserve")
+    loop = EngineLoop(_engine(model), "rep-w", deliver=deliver_on_event_loops)
+    loop.start()
+    server = await LinkServer(loop).start("127.0.0.1", bind="127.0.0.1")
+    beat = Heartbeat(registry, LinkRecord("rep-w", server.address, server.token), 3.0).start()
+    hub = LinkHub(redis_url, poll_s=0.05, attach_timeout_s=5.0, retry_s=0.5)
+    hub.start()
+    out: dict[str, object] = {}
+    try:
+        await _until(lambda: hub.attached == ["rep-w"])
+        bad = DecodeRequest("bad", (lambda: 0,), SamplingParams(max_tokens=3))  # type: ignore[arg-type]
+        items = await _drain(hub.submit(bad, "rep-w"))
+        hub.release("bad", abort=False)
+        out["bad_last"] = items[-1]
+        out["attached_after"] = list(hub.attached)
+        await _until(lambda: hub.attached == ["rep-w"])  # attached again
+        items = await _drain(hub.submit(_request("good", 5), "rep-w"))
+        hub.release("good", abort=False)
+        out["good"] = [t for c in items if isinstance(c, DecodeChunk) for t in c.token_ids]
+    finally:
+        hub.close()
+        beat.stop(deregister=True)
+        await server.stop(None)
+        loop.stop()
+    return out
+
+
+def test_a_frame_that_cannot_be_sent_ends_the_link(redis_url: str) -> None:
+    out = asyncio.run(_unpicklable_frame(redis_url, tiny_model()))
+    lost = out["bad_last"]
+    assert isinstance(lost, ChannelLost) and "write failed" in lost.message, lost
+    assert out["attached_after"] == [], "the link stayed attached without a writer"
+    assert len(out["good"]) == 5  # type: ignore[arg-type]

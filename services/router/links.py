@@ -56,6 +56,7 @@ class _Link:
         self.attached = False
         self.listed = True           # still in the registry
         self._out: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._write_error = ""       # why the writer stopped (it then ends the link)
         self._channel = grpc.aio.insecure_channel(record.address, options=KEEPALIVE)
         # a context of its own: no request's cancellation reaches the link
         self.task = asyncio.create_task(self._run(), context=contextvars.Context())
@@ -80,7 +81,7 @@ class _Link:
                     break
                 deliver_wires(self.hub.queues, loads(data))
         except asyncio.CancelledError:
-            error = "closed by the router"
+            error = self._write_error or "closed by the router"
             raise
         except TimeoutError:
             error = f"not attached within {self.hub.attach_timeout_s:.0f} s"
@@ -106,8 +107,12 @@ class _Link:
                 await call.write(dumps(frames))
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # the stream broke: the reader sees it too
+        except Exception as e:  # the stream broke, or a frame would not pickle
             log.debug("link to %s: write failed: %s", self.record.replica, e)
+            # end the link rather than leave it attached with no writer, where every
+            # request sent over it would wait forever: its open requests fail over
+            self._write_error = f"write failed: {type(e).__name__}: {e}"
+            self.task.cancel()
 
 
 class LinkHub:
