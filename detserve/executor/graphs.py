@@ -129,8 +129,10 @@ class DecodeGraphs:
         self.model, self.pool, self.ops, self.kind = model, pool, ops, kind
         self.aligned = aligned
         self.apart = apart and aligned and kind == "fast"
-        # the apart graphs' second stream (forked from and joined to the capturing one)
-        self._side = torch.cuda.Stream(dev) if self.apart else None
+        # the apart graphs' second stream (forked from and joined to the capturing one), of
+        # high priority: the lane kernel's programs, few but each walking a whole context,
+        # are dispatched before split-KV's many short ones fill the SMs, not after them
+        self._side = torch.cuda.Stream(dev, priority=-1) if self.apart else None
         self.apart_replays = 0
         self.lane_cfg = lane_cfg  # the lane attention kernel's (bi rows and aligned rows)
         self.block_size = pool.block_size
