@@ -22,8 +22,6 @@
 #                                     # lane sweep, llm42 decode step, 10 % target without/with
 #   benchmarks/gpu_suite.sh wait-slots # 10 % workload without/with lane_wait_slots (${SLOTS:-8}):
 #                                     # lane sequences waiting on the lane free their places
-#   benchmarks/gpu_suite.sh apart     # lane rows apart (lane kernel beside split-KV): GPU tests,
-#                                     # 10 % workload per $VARIANTS (default: off, on, on + 8 wait slots)
 #   benchmarks/gpu_suite.sh split     # the lane attention split (S=${SPLIT:-256}): its GPU tests,
 #                                     # kernel sweep, llm42 decode step, 10 % target without/with
 # Results go to ${OUT:-results/gpu}; the SmolLM2 GGUF path comes from $SMOLLM2 (default:
@@ -42,7 +40,7 @@ offline10() {  # VARIANTS NAME: the 10 % workload, nondeterministic and llm42 pe
   python -m benchmarks.bench_offline --model random:llama3-8b --device cuda --dtype bfloat16 \
     --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
     --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 \
-    --repeat "${REPEAT:-1}" --variants "$1" --out "$out/offline-$2.json" 2>&1 | tail -16
+    --variants "$1" --out "$out/offline-$2.json" 2>&1 | tail -12
 }
 case "${1:-}" in
   smoke)
@@ -117,13 +115,6 @@ case "${1:-}" in
         --out "$out/decode-step-llm42${x%%-lane-full-tiles}.json" 2>&1 | grep batch
     done
     offline10 "lane_full_tiles=0;lane_full_tiles=1" full-tiles ;;
-  apart)
-    # the lane's decode rows apart from the others (EngineConfig.lane_rows_apart): their GPU
-    # tests (bits per row, eager and graphed; DVR == lane_only), then the 10 % workload
-    python -m pytest -q -m gpu tests/test_kernels_decode_attention.py tests/test_kernels_lane_attention.py \
-      tests/test_gpu_engine.py -k "apart or aligned_fast_decode or dvr_equals or row_invariance" \
-      2>&1 | tee "$out/apart_tests.log" | tail -3
-    offline10 "${VARIANTS:-lane_rows_apart=0;lane_rows_apart=1;lane_rows_apart=1,lane_wait_slots=8}" apart ;;
   wait-slots)
     python -m pytest -q -m gpu tests/test_gpu_engine.py -k "dvr_equals" 2>&1 | tail -1
     offline10 "lane_wait_slots=0;lane_wait_slots=${SLOTS:-8}" wait-slots ;;
