@@ -22,6 +22,8 @@
 #                                     # lane sweep, llm42 decode step, 10 % target without/with
 #   benchmarks/gpu_suite.sh wait-slots # 10 % workload without/with lane_wait_slots (${SLOTS:-8}):
 #                                     # lane sequences waiting on the lane free their places
+#   benchmarks/gpu_suite.sh attn-split # 10 % workload with decode rows on the lane kernel / on
+#                                     # split-KV with the products aligned (REPEAT=2 interleaves)
 #   benchmarks/gpu_suite.sh split     # the lane attention split (S=${SPLIT:-256}): its GPU tests,
 #                                     # kernel sweep, llm42 decode step, 10 % target without/with
 # Results go to ${OUT:-results/gpu}; the SmolLM2 GGUF path comes from $SMOLLM2 (default:
@@ -40,7 +42,7 @@ offline10() {  # VARIANTS NAME: the 10 % workload, nondeterministic and llm42 pe
   python -m benchmarks.bench_offline --model random:llama3-8b --device cuda --dtype bfloat16 \
     --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
     --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 \
-    --variants "$1" --out "$out/offline-$2.json" 2>&1 | tail -12
+    --repeat "${REPEAT:-1}" --variants "$1" --out "$out/offline-$2.json" 2>&1 | tail -16
 }
 case "${1:-}" in
   smoke)
@@ -115,6 +117,10 @@ case "${1:-}" in
         --out "$out/decode-step-llm42${x%%-lane-full-tiles}.json" 2>&1 | grep batch
     done
     offline10 "lane_full_tiles=0;lane_full_tiles=1" full-tiles ;;
+  attn-split)
+    # the fast path's decode rows on split-KV, products still aligned (align_decode_attention)
+    python -m pytest -q -m gpu tests/test_gpu_engine.py -k "split_kv_decode_rows or dvr_equals" 2>&1 | tail -1
+    offline10 "align_attention=1;align_attention=0" attn-split ;;
   wait-slots)
     python -m pytest -q -m gpu tests/test_gpu_engine.py -k "dvr_equals" 2>&1 | tail -1
     offline10 "lane_wait_slots=0;lane_wait_slots=${SLOTS:-8}" wait-slots ;;
