@@ -94,7 +94,6 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               num_blocks=args.num_blocks, seed=args.seed,
                               align_fast_path=not args.no_align,
-                              align_decode_attention=args.align_attention,
                               lane_gemm_rows=args.lane_gemm_rows,
                               lane_bound_fraction=args.lane_bound_fraction,
                               lane_wait_slots=args.lane_wait_slots,
@@ -163,8 +162,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     return {
         "mode": mode, "deterministic_ratio": ratio, "num_requests": len(shapes),
         "verify_window": args.verify_window, "verify_group": args.verify_group,
-        "align_fast_path": not args.no_align, "align_decode_attention": args.align_attention,
-        "lane_gemm_rows": gemm_rows,
+        "align_fast_path": not args.no_align, "lane_gemm_rows": gemm_rows,
         "single_calls": not args.no_single_calls,
         "lane_one_calls": one_call,
         "lane_sizes": lane_sizes,
@@ -328,10 +326,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="CUDA, llm42: the lane kernel's query tile and launch for the fast "
                         "path's decode rows (default: the lane's own; worth it only where "
                         "bench_kernels' lane sweep says it keeps the lane's bits)")
-    p.add_argument("--align-attention", action=argparse.BooleanOptionalAction, default=True,
-                   help="CUDA, llm42: the fast path's decode rows take the lane's attention "
-                        "kernel (EngineConfig.align_decode_attention); --no-align-attention: "
-                        "split-KV, products still aligned, windows that differ roll back")
     p.add_argument("--lane-max-wait-steps", type=int,
                    default=SchedulerConfig.lane_max_wait_steps,
                    help="llm42: steps a lane pass waits to fill once work is ready for it (a "

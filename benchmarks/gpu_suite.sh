@@ -22,8 +22,6 @@
 #                                     # lane sweep, llm42 decode step, 10 % target without/with
 #   benchmarks/gpu_suite.sh wait-slots # 10 % workload without/with lane_wait_slots (${SLOTS:-8}):
 #                                     # lane sequences waiting on the lane free their places
-#   benchmarks/gpu_suite.sh attn-split # 10 % workload with decode rows on the lane kernel / on
-#                                     # split-KV with the products aligned (REPEAT=2 interleaves)
 #   benchmarks/gpu_suite.sh split     # the lane attention split (S=${SPLIT:-256}): its GPU tests,
 #                                     # kernel sweep, llm42 decode step, 10 % target without/with
 # Results go to ${OUT:-results/gpu}; the SmolLM2 GGUF path comes from $SMOLLM2 (default:
@@ -117,10 +115,6 @@ case "${1:-}" in
         --out "$out/decode-step-llm42${x%%-lane-full-tiles}.json" 2>&1 | grep batch
     done
     offline10 "lane_full_tiles=0;lane_full_tiles=1" full-tiles ;;
-  attn-split)
-    # the fast path's decode rows on split-KV, products still aligned (align_decode_attention)
-    python -m pytest -q -m gpu tests/test_gpu_engine.py -k "split_kv_decode_rows or dvr_equals" 2>&1 | tail -1
-    offline10 "align_attention=1;align_attention=0" attn-split ;;
   wait-slots)
     python -m pytest -q -m gpu tests/test_gpu_engine.py -k "dvr_equals" 2>&1 | tail -1
     offline10 "lane_wait_slots=0;lane_wait_slots=${SLOTS:-8}" wait-slots ;;

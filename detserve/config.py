@@ -153,12 +153,6 @@ class EngineConfig:
     # computes only the chunks its rows fill (0: the whole G*W pass, always).
     align_fast_path: bool = True
     lane_gemm_rows: int = 0
-    # CUDA, with align_fast_path: the fast path's decode rows take the lane's attention
-    # kernel (as above). False: only the products are aligned; decode rows take split-KV,
-    # the faster kernel, whose bits differ from the lane kernel's here and there, so a
-    # window whose sampled tokens then differ rolls back (more lane work; never other
-    # committed output)
-    align_decode_attention: bool = True
     # CUDA, with align_fast_path: probe at start-up, for every eager step size, which
     # products give the leading decode rows the lane chunk's bits in one call over all the
     # step's rows; those products then run unsplit (gemm_classes.single_call_sizes)

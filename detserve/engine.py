@@ -90,7 +90,7 @@ class LLMEngine:
                                   # nondeterministic mode has no lane to align with: its
                                   # decode rows take split-KV attention, the faster kernel
                                   align_fast_path=cuda and config.align_fast_path
-                                  and sc.uses_lane and config.align_decode_attention,
+                                  and sc.uses_lane,
                                   decode_buckets=self.alignment.buckets if self.alignment else None,
                                   single_call=self.alignment.single_call if self.alignment else None,
                                   lane_one_calls=config.lane_one_calls,

@@ -180,22 +180,6 @@ def test_aligned_decode_lane_config_keeps_dvr_equal_to_lane_only(model: str) -> 
         e.close()
 
 
-def test_split_kv_decode_rows_keep_dvr_equal_to_lane_only(model: str) -> None:
-    """align_decode_attention=False: the products stay aligned (the lane's GEMM chunk, the
-    decode buckets) while decode rows take split-KV attention; committed output still
-    equals lane_only (a window whose tokens differ rolls back)."""
-    reqs = _reqs(det=True)
-    oracle, _, o = run_engine(model, reqs, mode="lane_only", **CUDA)
-    dvr, _, eng = run_engine(model, reqs, align_decode_attention=False, **CUDA)
-    assert eng.alignment is not None and eng.lane_gemm_rows == eng.alignment.chunk
-    assert not eng.runner.align_fast_path
-    assert eng.runner.decode_graphs is not None and not eng.runner.decode_graphs.aligned
-    for a, b in zip(oracle, dvr, strict=True):
-        assert signature(a) == signature(b)
-    for e in (o, eng):
-        e.close()
-
-
 def test_unaligned_fast_path_still_deterministic(model: str) -> None:
     """align_fast_path=False (split-KV decode, whole-pass lane GEMMs) keeps DVR == lane_only."""
     reqs = _reqs(det=True)
