@@ -96,7 +96,6 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               align_fast_path=not args.no_align,
                               lane_gemm_rows=args.lane_gemm_rows,
                               lane_bound_fraction=args.lane_bound_fraction,
-                              lane_wait_slots=args.lane_wait_slots,
                               lane_priority=args.lane_priority, lane_sms=args.lane_sms,
                               lane_decode_in_mixed_steps=not args.lane_decode_sits_out,
                               pipeline_lane_prefill=not args.no_pipeline_lane_prefill,
@@ -172,7 +171,6 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "variant": getattr(args, "variant", ""),
         "prefill_batch_tokens": prefill_batch_tokens,
         "prefill_held_steps": stats["prefill_held_steps"],
-        "lane_wait_admissions": stats["lane_wait_admissions"],
         "duration_s": elapsed,
         "request_throughput": len(shapes) / elapsed,
         "output_throughput": out_tokens / elapsed,
@@ -354,9 +352,6 @@ def main(argv: list[str] | None = None) -> int:
                    default=SchedulerConfig.lane_bound_fraction,
                    help="give a step to the lane pass in flight when more than this share of "
                         "sequences wait on the lane (1: never)")
-    p.add_argument("--lane-wait-slots", type=int, default=SchedulerConfig.lane_wait_slots,
-                   help="llm42: running sequences waiting on the lane that do not count "
-                        "against --max-num-seqs when admitting (0: off)")
     p.add_argument("--trace", default=None,
                    help="loadgen JSONL trace (real prompts, e.g. ShareGPT); overrides --lengths")
     p.add_argument("--warmup-requests", type=int, default=4,
@@ -411,9 +406,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({sec['decode_step']:.1f} s), {st['mixed_steps']:.0f} with prefill "
               f"({sec['mixed_step']:.1f} s, {r['step_graph_replays']:.0f} as graphs); schedule {sec['schedule']:.1f} s, lane "
               f"submit/wait {sec['lane_wait']:.1f} s, outputs {sec['output']:.1f} s; "
-              f"{r['prefill_held_steps']:.0f} steps held prompts back"
-              + (f", {r['lane_wait_admissions']} admitted past max_num_seqs"
-                 if r.get("lane_wait_admissions") else ""), flush=True)
+              f"{r['prefill_held_steps']:.0f} steps held prompts back", flush=True)
         last, mean = r["last_finish_s"], r["mean_finish_s"]
         fmt = lambda x: "-" if x is None else f"{x:.1f} s"  # noqa: E731
         print(f"{'':>16} finish (mean / last): deterministic {fmt(mean['deterministic'])} / "

@@ -20,8 +20,6 @@
 #                                     # llm42 decode step, 10 % target without/with
 #   benchmarks/gpu_suite.sh full-tiles # the lane kernel with whole tiles unmasked: GPU tests,
 #                                     # lane sweep, llm42 decode step, 10 % target without/with
-#   benchmarks/gpu_suite.sh wait-slots # 10 % workload without/with lane_wait_slots (${SLOTS:-8}):
-#                                     # lane sequences waiting on the lane free their places
 #   benchmarks/gpu_suite.sh split     # the lane attention split (S=${SPLIT:-256}): its GPU tests,
 #                                     # kernel sweep, llm42 decode step, 10 % target without/with
 # Results go to ${OUT:-results/gpu}; the SmolLM2 GGUF path comes from $SMOLLM2 (default:
@@ -115,9 +113,6 @@ case "${1:-}" in
         --out "$out/decode-step-llm42${x%%-lane-full-tiles}.json" 2>&1 | grep batch
     done
     offline10 "lane_full_tiles=0;lane_full_tiles=1" full-tiles ;;
-  wait-slots)
-    python -m pytest -q -m gpu tests/test_gpu_engine.py -k "dvr_equals" 2>&1 | tail -1
-    offline10 "lane_wait_slots=0;lane_wait_slots=${SLOTS:-8}" wait-slots ;;
   split)
     s=${SPLIT:-256}
     python -m pytest -q -m gpu tests/test_kernels_lane_attention.py tests/test_gpu_engine.py \

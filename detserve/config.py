@@ -60,14 +60,6 @@ class SchedulerConfig:
     # deterministic traffic on an H100 (docs/benchmarks/gpu/README.md). A verifier on a
     # GPU of its own would not share it: there, 1
     lane_bound_fraction: float = 0.2
-    # llm42: a running lane sequence that waits on the lane (its prompt being prefilled
-    # there, a full window queued, or decoded as far past a window in flight as allowed)
-    # has no row on the fast path, yet it holds one of the max_num_seqs places. Up to this
-    # many such sequences do not count when admitting, so the fast path's batches stay
-    # full (at 10 % deterministic traffic on the 8B shape about 1.2 of 128 sequences wait
-    # a step). A step still carries rows of at most max_num_seqs sequences (its CUDA
-    # graphs and the alignment's padded sizes end there). 0: off
-    lane_wait_slots: int = 0
     # whether lane sequences' decode rows join fast steps that also carry prefill rows. On
     # CUDA such rows must run their products as a call of their own, padded to a bucket in
     # the lane chunk's cuBLAS class (a second weight read for the step); with False they sit
@@ -102,7 +94,7 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("lane_max_wait_steps", "prefill_max_wait_steps", "lane_wait_slots"):
+        for name in ("lane_max_wait_steps", "prefill_max_wait_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.prefill_batch_tokens is not None and self.prefill_batch_tokens < 0:
@@ -239,7 +231,6 @@ class EngineConfig:
                lane_max_wait_steps: int = SchedulerConfig.lane_max_wait_steps,
                overlap_windows: bool = True,
                lane_bound_fraction: float = SchedulerConfig.lane_bound_fraction,
-               lane_wait_slots: int = SchedulerConfig.lane_wait_slots,
                lane_decode_in_mixed_steps: bool = True, pipeline_lane_prefill: bool = True,
                decode_past_queued_windows: bool = True,
                prefill_batch_tokens: int | None = None, block_size: int = 16,
@@ -252,7 +243,6 @@ class EngineConfig:
                                 verify_group=verify_group, lane_max_wait_steps=lane_max_wait_steps,
                                 overlap_windows=overlap_windows,
                                 lane_bound_fraction=lane_bound_fraction,
-                                lane_wait_slots=lane_wait_slots,
                                 lane_decode_in_mixed_steps=lane_decode_in_mixed_steps,
                                 pipeline_lane_prefill=pipeline_lane_prefill,
                                 decode_past_queued_windows=decode_past_queued_windows,

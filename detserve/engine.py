@@ -514,7 +514,6 @@ class LLMEngine:
         out["recomputed_tokens"] = c["tokens_rolled_back"] + c["preempted_tokens"]
         out["prefix_cache_hit_tokens"] = self.scheduler.prefix_hit_tokens
         out["prefill_held_steps"] = self.scheduler.prefill_held_steps
-        out["lane_wait_admissions"] = self.scheduler.lane_wait_admissions
         out["lane_padding_fraction"] = c["lane_padding_rows"] / c["lane_rows"] if c["lane_rows"] else 0.0
         out["lane_seconds"] = c["lane_seconds_us"] / 1e6
         # where the engine's wall time goes (seconds): scheduling, fast-path steps (decode

@@ -77,9 +77,6 @@ class SchedulerOutput:
 
 
 LANE_STATES = ("fast", "prefill", "window", "capped")
-# an admission past max_num_seqs (lane_wait_slots) leaves at least 1/this of the KV blocks
-# free, so the sequences already running keep room to grow
-LANE_WAIT_FREE_SHARE = 8
 
 
 class Scheduler:
@@ -97,7 +94,6 @@ class Scheduler:
         # rows ("steps"; see _count_lane_states)
         self.lane_state_steps: Counter[str] = Counter()
         self.prefill_held_steps = 0  # steps that held new prompts back (_hold_prompts)
-        self.lane_wait_admissions = 0  # admitted past max_num_seqs (lane_wait_slots)
         self._prompt_held_since: dict[int, int] = {}  # id(seq) -> first step it could run
 
     # ---- queue management -------------------------------------------------------------
@@ -140,13 +136,8 @@ class Scheduler:
         return out
 
     def _admit(self) -> None:
-        room = self.cfg.max_num_seqs + self._lane_wait_slack()
-        while self.waiting and len(self.running) < room:
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
-            if (len(self.running) >= self.cfg.max_num_seqs and self.blocks.num_free
-                    < self.blocks.num_blocks // LANE_WAIT_FREE_SHARE
-                    + self.blocks.blocks_needed(seq.num_tokens + 1)):
-                break  # a place beyond max_num_seqs is not worth a preemption later
             cached = self._match_prefix(seq)
             # the whole committed prefix (+1 for the next token) must fit now, so prefill
             # chunks never need to allocate later
@@ -160,17 +151,7 @@ class Scheduler:
                 self.prefix_hit_tokens += seq.num_lane_kv
             self.waiting.popleft()
             seq.status = Status.RUNNING
-            self.lane_wait_admissions += len(self.running) >= self.cfg.max_num_seqs
             self.running.append(seq)
-
-    def _lane_wait_slack(self) -> int:
-        """Places beyond ``max_num_seqs`` for this step's admissions: running lane
-        sequences with no fast-path row now, at most ``lane_wait_slots`` of them."""
-        slots = self.cfg.lane_wait_slots
-        if not (slots and self.cfg.uses_lane and self.waiting
-                and len(self.running) >= self.cfg.max_num_seqs):
-            return 0
-        return min(slots, self._lane_waiting())
 
     def _match_prefix(self, seq: Sequence) -> int:
         """Share lane-computed blocks of an earlier request with the same prefix (lane
@@ -310,11 +291,8 @@ class Scheduler:
         """More than ``lane_bound_fraction`` of the running sequences wait on the lane."""
         if not self.cfg.uses_lane or not self.running or self.cfg.lane_bound_fraction >= 1.0:
             return False
-        return self._lane_waiting() > self.cfg.lane_bound_fraction * len(self.running)
-
-    def _lane_waiting(self) -> int:
-        """Running lane sequences with no fast-path row now: they wait on the lane."""
-        return sum(1 for s in self.running if s.uses_lane and self._fast_rows(s) == 0)
+        waiting = sum(1 for s in self.running if s.uses_lane and self._fast_rows(s) == 0)
+        return waiting > self.cfg.lane_bound_fraction * len(self.running)
 
     def _fast_rows(self, seq: Sequence) -> int:
         """Rows this sequence wants on the fast path now (0: not eligible)."""
@@ -349,14 +327,10 @@ class Scheduler:
         order = [w for w in wants if w[1] == 1] + [w for w in wants if w[1] > 1]
         if self._hold_prompts(order):
             order = [w for w in order if w[1] == 1]
-        if sum(1 for _, r in order if r) > self.cfg.max_num_seqs:  # (lane_wait_slots)
-            # more sequences want rows than a step carries: those that went longest
-            # without come first, so every one gets its turn
-            order.sort(key=lambda w: w[0].fast_step)
         items: list[FastItem] = []
         for seq, rows in order:
-            if budget == 0 or len(items) == self.cfg.max_num_seqs:
-                break  # (more may run than max_num_seqs: lane_wait_slots)
+            if budget == 0:
+                break
             if rows == 0 or seq.status is not Status.RUNNING:
                 continue
             n = min(rows, budget)
@@ -367,7 +341,6 @@ class Scheduler:
             elif not self._grow(seq, end, out, scheduled=items):
                 continue
             items.append(FastItem(seq, seq.num_computed, end, sample=end == seq.num_tokens))
-            seq.fast_step = self.step_count
             budget -= n
         return items
 

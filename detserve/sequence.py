@@ -63,7 +63,6 @@ class Sequence:
     detok: tuple[str, int, int] | None = None
     stop_set: frozenset[int] | None = None   # stop token ids (the scheduler's cache)
     sat_out: bool = False                    # sat out the last step that had prefill rows
-    fast_step: int = 0                       # the last step that gave it fast-path rows
 
     def __post_init__(self) -> None:
         if not self.token_ids:
