@@ -20,9 +20,6 @@
 #                                     # llm42 decode step, 10 % target without/with
 #   benchmarks/gpu_suite.sh full-tiles # the lane kernel with whole tiles unmasked: GPU tests,
 #                                     # lane sweep, llm42 decode step, 10 % target without/with
-#   benchmarks/gpu_suite.sh apart     # lane rows apart (lane kernel beside split-KV): GPU tests,
-#                                     # 10 % workload per $VARIANTS (default: off, on with lane
-#                                     # attention splits of 256 and 512)
 #   benchmarks/gpu_suite.sh split     # the lane attention split (S=${SPLIT:-256}): its GPU tests,
 #                                     # kernel sweep, llm42 decode step, 10 % target without/with
 # Results go to ${OUT:-results/gpu}; the SmolLM2 GGUF path comes from $SMOLLM2 (default:
@@ -116,13 +113,6 @@ case "${1:-}" in
         --out "$out/decode-step-llm42${x%%-lane-full-tiles}.json" 2>&1 | grep batch
     done
     offline10 "lane_full_tiles=0;lane_full_tiles=1" full-tiles ;;
-  apart)
-    # the lane's decode rows apart from the others (EngineConfig.lane_rows_apart): their GPU
-    # tests (bits per row, eager and graphed; DVR == lane_only), then the 10 % workload
-    python -m pytest -q -m gpu tests/test_kernels_decode_attention.py tests/test_kernels_lane_attention.py \
-      tests/test_gpu_engine.py -k "apart or aligned_fast_decode or dvr_equals or row_invariance or split" \
-      2>&1 | tee "$out/apart_tests.log" | tail -3
-    offline10 "${VARIANTS:-lane_rows_apart=0;lane_rows_apart=1,lane_attention_split=256;lane_rows_apart=1,lane_attention_split=512}" apart ;;
   split)
     s=${SPLIT:-256}
     python -m pytest -q -m gpu tests/test_kernels_lane_attention.py tests/test_gpu_engine.py \

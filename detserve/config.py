@@ -178,13 +178,6 @@ class EngineConfig:
     # using only where it keeps the lane's bits (bench_kernels' lane sweep says which do),
     # else the windows it decodes roll back (never wrong output: the lane verifies them)
     aligned_decode_lane: str = ""
-    # CUDA, aligned fast path: a decode graph's step that carries rows the lane will not
-    # verify runs only the lane's rows through the lane's kernel and the others through
-    # split-KV (the faster kernel; nothing compares their bits), on a second stream at the
-    # same time (executor/gpu.apart_decode_attention). Rows of the lane get the same bits
-    # either way. One after the other the two kernels cost more than the lane's kernel over
-    # every row (docs/benchmarks/gpu/README.md); side by side, about one of them
-    lane_rows_apart: bool = False
     # plan and queue each step's fast batch before reading the previous step's tokens, so
     # the host's work between steps overlaps the device's (None: on for CUDA, off on CPU)
     async_scheduling: bool | None = None

@@ -98,7 +98,6 @@ class LLMEngine:
                                   lane_attention_split=config.lane_attention_split,
                                   lane_full_tiles=config.lane_full_tiles,
                                   aligned_decode_lane=config.aligned_decode_lane,
-                                  lane_rows_apart=config.lane_rows_apart,
                                   decode_pads=self.alignment.pads if self.alignment else None)
         if cuda and config.cuda_graphs:
             mode = config.mode
@@ -303,8 +302,8 @@ class LLMEngine:
     def _launch_fast(self, items: list[FastItem], prev: _Launch | None) -> _Launch:
         """Queue the fast batch on the device. A row whose input token is a placeholder
         takes it from ``prev``'s tokens on the device."""
-        segs = [RowSegment(tuple(i.seq.token_ids[i.start:i.end]), i.start,
-                           tuple(i.seq.block_table), lane=i.seq.uses_lane) for i in items]
+        segs = [RowSegment(tuple(i.seq.token_ids[i.start:i.end]), i.start, tuple(i.seq.block_table))
+                for i in items]
         feed = None
         waiting = [(n, i) for n, i in enumerate(items) if i.seq.token_ids[i.start] == PLACEHOLDER]
         if waiting:

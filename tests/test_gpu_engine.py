@@ -180,38 +180,6 @@ def test_aligned_decode_lane_config_keeps_dvr_equal_to_lane_only(model: str) -> 
         e.close()
 
 
-@pytest.mark.parametrize("split", [0, 64])
-def test_lane_rows_apart_keep_the_lanes_bits(model: str, split: int) -> None:
-    """EngineConfig.lane_rows_apart: decode graphs run only the lane's rows on the lane
-    kernel and the others on split-KV beside them. The deterministic request (one among
-    twelve) commits lane_only's output; decoding beside one other request, its windows all
-    verify, as they do when every row takes the lane kernel (its rows keep the lane's
-    bits). Control: the other requests' outputs change (their rows did take split-KV). With
-    a lane attention split (64 positions) the lane's rows take the split kernel alike."""
-    reqs = _reqs(det=False)
-    cuda = {"lane_attention_split": split, **CUDA}
-    oracle, _, o = run_engine(model, reqs[:1], mode="lane_only", **cuda)
-    every, _, e = run_engine(model, reqs, **cuda)
-    apart, _, eng = run_engine(model, reqs, lane_rows_apart=True, **cuda)
-    graphs = eng.runner.decode_graphs
-    assert graphs is not None and graphs.apart and graphs.apart_replays > 0
-    assert e.runner.decode_graphs is not None and e.runner.decode_graphs.apart_replays == 0
-    assert signature(apart[0]) == signature(oracle[0]) == signature(every[0])
-    assert any(signature(a) != signature(b) for a, b in zip(apart[1:], every[1:], strict=True))
-    prompts = random_prompts(2, [40, 23], seed=9)
-    pair = [Req(p, SamplingParams(max_tokens=96, is_deterministic=i == 0, logprobs=1,
-                                  ignore_eos=True)) for i, p in enumerate(prompts)]
-    kw = {"max_num_seqs": 2, "window": 16, "group": 1, **cuda}
-    for apart_on in (False, True):
-        _, stats, x = run_engine(model, pair, lane_rows_apart=apart_on, **kw)
-        assert stats["windows"] >= 5 and stats["rollbacks"] == 0, apart_on
-        assert x.runner.decode_graphs is not None
-        assert (x.runner.decode_graphs.apart_replays > 0) == apart_on
-        x.close()
-    for x in (o, e, eng):
-        x.close()
-
-
 def test_unaligned_fast_path_still_deterministic(model: str) -> None:
     """align_fast_path=False (split-KV decode, whole-pass lane GEMMs) keeps DVR == lane_only."""
     reqs = _reqs(det=True)

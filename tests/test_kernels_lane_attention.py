@@ -199,28 +199,6 @@ def test_full_tiles_keep_the_bits_interp(split: int) -> None:
                             dataclasses.replace(cfg, full_tiles=True), 1e-5)
 
 
-def check_other_rows_left_alone(device: str, dtype: torch.dtype, cfg: LaneConfig) -> None:
-    """Rows at p <= -2 are another kernel's: their output is not written (padding rows at
-    p = -1 still get zeros), and the other rows keep their bits."""
-    lens = [40, 9, 73]
-    kv = kt.make_paged_kv(lens, 2, 32, 8, dtype=dtype, device=device, seed=31)
-    seq, pos = _i32([0, 1, 2, 0, 2], device), _i32([39, -2, 72, -1, -2], device)
-    q = kt.randn(5, 6, 32, dtype=dtype, device=device, seed=32)
-    every = lane_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, seq,
-                           _i32([39, 8, 72, -1, 50], device), cfg=cfg)
-    out = torch.full_like(q, 7.0)
-    lane_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, seq, pos, out=out, cfg=cfg,
-                   rows_per_program=1)
-    assert kt.bitwise_equal(out[[0, 2]], every[[0, 2]])
-    assert torch.all(out[[1, 4]] == 7.0) and torch.all(out[3] == 0)
-
-
-@interp
-@pytest.mark.parametrize("split", [0, 16])
-def test_other_rows_left_alone_interp(split: int) -> None:
-    check_other_rows_left_alone(*CPU, LaneConfig(tile=16, block_m=16, split=split))
-
-
 def test_lane_split_must_be_tile_multiple() -> None:
     with pytest.raises(ValueError, match="multiple of the tile"):
         LaneConfig(tile=64, split=96)

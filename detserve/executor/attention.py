@@ -24,14 +24,11 @@ from detserve.executor.transfer import upload
 
 @dataclass(frozen=True)
 class RowSegment:
-    """Consecutive positions [start, start + len(input_ids)) of one sequence. ``lane``: the
-    lane verifies the sequence's tokens (its fast-path decode rows want the lane's attention
-    bits; with ``EngineConfig.lane_rows_apart`` the others may take any kernel)."""
+    """Consecutive positions [start, start + len(input_ids)) of one sequence."""
 
     input_ids: tuple[int, ...]
     start: int
     block_table: tuple[int, ...]
-    lane: bool = False
 
 
 @dataclass

@@ -32,8 +32,7 @@ from detserve.kernels.lane_attention import lane_attention
 from detserve.kernels.prefill_attention import prefill_attention
 
 __all__ = ["KERNEL_VERSION", "DecodeInputs", "GpuFastOps", "GpuLaneOps", "GpuMeta", "Rope",
-           "TritonBatchInvariantOps", "aligned_split_masks", "apart_decode_attention",
-           "apart_masks", "fast_attention_gpu",
+           "TritonBatchInvariantOps", "aligned_split_masks", "fast_attention_gpu",
            "fast_decode_attention",
            "lane_attention_gpu", "rope_write"]
 
@@ -231,41 +230,6 @@ def fast_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: T
     if out is None:
         return torch.where(short, near, far)
     return torch.where(short, near, far, out=out)
-
-
-def apart_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor,
-                           row_seq: Tensor, lane_pos: Tensor, far_ctx: Tensor,
-                           num_splits: int, side: torch.cuda.Stream,
-                           lane_cfg: LaneConfig = TABLE.lane) -> Tensor:
-    """Aligned decode attention with the lane's rows apart (``EngineConfig.lane_rows_apart``):
-    the rows the lane will verify take the lane's kernel on ``side`` while the others take
-    split-KV on the current stream, at the same time, each kernel writing only its own rows
-    of one output. ``lane_pos``: a lane row's position, -2 elsewhere; ``far_ctx``: the other
-    rows' context lengths (0: a padding row, output zeros), -1 at lane rows
-    (``apart_masks``). Both kernels launch one program per row and KV head, and each lasts
-    as long as its longest row: one after the other they cost about twice one, side by side
-    about one. Graph-safe: ``side`` forks from and joins the current stream."""
-    out = torch.empty_like(q)
-    cur = torch.cuda.current_stream(q.device)
-    side.wait_stream(cur)
-    with torch.cuda.stream(side):
-        lane_attention(q, k_cache, v_cache, tables, row_seq, lane_pos, rows_per_program=1,
-                       out=out, cfg=lane_cfg)
-    decode_attention(q, k_cache, v_cache, tables, far_ctx, num_splits=num_splits, out=out)
-    cur.wait_stream(side)
-    return out
-
-
-def apart_masks(context_lens: Tensor, row_pos: Tensor, lane: Tensor, split: bool
-                ) -> tuple[Tensor, Tensor]:
-    """(lane_pos, far_ctx) of ``apart_decode_attention`` for rows with these context lengths
-    and positions, ``lane`` (bool) marking the lane's rows. A lane row takes the lane kernel
-    as the aligned path would give it (with ``split``, only if its context needs no split:
-    ``aligned_split_masks``); every other row takes split-KV."""
-    take = lane & (row_pos >= 0)
-    if split:
-        take = take & (context_lens <= TABLE.decode.aligned_min_tokens_per_split)
-    return torch.where(take, row_pos, -2), torch.where(take, -1, context_lens)
 
 
 def fast_attention_gpu(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,

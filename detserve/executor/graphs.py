@@ -34,13 +34,7 @@ from torch import Tensor
 from detserve.block_manager import SCRATCH_BLOCK
 from detserve.executor.attention import RowBatch, RowSegment
 from detserve.executor.gemm_classes import smallest_at_least
-from detserve.executor.gpu import (
-    Rope,
-    apart_decode_attention,
-    apart_masks,
-    fast_decode_attention,
-    rope_write,
-)
+from detserve.executor.gpu import Rope, fast_decode_attention, rope_write
 from detserve.executor.kv_pool import KVPool
 from detserve.kernels._utils import num_sms
 from detserve.kernels.config import TABLE, LaneConfig
@@ -111,16 +105,13 @@ class DecodeGraphs:
 
     ``kind``: "fast" (``fast_decode_attention``: the lane's kernel where one split suffices
     if ``aligned``, else split-KV) or "bi" (batch-invariant ops and position-aligned lane
-    attention). Aligned fast graphs with ``apart`` (``EngineConfig.lane_rows_apart``) come
-    twice: every row takes the lane kernel (replayed when every row is a lane row), and
-    "apart": only the lane's rows take it, the others split-KV, on two streams at once
-    (``apart_decode_attention``; replayed when some row is not the lane's).
+    attention).
     """
 
     def __init__(self, model: LlamaModel, pool: KVPool, ops: Ops, kind: str, max_batch: int,
                  max_blocks: int, aligned: bool = True,
                  buckets: Sequence[int] | None = None,
-                 lane_cfg: LaneConfig = TABLE.lane, apart: bool = False) -> None:
+                 lane_cfg: LaneConfig = TABLE.lane) -> None:
         """``buckets``: captured sizes (default ``decode_buckets(max_batch)``); some must
         hold ``max_batch`` sequences, and may be larger (an alignment's padded sizes)."""
         if kind not in ("fast", "bi"):
@@ -128,12 +119,6 @@ class DecodeGraphs:
         dev = model.embed_tokens.device
         self.model, self.pool, self.ops, self.kind = model, pool, ops, kind
         self.aligned = aligned
-        self.apart = apart and aligned and kind == "fast"
-        # the apart graphs' second stream (forked from and joined to the capturing one), of
-        # high priority: the lane kernel's programs, few but each walking a whole context,
-        # are dispatched before split-KV's many short ones fill the SMs, not after them
-        self._side = torch.cuda.Stream(dev, priority=-1) if self.apart else None
-        self.apart_replays = 0
         self.lane_cfg = lane_cfg  # the lane attention kernel's (bi rows and aligned rows)
         self.block_size = pool.block_size
         self.max_batch = max_batch
@@ -148,8 +133,7 @@ class DecodeGraphs:
         # on the device). Uploaded whole, as one contiguous copy, every replay
         self.longs = torch.zeros((4, size), dtype=torch.long, device=dev)
         self.prev = torch.zeros(size, dtype=torch.long, device=dev)
-        # ctx, lane pos, lane row (1: the lane verifies the row; read by apart graphs)
-        self.ints = torch.zeros((3, size), dtype=torch.int32, device=dev)
+        self.ints = torch.zeros((2, size), dtype=torch.int32, device=dev)   # ctx, lane pos
         self.tables = torch.full((size, max_blocks), SCRATCH_BLOCK, dtype=torch.int32,
                                  device=dev)
         self.row_seq = torch.arange(size, dtype=torch.int32, device=dev)
@@ -160,32 +144,25 @@ class DecodeGraphs:
         # replays not yet added (with asynchronous scheduling several may be in flight)
         self._timing: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self._mempool = torch.cuda.graph_pool_handle()
-        # (bucket, splits, apart) -> graph. A fast bucket whose longest context needs
-        # split-KV also gets a one-split graph, replayed while every context is short enough
-        # for one.
-        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        # (bucket, splits) -> graph. A fast bucket whose longest context needs split-KV also
+        # gets a one-split graph, replayed while every context is short enough for one.
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.last: torch.cuda.CUDAGraph | None = None  # the graph replayed last (benchmarks)
         self._hkv, self._sms = model.config.num_kv_heads, num_sms(dev)
         max_ctx = max_blocks * self.block_size
         self._splits = {b: choose_num_splits(b, self._hkv, max_ctx, self._sms)
                         for b in self.buckets}
 
-    def _forward(self, b: int, splits: int, apart: bool = False) -> Tensor:
+    def _forward(self, b: int, splits: int) -> Tensor:
         pos, slots, src = self.longs[1, :b], self.longs[2, :b], self.longs[3, :b]
         ids = torch.where(src >= 0, self.prev[src.clamp(min=0)], self.longs[0, :b])
         ctx, lane_pos, tables = self.ints[0, :b], self.ints[1, :b], self.tables[:b]
         row_seq = self.row_seq[:b]
         pool, rope, fast = self.pool, self.rope, self.kind == "fast"
-        # apart: which rows take which kernel, worked out once for every layer
-        masks = apart_masks(ctx, lane_pos, self.ints[2, :b] > 0, splits > 1) if apart else None
 
         def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             q = rope_write(pool, layer, q, k, v, pos, slots, rope)
             kc, vc = pool.k(layer), pool.v(layer)
-            if masks is not None:
-                assert self._side is not None
-                return apart_decode_attention(q, kc, vc, tables, row_seq, *masks, splits,
-                                              self._side, lane_cfg=self.lane_cfg)
             if fast:
                 return fast_decode_attention(q, kc, vc, tables, ctx, row_seq, lane_pos, splits,
                                              self.aligned, lane_cfg=self.lane_cfg)
@@ -201,13 +178,11 @@ class DecodeGraphs:
         self.longs[2:].fill_(-1)  # warm-up rows write no K/V ...
         self.ints[0].zero_()     # ... and attend to nothing
         self.ints[1].fill_(-1)
-        self.ints[2].zero_()
         for b in reversed(self.buckets):
             variants = {self._splits[b], 1} if self.kind == "fast" else {1}
             for splits in sorted(variants, reverse=True):
-                for apart in (False, True) if self.apart else (False,):
-                    self._graphs[(b, splits, apart)] = capture_graph(
-                        partial(self._forward, b, splits, apart), self._mempool)
+                self._graphs[(b, splits)] = capture_graph(partial(self._forward, b, splits),
+                                                     self._mempool)
 
     def bucket(self, n: int) -> int | None:
         return smallest_at_least(self.buckets, n)
@@ -228,8 +203,7 @@ class DecodeGraphs:
         longs = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad,
                               src + [-1] * (size - len(src))],
                              dtype=torch.long, pin_memory=True)
-        ints = torch.tensor([[p + 1 for p in pos] + [0] * pad, pos + [-1] * pad,
-                             [int(s.lane) for s in segments] + [0] * pad],
+        ints = torch.tensor([[p + 1 for p in pos] + [0] * pad, pos + [-1] * pad],
                             dtype=torch.int32, pin_memory=True)
         self.longs.copy_(longs, non_blocking=True)
         self.ints.copy_(ints, non_blocking=True)
@@ -258,9 +232,7 @@ class DecodeGraphs:
             max_ctx = max(s.start for s in segments) + 1
             need = choose_num_splits(b, self._hkv, max_ctx, self._sms, aligned=self.aligned)
             splits = 1 if need == 1 else self._splits[b]
-        apart = self.apart and not all(s.lane for s in segments)
-        self.apart_replays += apart
-        graph, logits = self._graphs[(b, splits, apart)]
+        graph, logits = self._graphs[(b, splits)]
         self.settle_timing()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()

@@ -182,7 +182,7 @@ class ModelRunner:
                  lane_one_calls: bool = True, lane_size_step: int = 0,
                  decode_pads: Mapping[tuple[int, int], Mapping[int, int]] | None = None,
                  lane_attention_split: int = 0, aligned_decode_lane: str = "",
-                 lane_full_tiles: bool = True, lane_rows_apart: bool = False) -> None:
+                 lane_full_tiles: bool = True) -> None:
         self.model = model
         self.pool = pool
         self.device = model.embed_tokens.device
@@ -205,8 +205,6 @@ class ModelRunner:
         # asks for one (by default the lane's config itself)
         self.decode_attn = lane_variant(self.lane_attn, aligned_decode_lane)
         self.align_fast_path = align_fast_path
-        # CUDA decode graphs: only the lane's rows take the lane kernel, beside split-KV
-        self.lane_rows_apart = lane_rows_apart
         self.decode_buckets = tuple(sorted(decode_buckets)) if decode_buckets else None
         self.single_call = dict(single_call or {})
         self.decode_pads = dict(decode_pads or {})
@@ -260,8 +258,7 @@ class ModelRunner:
             one_row = self.decode_attn if decode == "fast" else self.lane_attn
             self.decode_graphs = DecodeGraphs(self.model, self.pool, graph_ops, decode, max_batch,
                                               max_blocks, aligned=self.align_fast_path,
-                                              buckets=buckets, lane_cfg=one_row,
-                                              apart=self.lane_rows_apart)
+                                              buckets=buckets, lane_cfg=one_row)
             self.decode_graphs.capture()
             if step_rows > 0:
                 head = self.decode_graphs.bucket(max_batch) or 0

@@ -84,13 +84,11 @@ def _decode_split_kernel(
             PAGE, BLOCK_N, True, False, HEAD_DIM != BLOCK_D, PRECISION)
 
     # Empty splits (and ctx == 0 padding rows) keep l_i == 0: store zeros, lse = -inf.
-    # ctx < 0: not this call's row; nothing is written
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     if DIRECT:
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty),
-                 mask=g_mask[:, None] & d_mask[None, :] & (ctx >= 0))
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     else:
         mid = b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + split * stride_ms
         tl.store(mid_o_ptr + mid + offs_d[None, :], o, mask=g_mask[:, None] & d_mask[None, :])
@@ -101,7 +99,7 @@ def _decode_split_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr, context_lens_ptr, num_splits,
+    mid_o_ptr, mid_lse_ptr, out_ptr, num_splits,
     stride_mb, stride_mh, stride_ms,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
@@ -121,9 +119,8 @@ def _decode_reduce_kernel(
                 + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     den = tl.sum(w, 0)
     res = tl.sum(w[:, None] * o, 0) / tl.where(den > 0.0, den, 1.0)
-    keep = tl.load(context_lens_ptr + b) >= 0  # (ctx < 0: not this call's row)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
-             mask=d_mask & keep)
+             mask=d_mask)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, sms: int,
@@ -152,8 +149,7 @@ def decode_attention(
     """Attention of one new token per sequence over its paged KV (the token's own K/V included).
 
     q: [B, H, D]; caches [num_blocks, block_size, Hkv, D] of q's dtype; block_tables int32
-    [>=B, max_blocks]; context_lens int32 [B] (0: padding row, output zeros; < 0: not this
-    call's row, its output left as it is, for another kernel to write).
+    [>=B, max_blocks]; context_lens int32 [B] (0 allowed: padding row, output zeros).
     ``num_splits`` fixes the split count (e.g. per CUDA graph); else it is chosen from
     ``max_context_len``, which is read from ``context_lens`` (a device sync) when not given.
     Returns ``out`` [B, H, D] in q's dtype. Does not modify the cache.
@@ -206,7 +202,7 @@ def decode_attention(
     )
     if not direct:
         _decode_reduce_kernel[(bsz, h)](
-            mid_o, mid_lse, out, context_lens, num_splits,
+            mid_o, mid_lse, out, num_splits,
             *mid_strides, *lse_strides,
             out.stride(0), out.stride(1),
             HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits),

@@ -159,8 +159,8 @@ def _lane_kernel(
                 other=0.0)
     o_ptrs = out_ptr + (row_i.to(tl.int64) * stride_om + head_i * stride_oh)[:, None] \
         + offs_d[None, :]
-    if SPLIT == 0:  # padding rows (p == -1) produce zeros (split: ``_lane_merge`` writes them)
-        pad_i = in_i & (pos_i == -1)
+    if SPLIT == 0:  # padding rows (p < 0) produce zeros (split: ``_lane_merge`` writes them)
+        pad_i = in_i & (pos_i < 0)
         tl.store(o_ptrs, tl.zeros([ROWS * BLOCK_G, BLOCK_D], dtype=out_ptr.dtype.element_ty),
                  mask=pad_i[:, None] & d_mask[None, :])
 
@@ -222,9 +222,9 @@ def _lane_merge(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     o_ptrs = out_ptr + row.to(tl.int64) * stride_om + head * stride_oh + offs_d
-    if p == -1:
+    if p < 0:
         tl.store(o_ptrs, tl.zeros([BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=d_mask)
-    elif p >= 0:
+    else:
         base = (row.to(tl.int64) * H + head) * NS
         m = tl.load(part_m_ptr + base)
         total = tl.load(part_l_ptr + base)
@@ -272,8 +272,7 @@ def lane_attention(
     """Position-aligned, split-free attention for the M rows of a lane pass.
 
     q: [M, H, D]; row_seq int32 [M]: row of ``block_tables`` of each row's sequence;
-    row_pos int32 [M]: absolute position p of each row (p = -1: padding row, output zeros;
-    p <= -2: not this call's row, its output left as it is, for another kernel to write).
+    row_pos int32 [M]: absolute position p of each row (p < 0: padding row, output zeros).
     The cache must hold the sequence's K/V for positions 0..p (the row's own included) and
     its block-table row must cover them. ``rows_per_program`` (1..block_m // next_pow2(g))
     only moves speed, never bits: rows of one sequence that fall in one program share
