@@ -108,6 +108,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               lane_attention_split=args.lane_attention_split,
                               lane_full_tiles=args.lane_full_tiles,
                               aligned_decode_lane=args.aligned_decode_lane,
+                              lane_dot_sums=args.lane_dot_sums,
                               async_scheduling=False if args.sync_scheduling else None,
                               cuda_graph_step_rows=(0 if args.eager_steps else
                                                     EngineConfig.cuda_graph_step_rows))
@@ -324,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="CUDA, llm42: the lane kernel's query tile and launch for the fast "
                         "path's decode rows (default: the lane's own; worth it only where "
                         "bench_kernels' lane sweep says it keeps the lane's bits)")
+    p.add_argument("--lane-dot-sums", action=argparse.BooleanOptionalAction, default=False,
+                   help="CUDA: the lane kernel sums probabilities with a matrix product "
+                        "(EngineConfig.lane_dot_sums; other bits, the same for every query "
+                        "tile)")
     p.add_argument("--lane-max-wait-steps", type=int,
                    default=SchedulerConfig.lane_max_wait_steps,
                    help="llm42: steps a lane pass waits to fill once work is ready for it (a "

@@ -178,6 +178,11 @@ class EngineConfig:
     # using only where it keeps the lane's bits (bench_kernels' lane sweep says which do),
     # else the windows it decodes roll back (never wrong output: the lane verifies them)
     aligned_decode_lane: str = ""
+    # CUDA: the lane kernel sums a row's probabilities over a tile as a matrix product with
+    # ones (``LaneConfig.dot_sums``). Part of the numerics (the kernel set says so): the
+    # lane's bits then do not depend on the query tile or warps, so ``aligned_decode_lane``
+    # may give decode rows a smaller, faster tile with the lane's bits. Off until measured
+    lane_dot_sums: bool = False
     # plan and queue each step's fast batch before reading the previous step's tokens, so
     # the host's work between steps overlaps the device's (None: on for CUDA, off on CPU)
     async_scheduling: bool | None = None

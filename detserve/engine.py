@@ -98,6 +98,7 @@ class LLMEngine:
                                   lane_attention_split=config.lane_attention_split,
                                   lane_full_tiles=config.lane_full_tiles,
                                   aligned_decode_lane=config.aligned_decode_lane,
+                                  lane_dot_sums=config.lane_dot_sums,
                                   decode_pads=self.alignment.pads if self.alignment else None)
         if cuda and config.cuda_graphs:
             mode = config.mode

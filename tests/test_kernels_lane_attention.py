@@ -253,3 +253,48 @@ def test_full_tiles_keep_the_bits_gpu(split: int) -> None:
     check_full_tiles_keep_the_bits(*GPU, 32, 8, 128, 16, cfg)
     check_row_invariance(*GPU, 32, 8, 128, 16, [2000, 77, 4096, 513], 200,
                          dataclasses.replace(cfg, full_tiles=True))
+
+
+def check_dot_sums_tile_free(device: str, dtype: torch.dtype, h: int, hkv: int, d: int,
+                             page: int, tiles: list[tuple[int, int]], tile: int) -> None:
+    """``LaneConfig.dot_sums``: a row's bits do not depend on the query tile and warps
+    (``tiles``: (block_m, num_warps) pairs), whether a program holds one row (a decode row)
+    or a window's rows; and they are other bits than the plain sums' (so the flag is part
+    of the numerics)."""
+    lens = [3 * tile + 5, 40, 2 * tile, 2 * tile + 2]
+    kv = kt.make_paged_kv(lens, hkv, d, page, dtype=dtype, device=device, seed=41)
+    pairs = [(s, p) for s, n in enumerate(lens) for p in range(max(0, n - 9), n)]  # windows
+    pairs += [(s, p) for s, n in enumerate(lens) for p in range(0, n, 11)]
+    seq, pos = _i32([x[0] for x in pairs], device), _i32([x[1] for x in pairs], device)
+    q = kt.randn(len(pairs), h, d, dtype=dtype, device=device, seed=42)
+
+    def call(cfg: LaneConfig, rpp: int | None) -> torch.Tensor:
+        return lane_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, seq, pos, cfg=cfg,
+                              rows_per_program=rpp)
+
+    base = LaneConfig(tile=tile, dot_sums=True)
+    ref = call(base, None)
+    for block_m, warps in tiles:
+        cfg = dataclasses.replace(base, block_m=block_m, num_warps=warps, num_stages=2)
+        for rpp in (1, None):
+            assert kt.bitwise_equal(call(cfg, rpp), ref), (block_m, warps, rpp)
+    assert not kt.bitwise_equal(call(dataclasses.replace(base, dot_sums=False), None), ref)
+    torch.testing.assert_close(ref.float(), lane_attention_ref(
+        q, kv.k_cache, kv.v_cache, kv.block_tables, seq, pos).float(), atol=2e-2, rtol=2e-2)
+
+
+@interp
+def test_dot_sums_keep_row_invariance_interp() -> None:
+    check_dot_sums_tile_free(*CPU, 6, 2, 32, 8, [(32, 4), (64, 4)], 16)
+    cfg = LaneConfig(tile=16, block_m=16, dot_sums=True)
+    check_row_invariance(*CPU, 6, 2, 32, 8, [40, 9, 73], 12, cfg)
+    check_matches_reference(*CPU, 6, 2, 32, 8, [1, 37, 70, 16], cfg, 1e-5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_dot_sums_give_every_query_tile_the_same_bits_gpu() -> None:
+    check_dot_sums_tile_free(*GPU, 32, 8, 128, 16,
+                             [(16, 4), (32, 4), (16, 1), (32, 2), (16, 2), (128, 8)], 64)
+    check_row_invariance(*GPU, 32, 8, 128, 16, [2000, 77, 4096, 513], 200,
+                         LaneConfig(dot_sums=True))

@@ -182,7 +182,7 @@ class ModelRunner:
                  lane_one_calls: bool = True, lane_size_step: int = 0,
                  decode_pads: Mapping[tuple[int, int], Mapping[int, int]] | None = None,
                  lane_attention_split: int = 0, aligned_decode_lane: str = "",
-                 lane_full_tiles: bool = True) -> None:
+                 lane_full_tiles: bool = True, lane_dot_sums: bool = False) -> None:
         self.model = model
         self.pool = pool
         self.device = model.embed_tokens.device
@@ -199,7 +199,7 @@ class ModelRunner:
         # CUDA: the lane attention kernel's config, its split size (``LaneConfig.split``, 0:
         # none) included: the lane's, and batch_invariant's decode rows'
         self.lane_attn = replace(TABLE.lane, split=lane_attention_split,
-                                 full_tiles=lane_full_tiles)
+                                 full_tiles=lane_full_tiles, dot_sums=lane_dot_sums)
         # the same kernel for the fast path's aligned decode rows, with the same tile and
         # split but a query tile and launch of their own if EngineConfig.aligned_decode_lane
         # asks for one (by default the lane's config itself)
@@ -224,6 +224,8 @@ class ModelRunner:
             self.kernel_set = gpu.KERNEL_VERSION
             if lane_attention_split:  # other bits: a verifier's runner must split alike
                 self.kernel_set += f"+lanesplit{lane_attention_split}"
+            if lane_dot_sums:  # other bits too
+                self.kernel_set += "+dotsums"
             if lane_gemm_rows and lane_one_calls:
                 multiples = self.lane_sizes()
                 grid = lane_size_grid(multiples, lane_size_step)

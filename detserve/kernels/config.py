@@ -105,6 +105,12 @@ class LaneConfig:
     # fewer instructions. Shown on an H100 (2026-11-25: GPU tests bit-equal, 67.9 vs 69.8 us
     # for 64 decode rows at context 520), hence on; False runs every tile masked
     full_tiles: bool = True
+    # A row's sum of probabilities over a tile as a matrix product with ones (of the
+    # probabilities as they multiply V) instead of ``tl.sum``: *bits*. The product's order
+    # does not depend on how the warps split the tile, so every block_m and num_warps would
+    # give a row the same bits, and the fast path's decode rows could take a query tile of
+    # their own (``EngineConfig.aligned_decode_lane``) without leaving the lane's bits
+    dot_sums: bool = False
 
     def __post_init__(self) -> None:
         _check_pow2(self, tile=self.tile, block_m=self.block_m, num_warps=self.num_warps)

@@ -50,14 +50,25 @@ from detserve.kernels.config import TABLE, LaneConfig
 
 
 @triton.jit
-def _softmax_step(qk, m_i, l_i):
+def _softmax_step(qk, m_i, l_i, dtype: tl.constexpr, TILE: tl.constexpr,
+                  PRECISION: tl.constexpr, DOT_SUMS: tl.constexpr):
     """The online softmax's step over one tile's scores (log2 units): the new running max,
-    the old state's rescale, the tile's probabilities and the new running sum."""
+    the old state's rescale, the tile's probabilities (in ``dtype``, as they multiply V)
+    and the new running sum. ``DOT_SUMS``: a row's sum of probabilities is a matrix product
+    with ones, of the probabilities as they multiply V, whose order (the MMA's, along K)
+    does not depend on how warps split the tile; else ``tl.sum`` of the fp32
+    probabilities, whose order does (LaneConfig.dot_sums)."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows seeing nothing: no inf - inf
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(qk - m_ref[:, None])
-    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
+    pv = p.to(dtype)
+    if DOT_SUMS:  # every column of the product is the row's sum: max picks it exactly
+        ones = tl.full([TILE, 16], 1.0, dtype=dtype)
+        tile_sum = tl.max(tl.dot(pv, ones, input_precision=PRECISION), 1)
+    else:
+        tile_sum = tl.sum(p, 1)
+    return m_new, alpha, pv, l_i * alpha + tile_sum
 
 
 @triton.jit
@@ -66,7 +77,7 @@ def _lane_tile(
     bt_row, k_cache_ptr, v_cache_ptr, kv_head, qk_scale,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     offs_d, d_mask,
-    PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr, DOT_SUMS: tl.constexpr,
 ):
     """Fold positions [start, start + TILE) into the state of the slots with live_i set.
 
@@ -82,10 +93,10 @@ def _lane_tile(
     k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     qk = tl.where(offs_n[None, :] <= pos_i[:, None], qk, float("-inf"))
-    m_new, alpha, p, l_new = _softmax_step(qk, m_i, l_i)
+    m_new, alpha, p, l_new = _softmax_step(qk, m_i, l_i, k.dtype, TILE, PRECISION, DOT_SUMS)
     v_off = blk * stride_vb + in_page * stride_vs + kv_head * stride_vh
     v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    acc_new = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc_new = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     upd = live_i & (start <= pos_i)
     m_i = tl.where(upd, m_new, m_i)
     l_i = tl.where(upd, l_new, l_i)
@@ -99,7 +110,7 @@ def _lane_full_tile(
     bt_row, k_cache_ptr, v_cache_ptr, kv_head, qk_scale,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     offs_d, d_mask,
-    PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr, DOT_SUMS: tl.constexpr,
 ):
     """``_lane_tile`` for a tile that every live slot sees whole (it ends at or before the
     smallest live p): the same operations on the same values, without the position masks
@@ -113,10 +124,10 @@ def _lane_full_tile(
     k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     qk = tl.where(live_i[:, None], qk, float("-inf"))
-    m_new, alpha, p, l_new = _softmax_step(qk, m_i, l_i)
+    m_new, alpha, p, l_new = _softmax_step(qk, m_i, l_i, k.dtype, TILE, PRECISION, DOT_SUMS)
     v_off = blk * stride_vb + in_page * stride_vs + kv_head * stride_vh
     v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    acc_new = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc_new = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     return m_new, l_new, acc_new
 
 
@@ -133,7 +144,7 @@ def _lane_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-    FULL_TILES: tl.constexpr,
+    FULL_TILES: tl.constexpr, DOT_SUMS: tl.constexpr,
 ):
     kvh = tl.program_id(1)
     sp = tl.program_id(2)  # this program's split (always 0 without splits)
@@ -188,13 +199,13 @@ def _lane_kernel(
                         q, m_i, l_i, acc, start, live_i,
                         bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                        offs_d, d_mask, PAGE, TILE, PRECISION)
+                        offs_d, d_mask, PAGE, TILE, PRECISION, DOT_SUMS)
             for start in range(masked_lo, hi, TILE):  # tiles t = lo / TILE, ... in order
                 m_i, l_i, acc = _lane_tile(
                     q, m_i, l_i, acc, start, pos_i, live_i, last,
                     bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    offs_d, d_mask, PAGE, TILE, PRECISION)
+                    offs_d, d_mask, PAGE, TILE, PRECISION, DOT_SUMS)
             if SPLIT == 0:
                 o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
                 tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty),
@@ -322,7 +333,8 @@ def lane_attention(
         GROUP=group, BLOCK_G=next_pow2(group), ROWS=rows,
         HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
         PAGE=page, TILE=cfg.tile, PRECISION=dot_precision(q.dtype), SPLIT=split,
-        FULL_TILES=cfg.full_tiles, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FULL_TILES=cfg.full_tiles, DOT_SUMS=cfg.dot_sums, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if split:
         _lane_merge[(m, h)](part_m, part_l, part_acc, row_pos, out, h, ns,
