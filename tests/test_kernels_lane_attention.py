@@ -258,13 +258,13 @@ def test_full_tiles_keep_the_bits_gpu(split: int) -> None:
 def check_dot_sums_tile_free(device: str, dtype: torch.dtype, h: int, hkv: int, d: int,
                              page: int, tiles: list[tuple[int, int]], tile: int) -> None:
     """``LaneConfig.dot_sums``: a row's bits do not depend on the query tile and warps
-    (``tiles``: (block_m, num_warps) pairs), whether a program holds one row (a decode row)
-    or a window's rows; and they are other bits than the plain sums' (so the flag is part
-    of the numerics)."""
+    (``tiles``: (block_m, num_warps) pairs), whether a program holds one row (a decode row:
+    the one-row kernel, ``_lane_decode_kernel``) or a window's rows; and they are other bits
+    than the plain sums' (so the flag is part of the numerics)."""
     lens = [3 * tile + 5, 40, 2 * tile, 2 * tile + 2]
     kv = kt.make_paged_kv(lens, hkv, d, page, dtype=dtype, device=device, seed=41)
     pairs = [(s, p) for s, n in enumerate(lens) for p in range(max(0, n - 9), n)]  # windows
-    pairs += [(s, p) for s, n in enumerate(lens) for p in range(0, n, 11)]
+    pairs += [(s, p) for s, n in enumerate(lens) for p in range(0, n, 11)] + [(0, -1)]
     seq, pos = _i32([x[0] for x in pairs], device), _i32([x[1] for x in pairs], device)
     q = kt.randn(len(pairs), h, d, dtype=dtype, device=device, seed=42)
 
@@ -274,6 +274,7 @@ def check_dot_sums_tile_free(device: str, dtype: torch.dtype, h: int, hkv: int, 
 
     base = LaneConfig(tile=tile, dot_sums=True)
     ref = call(base, None)
+    assert torch.all(ref[-1] == 0)  # the padding row
     for block_m, warps in tiles:
         cfg = dataclasses.replace(base, block_m=block_m, num_warps=warps, num_stages=2)
         for rpp in (1, None):

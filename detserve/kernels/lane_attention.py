@@ -219,6 +219,66 @@ def _lane_kernel(
                          mask=w_i[:, None] & d_mask[None, :])
 
 
+@triton.jit
+def _lane_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, row_seq_ptr, row_pos_ptr, out_ptr,
+    qk_scale,
+    stride_qm, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    stride_om, stride_oh,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+    FULL_TILES: tl.constexpr, DOT_SUMS: tl.constexpr,
+):
+    """``_lane_kernel`` for one row per program and no split (the fast path's decode rows):
+    one program per (row, kv head), its query tile the row's GROUP heads padded to
+    BLOCK_M slots, its tile loop at the top level. The same tile steps, so a slot gets the
+    generic kernel's bits wherever those do not depend on the query tile (``DOT_SUMS``)."""
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    p = tl.load(row_pos_ptr + row)
+    offs_g = tl.arange(0, BLOCK_M)
+    live_i = offs_g < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    head_i = kvh * GROUP + offs_g
+    o_ptrs = out_ptr + (row.to(tl.int64) * stride_om + head_i * stride_oh)[:, None] \
+        + offs_d[None, :]
+    o_mask = live_i[:, None] & d_mask[None, :]
+    if p == -1:  # a padding row: zeros (p <= -2: not this call's row, nothing written)
+        tl.store(o_ptrs, tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty),
+                 mask=o_mask)
+    if p >= 0:
+        seq = tl.load(row_seq_ptr + row)
+        q = tl.load(q_ptr + (row.to(tl.int64) * stride_qm + head_i * stride_qh)[:, None]
+                    + offs_d[None, :], mask=o_mask, other=0.0)
+        pos_i = tl.full([BLOCK_M], 0, dtype=tl.int32) + p
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        masked_lo = 0
+        if FULL_TILES:
+            masked_lo = (p + 1) // TILE * TILE
+            for start in range(0, masked_lo, TILE):
+                m_i, l_i, acc = _lane_full_tile(
+                    q, m_i, l_i, acc, start, live_i,
+                    bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    offs_d, d_mask, PAGE, TILE, PRECISION, DOT_SUMS)
+        for start in range(masked_lo, p + 1, TILE):
+            m_i, l_i, acc = _lane_tile(
+                q, m_i, l_i, acc, start, pos_i, live_i, p,
+                bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                offs_d, d_mask, PAGE, TILE, PRECISION, DOT_SUMS)
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
 @triton.jit(do_not_specialize=["H", "NS"])
 def _lane_merge(
     part_m_ptr, part_l_ptr, part_acc_ptr, row_pos_ptr, out_ptr, H, NS,
@@ -314,6 +374,24 @@ def lane_attention(
         rows_per_program = default_rows_per_program(m, hkv, rows, num_sms(q.device))
     expect(1 <= rows_per_program <= rows, f"rows_per_program must be in 1..{rows}")
     split = cfg.split
+    if rows_per_program == 1 and not split and cfg.dot_sums:
+        # decode rows: the one-row kernel (the same bits only where no sum depends on the
+        # query tile, hence dot sums only)
+        _lane_decode_kernel[(m, hkv)](
+            q, k_cache, v_cache, block_tables, row_seq, row_pos, out,
+            default_scale(d, scale) * LOG2E,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0),
+            out.stride(0), out.stride(1),
+            GROUP=group, BLOCK_M=max(cfg.block_m, next_pow2(group)),
+            HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
+            PAGE=page, TILE=cfg.tile, PRECISION=dot_precision(q.dtype),
+            FULL_TILES=cfg.full_tiles, DOT_SUMS=True, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        return out
     # splits a row can have: up to the block tables' width (static: CUDA-graph safe)
     ns = cdiv(block_tables.shape[1] * page, split) if split else 1
     if split:
