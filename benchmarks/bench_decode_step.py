@@ -97,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="llm42: the lane attention kernel's split size (0: no split)")
     p.add_argument("--lane-full-tiles", action=argparse.BooleanOptionalAction, default=True,
                    help="llm42: the lane kernel runs whole KV tiles unmasked (the same bits)")
-    p.add_argument("--aligned-decode-lane", default="", metavar="BLOCK_M:NUM_WARPS:NUM_STAGES",
+    p.add_argument("--aligned-decode-lane", default=EngineConfig.aligned_decode_lane,
+                   metavar="BLOCK_M:NUM_WARPS:NUM_STAGES",
                    help="llm42: the lane kernel's query tile and launch for the decode rows "
-                        "(default: the lane's own)")
+                        "('': the lane's own; auto: 16:4:2 with dot sums)")
     p.add_argument("--no-align", action="store_true",
                    help="split-KV decode attention for every context (no lane-kernel decode)")
     p.add_argument("--sync", action="store_true",

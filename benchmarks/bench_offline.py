@@ -321,11 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lane-full-tiles", action=argparse.BooleanOptionalAction, default=True,
                    help="CUDA: the lane attention kernel runs whole KV tiles unmasked "
                         "(EngineConfig.lane_full_tiles; the same bits either way)")
-    p.add_argument("--aligned-decode-lane", default="", metavar="BLOCK_M:NUM_WARPS:NUM_STAGES",
+    p.add_argument("--aligned-decode-lane", default=EngineConfig.aligned_decode_lane,
+                   metavar="BLOCK_M:NUM_WARPS:NUM_STAGES",
                    help="CUDA, llm42: the lane kernel's query tile and launch for the fast "
-                        "path's decode rows (default: the lane's own; worth it only where "
-                        "bench_kernels' lane sweep says it keeps the lane's bits)")
-    p.add_argument("--lane-dot-sums", action=argparse.BooleanOptionalAction, default=False,
+                        "path's decode rows ('': the lane's own; auto: 16:4:2 with dot sums; "
+                        "without dot sums worth it only where bench_kernels' lane sweep "
+                        "says it keeps the lane's bits)")
+    p.add_argument("--lane-dot-sums", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.lane_dot_sums,
                    help="CUDA: the lane kernel sums probabilities with a matrix product "
                         "(EngineConfig.lane_dot_sums; other bits, the same for every query "
                         "tile)")

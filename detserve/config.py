@@ -173,16 +173,18 @@ class EngineConfig:
     # part of the numerics, so a verifier replica with the other setting agrees
     lane_full_tiles: bool = True
     # CUDA, aligned fast path: the lane kernel's query tile and launch for the fast path's
-    # decode rows, "BLOCK_M:NUM_WARPS:NUM_STAGES" ("": the lane's own). A decode row fills
-    # only its query heads' slots of the tile, so a smaller tile may be faster; it is worth
-    # using only where it keeps the lane's bits (bench_kernels' lane sweep says which do),
-    # else the windows it decodes roll back (never wrong output: the lane verifies them)
-    aligned_decode_lane: str = ""
+    # decode rows, "BLOCK_M:NUM_WARPS:NUM_STAGES" ("": the lane's own; "auto": 16:4:2 with
+    # dot sums and no split, else the lane's own). A decode row fills only its query heads'
+    # slots of the tile, so a smaller tile is faster. With dot sums every tile keeps the
+    # lane's bits; without, only some do (bench_kernels' lane sweep says which), else the
+    # windows it decodes roll back (never wrong output: the lane verifies them)
+    aligned_decode_lane: str = "auto"
     # CUDA: the lane kernel sums a row's probabilities over a tile as a matrix product with
-    # ones (``LaneConfig.dot_sums``). Part of the numerics (the kernel set says so): the
-    # lane's bits then do not depend on the query tile or warps, so ``aligned_decode_lane``
-    # may give decode rows a smaller, faster tile with the lane's bits. Off until measured
-    lane_dot_sums: bool = False
+    # ones (``LaneConfig.dot_sums``): the lane's bits do not depend on the query tile or
+    # warps, so decode rows take a one-row kernel with a small tile, as fast as split-KV
+    # (docs/benchmarks/gpu/README.md). Part of the numerics: False (``tl.sum``) is another
+    # kernel set ("+plainsums"), which a verifier must share
+    lane_dot_sums: bool = True
     # plan and queue each step's fast batch before reading the previous step's tokens, so
     # the host's work between steps overlaps the device's (None: on for CUDA, off on CPU)
     async_scheduling: bool | None = None

@@ -182,7 +182,7 @@ class ModelRunner:
                  lane_one_calls: bool = True, lane_size_step: int = 0,
                  decode_pads: Mapping[tuple[int, int], Mapping[int, int]] | None = None,
                  lane_attention_split: int = 0, aligned_decode_lane: str = "",
-                 lane_full_tiles: bool = True, lane_dot_sums: bool = False) -> None:
+                 lane_full_tiles: bool = True, lane_dot_sums: bool = True) -> None:
         self.model = model
         self.pool = pool
         self.device = model.embed_tokens.device
@@ -224,8 +224,8 @@ class ModelRunner:
             self.kernel_set = gpu.KERNEL_VERSION
             if lane_attention_split:  # other bits: a verifier's runner must split alike
                 self.kernel_set += f"+lanesplit{lane_attention_split}"
-            if lane_dot_sums:  # other bits too
-                self.kernel_set += "+dotsums"
+            if not lane_dot_sums:  # other bits too
+                self.kernel_set += "+plainsums"
             if lane_gemm_rows and lane_one_calls:
                 multiples = self.lane_sizes()
                 grid = lane_size_grid(multiples, lane_size_step)

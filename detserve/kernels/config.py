@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 # Bump whenever a *bits* constant or the arithmetic of lane_attention / batch_invariant changes.
-KERNEL_VERSION = "kernels-2"
+# kernels-3: the lane's tile sums as matrix products (LaneConfig.dot_sums on by default)
+KERNEL_VERSION = "kernels-3"
 
 
 def _check_pow2(owner: object, **values: int) -> None:
@@ -107,10 +108,12 @@ class LaneConfig:
     full_tiles: bool = True
     # A row's sum of probabilities over a tile as a matrix product with ones (of the
     # probabilities as they multiply V) instead of ``tl.sum``: *bits*. The product's order
-    # does not depend on how the warps split the tile, so every block_m and num_warps would
-    # give a row the same bits, and the fast path's decode rows could take a query tile of
-    # their own (``EngineConfig.aligned_decode_lane``) without leaving the lane's bits
-    dot_sums: bool = False
+    # does not depend on how the warps split the tile, so every block_m and num_warps gives
+    # a row the same bits (shown on an H200, 2026-11-26), and the fast path's decode rows
+    # take a query tile and a one-row kernel of their own (``_lane_decode_kernel``,
+    # ``EngineConfig.aligned_decode_lane``) as fast as split-KV, with the lane's bits.
+    # False: ``tl.sum``, whose bits hold only for tiles whose warps own whole rows
+    dot_sums: bool = True
 
     def __post_init__(self) -> None:
         _check_pow2(self, tile=self.tile, block_m=self.block_m, num_warps=self.num_warps)
@@ -121,10 +124,19 @@ class LaneConfig:
                              f"{self.tile}")
 
 
+# the decode rows' query tile and launch with dot sums ("auto"): the fastest of those tried
+# in the 10 % workload on an H200 (docs/benchmarks/gpu/2026-11-26-one-row)
+DECODE_LANE_AUTO = "16:4:2"
+
+
 def lane_variant(base: LaneConfig, spec: str) -> LaneConfig:
     """``base`` with the query tile and launch of ``spec``, "BLOCK_M:NUM_WARPS:NUM_STAGES"
-    ("" = ``base``): the config the fast path's aligned decode rows call the lane kernel
-    with (``EngineConfig.aligned_decode_lane``). Tile and split stay the lane's."""
+    ("" = ``base``; "auto": ``DECODE_LANE_AUTO`` where ``base`` has dot sums and no split,
+    so that any tile keeps its bits, else ``base``): the config the fast path's aligned
+    decode rows call the lane kernel with (``EngineConfig.aligned_decode_lane``). Tile,
+    split and sums stay the lane's."""
+    if spec == "auto":
+        spec = DECODE_LANE_AUTO if base.dot_sums and not base.split else ""
     if not spec:
         return base
     try:
