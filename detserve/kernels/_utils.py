@@ -55,6 +55,15 @@ def expect_block_tables(block_tables: Tensor, device: torch.device) -> None:
     expect(block_tables.device == device, "block_tables must be on the cache's device")
 
 
+def paged_strides(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                  out: Tensor) -> tuple[int, ...]:
+    """The strides the paged attention kernels take, in their order: q's row and head, the
+    caches' block, slot and head, the block tables' row, the output's row and head."""
+    return (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+            out.stride(0), out.stride(1))
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 operands get IEEE dots (TF32 would round them); 16-bit ones ignore this."""
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -29,6 +29,7 @@ from detserve.kernels._utils import (
     gather_kv,
     next_pow2,
     num_sms,
+    paged_strides,
 )
 from detserve.kernels.config import TABLE, DecodeConfig
 
@@ -189,11 +190,7 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, context_lens,
         out, mid_o, mid_lse,
         qk_scale, num_splits,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        *paged_strides(q, k_cache, v_cache, block_tables, out),
         *mid_strides, *lse_strides,
         GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DIM=d, BLOCK_D=block_d, PAGE=page, BLOCK_N=cfg.block_n,

@@ -45,6 +45,7 @@ from detserve.kernels._utils import (
     gather_kv,
     next_pow2,
     num_sms,
+    paged_strides,
 )
 from detserve.kernels.config import TABLE, LaneConfig
 
@@ -380,11 +381,7 @@ def lane_attention(
         _lane_decode_kernel[(m, hkv)](
             q, k_cache, v_cache, block_tables, row_seq, row_pos, out,
             default_scale(d, scale) * LOG2E,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_tables.stride(0),
-            out.stride(0), out.stride(1),
+            *paged_strides(q, k_cache, v_cache, block_tables, out),
             GROUP=group, BLOCK_M=max(cfg.block_m, next_pow2(group)),
             HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
             PAGE=page, TILE=cfg.tile, PRECISION=dot_precision(q.dtype),
@@ -403,11 +400,7 @@ def lane_attention(
     _lane_kernel[(cdiv(m, rows_per_program), hkv, ns)](
         q, k_cache, v_cache, block_tables, row_seq, row_pos, out, part_m, part_l, part_acc,
         default_scale(d, scale) * LOG2E, m, rows_per_program, h, ns,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        *paged_strides(q, k_cache, v_cache, block_tables, out),
         GROUP=group, BLOCK_G=next_pow2(group), ROWS=rows,
         HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
         PAGE=page, TILE=cfg.tile, PRECISION=dot_precision(q.dtype), SPLIT=split,

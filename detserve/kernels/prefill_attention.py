@@ -28,6 +28,7 @@ from detserve.kernels._utils import (
     expect_paged_cache,
     gather_kv,
     next_pow2,
+    paged_strides,
 )
 from detserve.kernels.config import TABLE, PrefillConfig
 
@@ -135,11 +136,7 @@ def prefill_attention(
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         default_scale(d, scale) * LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        *paged_strides(q, k_cache, v_cache, block_tables, out),
         GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), PAGE=page,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
