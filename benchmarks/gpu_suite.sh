@@ -3,6 +3,7 @@
 #   benchmarks/gpu_suite.sh smoke   # GPU tests (kernels + engine), decode step vs roofline
 #   benchmarks/gpu_suite.sh kernels # kernel benchmark
 #   benchmarks/gpu_suite.sh audit   # determinism audits: SmolLM2 (real weights) and 8B shape
+#   benchmarks/gpu_suite.sh audit-bi # the same audits in batch_invariant mode
 #   benchmarks/gpu_suite.sh perf    # offline throughput, 8B shape (Figure 10 analogue)
 #   benchmarks/gpu_suite.sh table4  # SmolLM2 rollbacks per ratio, W x G sweep (needs $TRACE)
 #   benchmarks/gpu_suite.sh align   # fast-path/lane alignment: cuBLAS row classes (8B), GPU engine tests
@@ -53,6 +54,13 @@ case "${1:-}" in
       --runs 100 --max-tokens 64 --out "$out/audit-smollm2.json" 2>&1 | tail -8
     python -m benchmarks.determinism_audit --model random:llama3-8b --device cuda \
       --dtype bfloat16 --runs 100 --max-tokens 32 --out "$out/audit-llama8b.json" 2>&1 | tail -8 ;;
+  audit-bi)
+    # batch_invariant mode: every request deterministic (the same audit, that mode)
+    python -m benchmarks.determinism_audit --model "$smol" --mode batch_invariant --device cuda \
+      --dtype bfloat16 --runs 100 --max-tokens 64 --out "$out/audit-smollm2-bi.json" 2>&1 | tail -8
+    python -m benchmarks.determinism_audit --model random:llama3-8b --mode batch_invariant \
+      --device cuda --dtype bfloat16 --runs 100 --max-tokens 32 --out "$out/audit-llama8b-bi.json" \
+      2>&1 | tail -8 ;;
   perf)
     python -m benchmarks.bench_offline --model random:llama3-8b --device cuda --dtype bfloat16 \
       --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 --warmup-requests 256 \
