@@ -200,9 +200,10 @@ class ModelRunner:
         # none) included: the lane's, and batch_invariant's decode rows'
         self.lane_attn = replace(TABLE.lane, split=lane_attention_split,
                                  full_tiles=lane_full_tiles, dot_sums=lane_dot_sums)
-        # the same kernel for the fast path's aligned decode rows, with the same tile and
-        # split but a query tile and launch of their own if EngineConfig.aligned_decode_lane
-        # asks for one (by default the lane's config itself)
+        # the same kernel for the fast path's aligned decode rows, with the same tile, split
+        # and sums but a query tile and launch of their own where
+        # EngineConfig.aligned_decode_lane gives one ("auto", its default: 16:4:2 with dot
+        # sums and no split, else the lane's config itself)
         self.decode_attn = lane_variant(self.lane_attn, aligned_decode_lane)
         self.align_fast_path = align_fast_path
         self.decode_buckets = tuple(sorted(decode_buckets)) if decode_buckets else None

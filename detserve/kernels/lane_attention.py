@@ -232,12 +232,12 @@ def _lane_decode_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
-    FULL_TILES: tl.constexpr, DOT_SUMS: tl.constexpr,
+    FULL_TILES: tl.constexpr,
 ):
     """``_lane_kernel`` for one row per program and no split (the fast path's decode rows):
     one program per (row, kv head), its query tile the row's GROUP heads padded to
-    BLOCK_M slots, its tile loop at the top level. The same tile steps, so a slot gets the
-    generic kernel's bits wherever those do not depend on the query tile (``DOT_SUMS``)."""
+    BLOCK_M slots, its tile loop at the top level. The same tile steps with dot sums, whose
+    bits do not depend on the query tile, so a slot gets the generic kernel's bits."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     p = tl.load(row_pos_ptr + row)
@@ -249,10 +249,10 @@ def _lane_decode_kernel(
     o_ptrs = out_ptr + (row.to(tl.int64) * stride_om + head_i * stride_oh)[:, None] \
         + offs_d[None, :]
     o_mask = live_i[:, None] & d_mask[None, :]
-    if p == -1:  # a padding row: zeros (p <= -2: not this call's row, nothing written)
+    if p < 0:  # a padding row: zeros, as the generic kernel gives it
         tl.store(o_ptrs, tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty),
                  mask=o_mask)
-    if p >= 0:
+    else:
         seq = tl.load(row_seq_ptr + row)
         q = tl.load(q_ptr + (row.to(tl.int64) * stride_qm + head_i * stride_qh)[:, None]
                     + offs_d[None, :], mask=o_mask, other=0.0)
@@ -269,13 +269,13 @@ def _lane_decode_kernel(
                     q, m_i, l_i, acc, start, live_i,
                     bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    offs_d, d_mask, PAGE, TILE, PRECISION, DOT_SUMS)
+                    offs_d, d_mask, PAGE, TILE, PRECISION, True)
         for start in range(masked_lo, p + 1, TILE):
             m_i, l_i, acc = _lane_tile(
                 q, m_i, l_i, acc, start, pos_i, live_i, p,
                 bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                offs_d, d_mask, PAGE, TILE, PRECISION, DOT_SUMS)
+                offs_d, d_mask, PAGE, TILE, PRECISION, True)
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
@@ -385,8 +385,7 @@ def lane_attention(
             GROUP=group, BLOCK_M=max(cfg.block_m, next_pow2(group)),
             HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
             PAGE=page, TILE=cfg.tile, PRECISION=dot_precision(q.dtype),
-            FULL_TILES=cfg.full_tiles, DOT_SUMS=True, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            FULL_TILES=cfg.full_tiles, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out
     # splits a row can have: up to the block tables' width (static: CUDA-graph safe)
