@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--aligned-decode-lane", default=EngineConfig.aligned_decode_lane,
                    metavar="BLOCK_M:NUM_WARPS:NUM_STAGES",
                    help="llm42: the lane kernel's query tile and launch for the decode rows "
-                        "('': the lane's own; auto: 16:4:2 with dot sums)")
+                        "('': the lane's own; auto: 16:2:3 with dot sums)")
     p.add_argument("--no-align", action="store_true",
                    help="split-KV decode attention for every context (no lane-kernel decode)")
     p.add_argument("--sync", action="store_true",

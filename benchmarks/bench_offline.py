@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--aligned-decode-lane", default=EngineConfig.aligned_decode_lane,
                    metavar="BLOCK_M:NUM_WARPS:NUM_STAGES",
                    help="CUDA, llm42: the lane kernel's query tile and launch for the fast "
-                        "path's decode rows ('': the lane's own; auto: 16:4:2 with dot sums; "
+                        "path's decode rows ('': the lane's own; auto: 16:2:3 with dot sums; "
                         "without dot sums worth it only where bench_kernels' lane sweep "
                         "says it keeps the lane's bits)")
     p.add_argument("--lane-dot-sums", action=argparse.BooleanOptionalAction,

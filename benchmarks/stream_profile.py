@@ -41,7 +41,7 @@ def cuda_kernels(events: Iterable[Any]) -> list[Kernel]:
             for ev in events if ev.device_type == cuda]
 
 
-def stream_summary(kernels: list[Kernel], steps: int, top: int = 5) -> dict[str, Any]:
+def stream_summary(kernels: list[Kernel], steps: int, top: int = 15) -> dict[str, Any]:
     """Per stream (busiest first) and for the GPU, in ms per profiled step."""
     per = max(1, steps) * 1e3  # us over the window -> ms a step
     streams: list[dict[str, Any]] = []

@@ -173,7 +173,7 @@ class EngineConfig:
     # part of the numerics, so a verifier replica with the other setting agrees
     lane_full_tiles: bool = True
     # CUDA, aligned fast path: the lane kernel's query tile and launch for the fast path's
-    # decode rows, "BLOCK_M:NUM_WARPS:NUM_STAGES" ("": the lane's own; "auto": 16:4:2 with
+    # decode rows, "BLOCK_M:NUM_WARPS:NUM_STAGES" ("": the lane's own; "auto": 16:2:3 with
     # dot sums and no split, else the lane's own). A decode row fills only its query heads'
     # slots of the tile, so a smaller tile is faster. With dot sums every tile keeps the
     # lane's bits; without, only some do (bench_kernels' lane sweep says which), else the

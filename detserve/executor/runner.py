@@ -202,7 +202,7 @@ class ModelRunner:
                                  full_tiles=lane_full_tiles, dot_sums=lane_dot_sums)
         # the same kernel for the fast path's aligned decode rows, with the same tile, split
         # and sums but a query tile and launch of their own where
-        # EngineConfig.aligned_decode_lane gives one ("auto", its default: 16:4:2 with dot
+        # EngineConfig.aligned_decode_lane gives one ("auto", its default: 16:2:3 with dot
         # sums and no split, else the lane's config itself)
         self.decode_attn = lane_variant(self.lane_attn, aligned_decode_lane)
         self.align_fast_path = align_fast_path

@@ -124,9 +124,12 @@ class LaneConfig:
                              f"{self.tile}")
 
 
-# the decode rows' query tile and launch with dot sums ("auto"): the fastest of those tried
-# in the 10 % workload on an H200 (docs/benchmarks/gpu/2026-11-26-one-row)
-DECODE_LANE_AUTO = "16:4:2"
+# the decode rows' query tile and launch with dot sums ("auto"): of the one-row tiles
+# `bench_lane_decode` tries, the fastest or within 1.5 % of it in every case on an H200 and
+# an H100, and the llm42 decode step at batch 64 as fast as nondeterministic's (H200 6.68 vs
+# 6.69 ms, H100 8.63 vs 8.57; 16:4:2, the default before, 7.07 and 8.87): see
+# docs/benchmarks/gpu/2026-11-26-kernels3. Every tile gives the same bits (dot sums)
+DECODE_LANE_AUTO = "16:2:3"
 
 
 def lane_variant(base: LaneConfig, spec: str) -> LaneConfig:
