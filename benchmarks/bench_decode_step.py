@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_offline import hardware
+from benchmarks.stream_profile import kernel_key
 from detserve.config import EngineConfig
 from detserve.engine import LLMEngine
 from detserve.model.random_init import random_model
@@ -71,14 +72,14 @@ def profile_steps(eng: LLMEngine, steps: int, top: int = 12,
     kernels: dict[str, list[float]] = {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            k = kernels.setdefault(ev.name[:90], [0.0, 0])
+            k = kernels.setdefault(kernel_key(ev.name), [0.0, 0])
             k[0] += ev.device_time / 1e3  # us -> ms
             k[1] += 1
     busy = sum(t for t, _ in kernels.values()) / steps
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
     print(f"    GPU kernel time {busy:.2f} ms/step", flush=True)
     for name, (t, n) in ranked:
-        print(f"    {t / steps:7.3f} ms/step {n / steps:6.1f} calls  {name}", flush=True)
+        print(f"    {t / steps:7.3f} ms/step {n / steps:6.1f} calls  {name[:160]}", flush=True)
     return {"gpu_busy_ms_per_step": busy,
             "top_kernels": [{"name": n, "ms_per_step": t / steps, "calls_per_step": c / steps}
                             for n, (t, c) in ranked]}

@@ -14,6 +14,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
+# characters of a kernel's name it is grouped by: enough to tell apart ATen's elementwise
+# kernels, whose names share their first hundred or so (``elementwise_kernel<128, 4,
+# gpu_kernel_impl_nocast<...>>``) and differ only in the functor named after that
+NAME_CHARS = 400
+
+
+def kernel_key(name: str) -> str:
+    """The part of a kernel's name the summaries group it by."""
+    return name[:NAME_CHARS]
+
 
 class Kernel(NamedTuple):
     stream: int
@@ -49,7 +59,8 @@ def stream_summary(kernels: list[Kernel], steps: int, top: int = 15) -> dict[str
         mine = [k for k in kernels if k.stream == sid]
         by_name: dict[str, float] = {}
         for k in mine:
-            by_name[k.name[:90]] = by_name.get(k.name[:90], 0.0) + k.end_us - k.start_us
+            key = kernel_key(k.name)
+            by_name[key] = by_name.get(key, 0.0) + k.end_us - k.start_us
         ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
         streams.append({
             "stream": sid, "kernels": len(mine),

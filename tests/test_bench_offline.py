@@ -104,6 +104,18 @@ def test_stream_summary_counts_each_stream_once_and_the_overlap_between_them() -
     assert fast["top_kernels"][0] == {"name": "gemm", "ms_per_step": 2.0}
 
 
+def test_stream_summary_keeps_apart_kernels_whose_names_differ_late() -> None:
+    from benchmarks.stream_profile import Kernel, stream_summary
+
+    # ATen's elementwise kernels share a long prefix and differ in the functor named after it
+    stem = "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<" * 2
+    kernels = [Kernel(7, stem + "silu_kernel>", 0, 1000), Kernel(7, stem + "silu_kernel>", 1000, 2000),
+               Kernel(7, stem + "direct_copy_kernel>", 2000, 5000)]
+    tops = stream_summary(kernels, steps=1)["streams"][0]["top_kernels"]
+    assert [(t["name"][len(stem):], t["ms_per_step"]) for t in tops] == [
+        ("direct_copy_kernel>", 3.0), ("silu_kernel>", 2.0)]
+
+
 def test_profile_steps_flag_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
     for bad in ("5", "3:3", "x:4", "-1:2"):
         with pytest.raises(SystemExit):
