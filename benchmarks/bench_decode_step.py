@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
                    metavar="BLOCK_M:NUM_WARPS:NUM_STAGES",
                    help="llm42: the lane kernel's query tile and launch for the decode rows "
                         "('': the lane's own; auto: 16:2:3 with dot sums)")
+    p.add_argument("--fused-silu-mul", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.fused_silu_mul,
+                   help="CUDA: SiLU-and-multiply as one Triton kernel (EngineConfig.fused_silu_mul)")
     p.add_argument("--no-align", action="store_true",
                    help="split-KV decode attention for every context (no lane-kernel decode)")
     p.add_argument("--sync", action="store_true",
@@ -132,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                                   lane_attention_split=a.lane_attention_split,
                                   lane_full_tiles=a.lane_full_tiles,
                                   aligned_decode_lane=a.aligned_decode_lane,
+                                  fused_silu_mul=a.fused_silu_mul,
                                   async_scheduling=False if a.sync else None)
         eng = LLMEngine(cfg, loaded=loaded)
         for i in range(bsz):

@@ -109,6 +109,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               lane_full_tiles=args.lane_full_tiles,
                               aligned_decode_lane=args.aligned_decode_lane,
                               lane_dot_sums=args.lane_dot_sums,
+                              fused_silu_mul=args.fused_silu_mul,
                               async_scheduling=False if args.sync_scheduling else None,
                               cuda_graph_step_rows=(0 if args.eager_steps else
                                                     EngineConfig.cuda_graph_step_rows))
@@ -332,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="CUDA: the lane kernel sums probabilities with a matrix product "
                         "(EngineConfig.lane_dot_sums; other bits, the same for every query "
                         "tile)")
+    p.add_argument("--fused-silu-mul", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.fused_silu_mul,
+                   help="CUDA: SiLU-and-multiply as one Triton kernel "
+                        "(EngineConfig.fused_silu_mul; kernel set +fusedsilu)")
     p.add_argument("--lane-max-wait-steps", type=int,
                    default=SchedulerConfig.lane_max_wait_steps,
                    help="llm42: steps a lane pass waits to fill once work is ready for it (a "

@@ -21,6 +21,9 @@
 #                                     # llm42 decode step, 10 % target without/with
 #   benchmarks/gpu_suite.sh full-tiles # the lane kernel with whole tiles unmasked: GPU tests,
 #                                     # lane sweep, llm42 decode step, 10 % target without/with
+#   benchmarks/gpu_suite.sh fused-silu # SiLU-and-multiply as one kernel (EngineConfig.fused_silu_mul):
+#                                     # its GPU tests (torch's bits?), decode steps without/with,
+#                                     # the 10 % workload without/with (both modes)
 #   benchmarks/gpu_suite.sh split     # the lane attention split (S=${SPLIT:-256}): its GPU tests,
 #                                     # kernel sweep, llm42 decode step, 10 % target without/with
 # Results go to ${OUT:-results/gpu}; the SmolLM2 GGUF path comes from $SMOLLM2 (default:
@@ -121,6 +124,21 @@ case "${1:-}" in
         --out "$out/decode-step-llm42${x%%-lane-full-tiles}.json" 2>&1 | grep batch
     done
     offline10 "lane_full_tiles=0;lane_full_tiles=1" full-tiles ;;
+  fused-silu)
+    python -m pytest -q -m gpu tests/test_kernels_silu_mul.py tests/test_gpu_engine.py \
+      -k "silu or dvr_equals" 2>&1 | tee "$out/fused_silu_tests.log" | tail -3
+    for m in nondeterministic llm42; do
+      for x in --no-fused-silu-mul --fused-silu-mul; do
+        python -m benchmarks.bench_decode_step --mode $m --batches 8,64,128 $x \
+          --out "$out/decode-step-$m-${x#--}.json" 2>&1 | grep batch
+      done
+    done
+    for x in --no-fused-silu-mul --fused-silu-mul; do
+      python -m benchmarks.bench_offline --model random:llama3-8b --device cuda --dtype bfloat16 \
+        --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
+        --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 $x \
+        --out "$out/offline-10pct-${x#--}.json" 2>&1 | grep "tok/s"
+    done ;;
   split)
     s=${SPLIT:-256}
     python -m pytest -q -m gpu tests/test_kernels_lane_attention.py tests/test_gpu_engine.py \
@@ -131,5 +149,5 @@ case "${1:-}" in
         --out "$out/decode-step-llm42-split$x.json" 2>&1 | grep batch
     done
     offline10 "lane_attention_split=0;lane_attention_split=$s" split ;;
-  *) sed -n 2,26p "$0"; exit 2 ;;
+  *) sed -n 2,30p "$0"; exit 2 ;;
 esac

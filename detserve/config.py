@@ -185,6 +185,12 @@ class EngineConfig:
     # (docs/benchmarks/gpu/README.md). Part of the numerics: False (``tl.sum``) is another
     # kernel set ("+plainsums"), which a verifier must share
     lane_dot_sums: bool = True
+    # CUDA: SiLU-and-multiply as one Triton kernel (``kernels.silu_mul``) instead of torch's
+    # two elementwise kernels over strided halves (the fast path, the lane and
+    # batch_invariant alike). Written to give torch's bits, which only a GPU can confirm
+    # (tests/test_kernels_silu_mul.py), so until one has it is another kernel set
+    # ("+fusedsilu"), which a verifier must share; off by default until it is measured
+    fused_silu_mul: bool = False
     # plan and queue each step's fast batch before reading the previous step's tokens, so
     # the host's work between steps overlaps the device's (None: on for CUDA, off on CPU)
     async_scheduling: bool | None = None

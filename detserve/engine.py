@@ -99,6 +99,7 @@ class LLMEngine:
                                   lane_full_tiles=config.lane_full_tiles,
                                   aligned_decode_lane=config.aligned_decode_lane,
                                   lane_dot_sums=config.lane_dot_sums,
+                                  fused_silu_mul=config.fused_silu_mul,
                                   decode_pads=self.alignment.pads if self.alignment else None)
         if cuda and config.cuda_graphs:
             mode = config.mode

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -134,6 +135,30 @@ def test_aligned_decode_lane_is_parsed_and_checked() -> None:
     assert eng.runner.lane_attn == TABLE.lane  # the lane keeps its own
     assert (eng.runner.decode_attn.block_m, eng.runner.decode_attn.num_stages) == (32, 2)
     eng.close()
+    auto = lane_variant(TABLE.lane, "auto")  # with dot sums: the one-row kernel's tile
+    assert TABLE.lane.dot_sums and (auto.block_m, auto.num_warps, auto.num_stages) == (16, 2, 3)
+    assert lane_variant(replace(TABLE.lane, dot_sums=False), "auto") == replace(
+        TABLE.lane, dot_sums=False)  # without: the lane's own, the only tile sure to agree
+
+
+def test_fused_silu_mul_is_off_by_default_and_a_cuda_matter() -> None:
+    """``fused_silu_mul`` reaches the runner; on CPU the products and the activation stay
+    torch's, so the kernel set and the output do not change."""
+    from detserve.config import EngineConfig
+    from detserve.engine import LLMEngine
+    from detserve.params import SamplingParams
+
+    assert EngineConfig.fused_silu_mul is False
+    outs = []
+    for fused in (False, True):
+        eng = LLMEngine.from_args("random:tiny", "llm42", fused_silu_mul=fused, seed=0)
+        assert eng.runner.kernel_set == "torch-ref-1"
+        eng.add_request("r", None, SamplingParams(max_tokens=6, is_deterministic=True),
+                        prompt_token_ids=[1, 2, 3, 4])
+        while eng.has_unfinished_requests():
+            outs += [o.token_ids for o in eng.step() if o.finished]
+        eng.close()
+    assert len(outs) == 2 and outs[0] == outs[1]
 
 
 # Classes measured on an H100 for the Llama-3.1-8B shapes (o_proj splits at 24 rows, down_proj
@@ -473,6 +498,32 @@ def test_padded_product_ops_run_listed_products_on_more_rows() -> None:
     calls.clear()
     HeadPaddedOps(Recording(), 3, 10, pads={(5, 8): {10: 16}}).linear(x, other)
     assert calls == [10, 9]
+
+
+def test_padded_product_ops_write_the_activation_through_the_bases_own() -> None:
+    """The activation goes into the padded buffer through the base's silu_mul (a GPU base
+    may run a fused kernel there), and only for bases whose silu_mul takes an ``out``:
+    a FixedShapeOps base (chunked, no ``out``) gets the rows back as it computes them."""
+    from detserve.executor.ops import FixedShapeOps, TorchOps
+    from detserve.executor.runner import PaddedProductOps
+
+    seen: list[torch.Tensor | None] = []
+
+    class Own(TorchOps):
+        def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+            seen.append(out)
+            return super().silu_mul(gate_up, out=out)
+
+    gate_up = torch.randn(4, 12)
+    want = torch.nn.functional.silu(gate_up[:, :6]) * gate_up[:, 6:]
+    ops = PaddedProductOps(Own(), {(5, 6): {4: 16}})
+    h = ops.silu_mul(gate_up)
+    buf = ops._buffers[(6, 4, 16)]
+    assert len(seen) == 1 and seen[0] is not None and seen[0].data_ptr() == buf.data_ptr()
+    assert h.data_ptr() == buf.data_ptr() and torch.equal(h, want)
+    chunked = PaddedProductOps(FixedShapeOps(8), {(5, 6): {4: 16}})
+    h = chunked.silu_mul(gate_up)
+    assert not chunked._buffers and torch.equal(h, want)
 
 
 def test_lane_sizes_between_the_chunks_multiples() -> None:

@@ -180,6 +180,28 @@ def test_aligned_decode_lane_config_keeps_dvr_equal_to_lane_only(model: str) -> 
         e.close()
 
 
+def test_fused_silu_mul_gives_the_unfused_engines_bits(model: str) -> None:
+    """The fused SiLU-and-multiply kernel is written to give torch's bits: with it, llm42
+    commits the default engine's output token for token and logprob for logprob with no
+    window rolled back, and batch_invariant gives its output too. Its kernel set carries
+    +fusedsilu until a GPU run has shown this and it becomes the default."""
+    reqs = _reqs(det=True)
+    base, _, b = run_engine(model, reqs, **CUDA)
+    fused, stats, f = run_engine(model, reqs, fused_silu_mul=True, **CUDA)
+    assert f.runner.kernel_set == b.runner.kernel_set + "+fusedsilu"
+    assert getattr(f.runner.fast_ops, "fused_silu_mul", False)
+    assert stats["windows"] > 0 and stats["rollbacks"] == 0
+    for a, c in zip(base, fused, strict=True):
+        assert signature(a) == signature(c)
+    bi_base, _, bb = run_engine(model, reqs[:3], mode="batch_invariant", **CUDA)
+    bi_fused, _, bf = run_engine(model, reqs[:3], mode="batch_invariant", fused_silu_mul=True,
+                                 **CUDA)
+    for a, c in zip(bi_base, bi_fused, strict=True):
+        assert signature(a) == signature(c)
+    for e in (b, f, bb, bf):
+        e.close()
+
+
 def test_unaligned_fast_path_still_deterministic(model: str) -> None:
     """align_fast_path=False (split-KV decode, whole-pass lane GEMMs) keeps DVR == lane_only."""
     reqs = _reqs(det=True)

@@ -30,6 +30,7 @@ from detserve.kernels.decode_attention import choose_num_splits, decode_attentio
 from detserve.kernels.kv_write import rope_kv_write
 from detserve.kernels.lane_attention import lane_attention
 from detserve.kernels.prefill_attention import prefill_attention
+from detserve.kernels.silu_mul import silu_mul_fused
 
 __all__ = ["KERNEL_VERSION", "DecodeInputs", "GpuFastOps", "GpuLaneOps", "GpuMeta", "Rope",
            "TritonBatchInvariantOps", "aligned_split_masks", "fast_attention_gpu",
@@ -39,10 +40,22 @@ __all__ = ["KERNEL_VERSION", "DecodeInputs", "GpuFastOps", "GpuLaneOps", "GpuMet
 Rope = tuple[Tensor, Tensor]  # the model's fp32 cos/sin tables, indexed by position
 
 
+def _silu_mul(gate_up: Tensor, out: Tensor | None, fused: bool) -> Tensor:
+    """Torch's two elementwise kernels, or the fused one (``EngineConfig.fused_silu_mul``)."""
+    return silu_mul_fused(gate_up, out=out) if fused else silu_mul(gate_up, out=out)
+
+
 class GpuFastOps(TorchOps):
-    """Fast path: cuBLAS for products (any reduction order), one kernel per RMSNorm."""
+    """Fast path: cuBLAS for products (any reduction order), one kernel per RMSNorm, and
+    SiLU-and-multiply as torch's kernels or one fused kernel (``fused_silu_mul``)."""
 
     name = "cublas+rmsnorm-row"
+
+    def __init__(self, fused_silu_mul: bool = False) -> None:
+        self.fused_silu_mul = fused_silu_mul
+
+    def silu_mul(self, gate_up: Tensor, out: Tensor | None = None) -> Tensor:
+        return _silu_mul(gate_up, out, self.fused_silu_mul)
 
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return rmsnorm_bi(x, weight, eps)
@@ -57,9 +70,11 @@ class GpuLaneOps(GpuFastOps):
     (``ops.linear_in_row_chunks``)."""
 
     def __init__(self, rows: int,
-                 one_call: Mapping[tuple[int, int], frozenset[int]] | None = None) -> None:
+                 one_call: Mapping[tuple[int, int], frozenset[int]] | None = None,
+                 fused_silu_mul: bool = False) -> None:
         if rows <= 0:
             raise ValueError("rows must be positive")
+        super().__init__(fused_silu_mul)
         self.rows = rows
         self.one_call = dict(one_call or {})
         self.name = f"cublas-fixed{rows}+rmsnorm-row"
@@ -71,14 +86,17 @@ class GpuLaneOps(GpuFastOps):
 class TritonBatchInvariantOps:
     name = "triton-bi"
 
+    def __init__(self, fused_silu_mul: bool = False) -> None:
+        self.fused_silu_mul = fused_silu_mul
+
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return matmul_bi(x, weight, bias)
 
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return rmsnorm_bi(x, weight, eps)
 
-    def silu_mul(self, gate_up: Tensor) -> Tensor:
-        return silu_mul(gate_up)  # elementwise: the same bits for a row in any batch
+    def silu_mul(self, gate_up: Tensor) -> Tensor:  # elementwise: a row's bits in any batch
+        return _silu_mul(gate_up, None, self.fused_silu_mul)
 
 
 @dataclass(frozen=True)

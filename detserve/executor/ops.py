@@ -37,8 +37,9 @@ class TorchOps:
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return _rmsnorm(x, weight, eps)
 
-    def silu_mul(self, gate_up: Tensor) -> Tensor:
-        return silu_mul(gate_up)
+    def silu_mul(self, gate_up: Tensor, out: Tensor | None = None) -> Tensor:
+        """Elementwise (a row's bits never depend on the batch), into ``out`` if given."""
+        return silu_mul(gate_up, out=out)
 
 
 def pad_rows(x: Tensor, rows: int) -> Tensor:

@@ -28,7 +28,7 @@ from detserve.executor.gemm_classes import (
     smallest_at_least,
 )
 from detserve.executor.kv_pool import KVPool
-from detserve.executor.ops import FixedShapeOps, TorchOps, pad_rows, silu_mul
+from detserve.executor.ops import FixedShapeOps, TorchOps, pad_rows
 from detserve.executor.transfer import upload
 from detserve.kernels.config import TABLE, lane_variant
 from detserve.lane import LaneDecision, LanePass, LaneResult, decide
@@ -125,8 +125,9 @@ class PaddedProductOps:
         self._by_width: dict[tuple[int, int], int] = {  # (K, rows) -> padded rows
             (k, n): p for (_, k), table in pads.items() for n, p in table.items()}
         self._buffers: dict[tuple[int, int, int], Tensor] = {}  # (K, rows, padded)
-        # the activation may write into a buffer only where it is the base's own (elementwise)
-        self._own_silu = type(base).silu_mul is TorchOps.silu_mul
+        # the activation may write into a buffer only where the base's is elementwise and
+        # takes one (TorchOps and its GPU subclasses: torch's kernels or the fused one)
+        self._own_silu = isinstance(base, TorchOps)
 
     def _buffer(self, like: Tensor, rows: int, width: int, padded: int) -> Tensor:
         """The zeroed [padded, width] buffer for ``rows`` rows of that width (``like``'s
@@ -154,7 +155,8 @@ class PaddedProductOps:
         padded = self._by_width.get((width, n))
         if padded is None or not self._own_silu:
             return self.base.silu_mul(gate_up)
-        return silu_mul(gate_up, out=self._buffer(gate_up, n, width, padded)[:n])
+        return cast(TorchOps, self.base).silu_mul(gate_up, out=self._buffer(gate_up, n, width,
+                                                                              padded)[:n])
 
 
 class ModelRunner:
@@ -182,7 +184,8 @@ class ModelRunner:
                  lane_one_calls: bool = True, lane_size_step: int = 0,
                  decode_pads: Mapping[tuple[int, int], Mapping[int, int]] | None = None,
                  lane_attention_split: int = 0, aligned_decode_lane: str = "",
-                 lane_full_tiles: bool = True, lane_dot_sums: bool = True) -> None:
+                 lane_full_tiles: bool = True, lane_dot_sums: bool = True,
+                 fused_silu_mul: bool = False) -> None:
         self.model = model
         self.pool = pool
         self.device = model.embed_tokens.device
@@ -221,12 +224,14 @@ class ModelRunner:
         if self.cuda:
             from detserve.executor import gpu
 
-            self.fast_ops = gpu.GpuFastOps()
+            self.fast_ops = gpu.GpuFastOps(fused_silu_mul)
             self.kernel_set = gpu.KERNEL_VERSION
             if lane_attention_split:  # other bits: a verifier's runner must split alike
                 self.kernel_set += f"+lanesplit{lane_attention_split}"
             if not lane_dot_sums:  # other bits too
                 self.kernel_set += "+plainsums"
+            if fused_silu_mul:  # meant to be torch's bits; another set until a GPU says so
+                self.kernel_set += "+fusedsilu"
             if lane_gemm_rows and lane_one_calls:
                 multiples = self.lane_sizes()
                 grid = lane_size_grid(multiples, lane_size_step)
@@ -237,10 +242,11 @@ class ModelRunner:
                 self.kernel_set += "".join(
                     f"+one{n}x{k}@{','.join(map(str, sorted(v)))}"
                     for (n, k), v in sorted(self.lane_one_call.items()))
-            self.lane_ops = gpu.GpuLaneOps(self.lane_chunk, self.lane_one_call)
+            self.lane_ops = gpu.GpuLaneOps(self.lane_chunk, self.lane_one_call, fused_silu_mul)
             if lane_gemm_rows:
-                self.lane_logit_ops = gpu.GpuLaneOps(lane_gemm_rows, self.lane_one_call)
-            self.bi_ops = gpu.TritonBatchInvariantOps()
+                self.lane_logit_ops = gpu.GpuLaneOps(lane_gemm_rows, self.lane_one_call,
+                                                     fused_silu_mul)
+            self.bi_ops = gpu.TritonBatchInvariantOps(fused_silu_mul)
 
     def enable_cuda_graphs(self, decode: str | None, lane: bool, max_batch: int,
                            max_blocks: int, step_rows: int = 0) -> None:
