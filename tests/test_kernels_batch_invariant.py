@@ -11,6 +11,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernel_suite import interp, interpreter_suite, needs_cuda  # noqa: E402
+
 from detserve.kernels import testing as kt  # noqa: E402
 from detserve.kernels.batch_invariant import (  # noqa: E402
     log_softmax_bi,
@@ -22,16 +24,7 @@ from detserve.kernels.batch_invariant import (  # noqa: E402
 )
 from detserve.kernels.config import MatmulConfig, RowConfig  # noqa: E402
 
-if kt.INTERPRETED:
-    kt.patch_interpreter()
-
-interp = pytest.mark.skipif(not kt.INTERPRETED, reason="runs in test_interpreter_suite's subprocess")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.mark.skipif(kt.INTERPRETED, reason="this is the parent of the interpreter run")
-def test_interpreter_suite() -> None:
-    kt.run_in_interpreter(__file__)
+test_interpreter_suite = interpreter_suite(__file__)
 
 
 def check_matmul(device: str, dtype: torch.dtype, n: int, k: int, ms: list[int], *,

@@ -11,6 +11,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernel_suite import interp, interpreter_suite, needs_cuda  # noqa: E402
+
 from detserve.kernels import testing as kt  # noqa: E402
 from detserve.kernels.kv_write import (  # noqa: E402
     kv_write,
@@ -19,16 +21,7 @@ from detserve.kernels.kv_write import (  # noqa: E402
     rope_kv_write_ref,
 )
 
-if kt.INTERPRETED:
-    kt.patch_interpreter()
-
-interp = pytest.mark.skipif(not kt.INTERPRETED, reason="runs in test_interpreter_suite's subprocess")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.mark.skipif(kt.INTERPRETED, reason="this is the parent of the interpreter run")
-def test_interpreter_suite() -> None:
-    kt.run_in_interpreter(__file__)
+test_interpreter_suite = interpreter_suite(__file__)
 
 
 def rope_tables(max_pos: int, d: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernel_suite import interp, interpreter_suite, needs_cuda  # noqa: E402
+
 from detserve.kernels import testing as kt  # noqa: E402
 from detserve.kernels.config import LaneConfig  # noqa: E402
 from detserve.kernels.lane_attention import (  # noqa: E402
@@ -22,18 +24,11 @@ from detserve.kernels.lane_attention import (  # noqa: E402
     lane_rows,
 )
 
-if kt.INTERPRETED:
-    kt.patch_interpreter()
-
-interp = pytest.mark.skipif(not kt.INTERPRETED, reason="runs in test_interpreter_suite's subprocess")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CPU = ("cpu", torch.float32)
 GPU = ("cuda", torch.bfloat16)
 
 
-@pytest.mark.skipif(kt.INTERPRETED, reason="this is the parent of the interpreter run")
-def test_interpreter_suite() -> None:
-    kt.run_in_interpreter(__file__)
+test_interpreter_suite = interpreter_suite(__file__)
 
 
 def _i32(xs: list[int], device: str) -> torch.Tensor:

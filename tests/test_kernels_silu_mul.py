@@ -13,20 +13,13 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernel_suite import interp, interpreter_suite, needs_cuda  # noqa: E402
+
 from detserve.executor.ops import silu_mul  # noqa: E402
 from detserve.kernels import testing as kt  # noqa: E402
 from detserve.kernels.silu_mul import silu_mul_fused, silu_mul_ref  # noqa: E402
 
-if kt.INTERPRETED:
-    kt.patch_interpreter()
-
-interp = pytest.mark.skipif(not kt.INTERPRETED, reason="runs in test_interpreter_suite's subprocess")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.mark.skipif(kt.INTERPRETED, reason="this is the parent of the interpreter run")
-def test_interpreter_suite() -> None:
-    kt.run_in_interpreter(__file__)
+test_interpreter_suite = interpreter_suite(__file__)
 
 
 def gate_up(n: int, d: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.Tensor:
