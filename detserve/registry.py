@@ -52,6 +52,10 @@ class LaneGeometry:
     block_size: int
     lane_gemm_rows: int = 0  # row chunk of the lane's products (0: the whole pass)
     lane_attention_split: int = 0  # the lane attention kernel's split size (0: none)
+    # CUDA numerics options other than the defaults (EngineConfig.lane_dot_sums=False,
+    # EngineConfig.fused_silu_mul=True): the verifier's runner is built with them too
+    lane_plain_sums: bool = False
+    fused_silu_mul: bool = False
 
     def __post_init__(self) -> None:
         if min(self.lane_rows, self.window, self.batch_invariant_rows, self.block_size) <= 0:

@@ -20,6 +20,7 @@ from detserve.executor.gemm_classes import (
     single_call_sizes,
 )
 from detserve.executor.graphs import decode_buckets
+from detserve.registry import DecoderRecord, LaneGeometry
 
 
 def test_row_classes_partition_the_sizes() -> None:
@@ -88,6 +89,43 @@ def test_lane_gemm_rows_travels_in_the_verifier_geometry() -> None:
         lane_rows=512, window=64, batch_invariant_rows=32, block_size=16)).lane_gemm_rows == 0
     with pytest.raises(ValueError):
         LaneGeometry(512, 64, 32, 16, lane_gemm_rows=-1)
+
+
+def test_numerics_options_travel_in_the_geometry() -> None:
+    """A decoder with other numerics than the defaults (plain sums, the fused SiLU-and-
+    multiply) tells its verifier so: the geometry the engine's runner gives carries them,
+    through the hello and the registry record alike, and a record written before they
+    existed reads as the defaults."""
+    import dataclasses
+    import json
+
+    from detserve.engine import LLMEngine
+    from detserve.registry import LaneGeometry
+    from services.verifier import codec
+
+    eng = LLMEngine.from_args("random:tiny", "llm42", fused_silu_mul=True, lane_dot_sums=False)
+    g = codec.lane_geometry(eng.runner)
+    eng.close()
+    assert g.fused_silu_mul and g.lane_plain_sums
+    assert (g.lane_rows, g.window) == (eng.runner.lane_rows, eng.runner.window)
+    rec = dataclasses.replace(_record(), geometry=g)
+    assert codec.decode_geometry(codec.encode_hello(rec).hello.geometry) == g
+    assert LaneGeometry(**json.loads(json.dumps(dataclasses.asdict(g)))) == g
+    old = {k: v for k, v in dataclasses.asdict(g).items()
+           if k not in ("lane_plain_sums", "fused_silu_mul")}
+    assert LaneGeometry(**old) == dataclasses.replace(g, lane_plain_sums=False,
+                                                      fused_silu_mul=False)
+    default = LLMEngine.from_args("random:tiny", "llm42")
+    d = codec.lane_geometry(default.runner)
+    default.close()
+    assert not d.fused_silu_mul and not d.lane_plain_sums
+
+
+def _record() -> DecoderRecord:
+    from detserve.kv_handle import KVHandle
+
+    handle = KVHandle("shm", "detserve-test", (2, 2, 8, 16, 2, 8), "float32", "cpu", 1, "d0")
+    return DecoderRecord("d0", 1, handle, "w" * 16, LaneGeometry(64, 8, 32, 16), "torch-ref-1")
 
 
 def test_lane_attention_split_travels_in_the_geometry_and_is_checked() -> None:

@@ -191,6 +191,7 @@ class ModelRunner:
         self.device = model.embed_tokens.device
         self.cuda = self.device.type == "cuda"
         self.lane_rows = lane_rows
+        self.fused_silu_mul = fused_silu_mul  # CUDA only (the CPU path keeps torch's)
         self.fast_ops: Ops = TorchOps()
         self.lane_chunk = lane_gemm_rows or lane_rows  # row chunk of the lane's products
         self.lane_ops: Ops = FixedShapeOps(self.lane_chunk)

@@ -25,7 +25,7 @@ import redis
 from detserve.executor.runner import ModelRunner
 from detserve.kv_handle import KVExporter, KVHandle
 from detserve.lane import LanePass, LaneResult
-from detserve.registry import DEFAULT_PREFIX, DecoderRecord, LaneGeometry, Registry, VerifierRecord
+from detserve.registry import DEFAULT_PREFIX, DecoderRecord, Registry, VerifierRecord
 from services.verifier import codec
 from services.verifier import verifier_pb2 as pb
 from services.verifier.stream import Closed, Event, LaneStream
@@ -250,10 +250,8 @@ def make_verifier_factory(redis_url: str, decoder_id: str, kv_handle: KVHandle |
         pool = runner.pool.data
         if tuple(pool.shape) != handle.shape or str(pool.dtype) != f"torch.{handle.dtype}":
             raise ValueError("the engine's KV pool is not the exported one")
-        geometry = LaneGeometry(runner.lane_rows, runner.window, runner.bi_rows,
-                                runner.pool.block_size, runner.lane_gemm_rows,
-                                runner.lane_attn.split)
-        record = DecoderRecord(decoder_id, handle.epoch, handle, weights_hash, geometry,
+        record = DecoderRecord(decoder_id, handle.epoch, handle, weights_hash,
+                               codec.lane_geometry(runner),
                                codec.numerics_profile(runner))
         registry = Registry(redis_url, prefix)
         registry.publish_decoder(record)

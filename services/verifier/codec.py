@@ -40,12 +40,23 @@ def encode_hello(record: DecoderRecord) -> pb.LaneRequest:
         geometry=pb.LaneGeometry(lane_rows=g.lane_rows, window=g.window,
                                  batch_invariant_rows=g.batch_invariant_rows,
                                  block_size=g.block_size, lane_gemm_rows=g.lane_gemm_rows,
-                                 lane_attention_split=g.lane_attention_split)))
+                                 lane_attention_split=g.lane_attention_split,
+                                 lane_plain_sums=g.lane_plain_sums,
+                                 fused_silu_mul=g.fused_silu_mul)))
+
+
+def lane_geometry(runner: ModelRunner) -> LaneGeometry:
+    """What a verifier's runner needs of ``runner`` (the decoder's) to give its lane bits."""
+    return LaneGeometry(runner.lane_rows, runner.window, runner.bi_rows, runner.pool.block_size,
+                        runner.lane_gemm_rows, runner.lane_attn.split,
+                        lane_plain_sums=not runner.lane_attn.dot_sums,
+                        fused_silu_mul=runner.fused_silu_mul)
 
 
 def decode_geometry(g: pb.LaneGeometry) -> LaneGeometry:
     return LaneGeometry(g.lane_rows, g.window, g.batch_invariant_rows, g.block_size,
-                        g.lane_gemm_rows, g.lane_attention_split)
+                        g.lane_gemm_rows, g.lane_attention_split, g.lane_plain_sums,
+                        g.fused_silu_mul)
 
 
 # ---- passes -------------------------------------------------------------------------

@@ -161,7 +161,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                       mc.head_dim, handle.torch_dtype, self.device, storage=storage)
         runner = ModelRunner(self.model, pool, g.lane_rows, g.window, g.batch_invariant_rows,
                              lane_gemm_rows=g.lane_gemm_rows,
-                             lane_attention_split=g.lane_attention_split)
+                             lane_attention_split=g.lane_attention_split,
+                             lane_dot_sums=not g.lane_plain_sums,
+                             fused_silu_mul=g.fused_silu_mul)
         numerics = codec.numerics_profile(runner)
         if hello.numerics != numerics:
             raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
