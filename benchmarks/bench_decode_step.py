@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused-silu-mul", action=argparse.BooleanOptionalAction,
                    default=EngineConfig.fused_silu_mul,
                    help="CUDA: SiLU-and-multiply as one Triton kernel (EngineConfig.fused_silu_mul)")
+    p.add_argument("--fused-add-rmsnorm", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.fused_add_rmsnorm,
+                   help="CUDA: the residual add in the RMSNorm's kernel "
+                        "(EngineConfig.fused_add_rmsnorm)")
     p.add_argument("--no-align", action="store_true",
                    help="split-KV decode attention for every context (no lane-kernel decode)")
     p.add_argument("--sync", action="store_true",
@@ -136,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                                   lane_full_tiles=a.lane_full_tiles,
                                   aligned_decode_lane=a.aligned_decode_lane,
                                   fused_silu_mul=a.fused_silu_mul,
+                                  fused_add_rmsnorm=a.fused_add_rmsnorm,
                                   async_scheduling=False if a.sync else None)
         eng = LLMEngine(cfg, loaded=loaded)
         for i in range(bsz):

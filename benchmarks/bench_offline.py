@@ -110,6 +110,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               aligned_decode_lane=args.aligned_decode_lane,
                               lane_dot_sums=args.lane_dot_sums,
                               fused_silu_mul=args.fused_silu_mul,
+                              fused_add_rmsnorm=args.fused_add_rmsnorm,
                               async_scheduling=False if args.sync_scheduling else None,
                               cuda_graph_step_rows=(0 if args.eager_steps else
                                                     EngineConfig.cuda_graph_step_rows))
@@ -337,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
                    default=EngineConfig.fused_silu_mul,
                    help="CUDA: SiLU-and-multiply as one Triton kernel "
                         "(EngineConfig.fused_silu_mul; kernel set +fusedsilu)")
+    p.add_argument("--fused-add-rmsnorm", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.fused_add_rmsnorm,
+                   help="CUDA: the residual add in the RMSNorm's kernel "
+                        "(EngineConfig.fused_add_rmsnorm; kernel set +fusedaddnorm)")
     p.add_argument("--lane-max-wait-steps", type=int,
                    default=SchedulerConfig.lane_max_wait_steps,
                    help="llm42: steps a lane pass waits to fill once work is ready for it (a "

@@ -21,9 +21,10 @@
 #                                     # llm42 decode step, 10 % target without/with
 #   benchmarks/gpu_suite.sh full-tiles # the lane kernel with whole tiles unmasked: GPU tests,
 #                                     # lane sweep, llm42 decode step, 10 % target without/with
-#   benchmarks/gpu_suite.sh fused-silu # SiLU-and-multiply as one kernel (EngineConfig.fused_silu_mul):
-#                                     # its GPU tests (torch's bits?), decode steps without/with,
-#                                     # the 10 % workload without/with (both modes)
+#   benchmarks/gpu_suite.sh fused     # the fused SiLU-and-multiply and residual add + RMSNorm
+#                                     # (EngineConfig.fused_silu_mul / fused_add_rmsnorm): GPU
+#                                     # tests (the unfused bits?), decode steps per fusion, the
+#                                     # 10 % workload without/with both
 #   benchmarks/gpu_suite.sh split     # the lane attention split (S=${SPLIT:-256}): its GPU tests,
 #                                     # kernel sweep, llm42 decode step, 10 % target without/with
 # Results go to ${OUT:-results/gpu}; the SmolLM2 GGUF path comes from $SMOLLM2 (default:
@@ -124,20 +125,28 @@ case "${1:-}" in
         --out "$out/decode-step-llm42${x%%-lane-full-tiles}.json" 2>&1 | grep batch
     done
     offline10 "lane_full_tiles=0;lane_full_tiles=1" full-tiles ;;
-  fused-silu)
-    python -m pytest -q -m gpu tests/test_kernels_silu_mul.py tests/test_gpu_engine.py \
-      -k "silu or dvr_equals" 2>&1 | tee "$out/fused_silu_tests.log" | tail -3
-    for m in nondeterministic llm42; do
-      for x in --no-fused-silu-mul --fused-silu-mul; do
-        python -m benchmarks.bench_decode_step --mode $m --batches 8,64,128 $x \
-          --out "$out/decode-step-$m-${x#--}.json" 2>&1 | grep batch
-      done
-    done
-    for x in --no-fused-silu-mul --fused-silu-mul; do
+  fused)
+    python -m pytest -q -m gpu tests/test_kernels_silu_mul.py tests/test_kernels_batch_invariant.py \
+      tests/test_gpu_engine.py -k "silu or rmsnorm or fused or dvr_equals" 2>&1 \
+      | tee "$out/fused_tests.log" | tail -3
+    none=(--no-fused-silu-mul --no-fused-add-rmsnorm)
+    both=(--fused-silu-mul --fused-add-rmsnorm)
+    step() {  # MODE NAME FLAGS...
+      python -m benchmarks.bench_decode_step --mode "$1" --batches 8,64,128 "${@:3}" \
+        --out "$out/decode-step-$1-$2.json" 2>&1 | grep batch | sed "s/^/$1 $2: /"
+    }
+    step nondeterministic none "${none[@]}"
+    step nondeterministic silu --fused-silu-mul --no-fused-add-rmsnorm
+    step nondeterministic addnorm --no-fused-silu-mul --fused-add-rmsnorm
+    step nondeterministic both "${both[@]}"
+    step llm42 none "${none[@]}"
+    step llm42 both "${both[@]}"
+    for v in none both; do
+      [ $v = none ] && flags=("${none[@]}") || flags=("${both[@]}")
       python -m benchmarks.bench_offline --model random:llama3-8b --device cuda --dtype bfloat16 \
         --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
-        --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 $x \
-        --out "$out/offline-10pct-${x#--}.json" 2>&1 | grep "tok/s"
+        --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 "${flags[@]}" \
+        --out "$out/offline-10pct-$v.json" 2>&1 | grep "tok/s" | sed "s/^/$v: /"
     done ;;
   split)
     s=${SPLIT:-256}
@@ -149,5 +158,5 @@ case "${1:-}" in
         --out "$out/decode-step-llm42-split$x.json" 2>&1 | grep batch
     done
     offline10 "lane_attention_split=0;lane_attention_split=$s" split ;;
-  *) sed -n 2,30p "$0"; exit 2 ;;
+  *) sed -n 2,31p "$0"; exit 2 ;;
 esac

@@ -191,6 +191,11 @@ class EngineConfig:
     # (tests/test_kernels_silu_mul.py), so until one has it is another kernel set
     # ("+fusedsilu"), which a verifier must share; off by default until it is measured
     fused_silu_mul: bool = False
+    # CUDA: the residual add before each RMSNorm in the norm's own kernel
+    # (``batch_invariant.add_rmsnorm_bi``: the sum as torch adds, the norm's bits of it)
+    # instead of a torch add first. Another kernel set ("+fusedaddnorm") until a GPU has
+    # shown it gives the same bits; off by default until it is measured
+    fused_add_rmsnorm: bool = False
     # plan and queue each step's fast batch before reading the previous step's tokens, so
     # the host's work between steps overlaps the device's (None: on for CUDA, off on CPU)
     async_scheduling: bool | None = None

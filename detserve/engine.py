@@ -100,6 +100,7 @@ class LLMEngine:
                                   aligned_decode_lane=config.aligned_decode_lane,
                                   lane_dot_sums=config.lane_dot_sums,
                                   fused_silu_mul=config.fused_silu_mul,
+                                  fused_add_rmsnorm=config.fused_add_rmsnorm,
                                   decode_pads=self.alignment.pads if self.alignment else None)
         if cuda and config.cuda_graphs:
             mode = config.mode

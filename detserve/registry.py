@@ -56,6 +56,7 @@ class LaneGeometry:
     # EngineConfig.fused_silu_mul=True): the verifier's runner is built with them too
     lane_plain_sums: bool = False
     fused_silu_mul: bool = False
+    fused_add_rmsnorm: bool = False
 
     def __post_init__(self) -> None:
         if min(self.lane_rows, self.window, self.batch_invariant_rows, self.block_size) <= 0:

@@ -180,22 +180,26 @@ def test_aligned_decode_lane_config_keeps_dvr_equal_to_lane_only(model: str) -> 
         e.close()
 
 
-def test_fused_silu_mul_gives_the_unfused_engines_bits(model: str) -> None:
-    """The fused SiLU-and-multiply kernel is written to give torch's bits: with it, llm42
-    commits the default engine's output token for token and logprob for logprob with no
-    window rolled back, and batch_invariant gives its output too. Its kernel set carries
-    +fusedsilu until a GPU run has shown this and it becomes the default."""
+@pytest.mark.parametrize("flag,tag", [("fused_silu_mul", "+fusedsilu"),
+                                      ("fused_add_rmsnorm", "+fusedaddnorm")])
+def test_fused_ops_give_the_unfused_engines_bits(model: str, flag: str, tag: str) -> None:
+    """The fused SiLU-and-multiply and the residual add fused into the RMSNorm are written
+    to give the unfused bits: with either, llm42 commits the default engine's output token
+    for token and logprob for logprob with no window rolled back, and batch_invariant gives
+    its output too. Their kernel sets carry a tag until a GPU run has shown this and they
+    become the default."""
     reqs = _reqs(det=True)
     base, _, b = run_engine(model, reqs, **CUDA)
-    fused, stats, f = run_engine(model, reqs, fused_silu_mul=True, **CUDA)
-    assert f.runner.kernel_set == b.runner.kernel_set + "+fusedsilu"
-    assert getattr(f.runner.fast_ops, "fused_silu_mul", False)
+    fused, stats, f = run_engine(model, reqs, **{flag: True}, **CUDA)
+    assert f.runner.kernel_set == b.runner.kernel_set + tag
+    assert getattr(f.runner.fast_ops, flag) and getattr(f.runner.lane_ops, flag)
     assert stats["windows"] > 0 and stats["rollbacks"] == 0
     for a, c in zip(base, fused, strict=True):
         assert signature(a) == signature(c)
     bi_base, _, bb = run_engine(model, reqs[:3], mode="batch_invariant", **CUDA)
-    bi_fused, _, bf = run_engine(model, reqs[:3], mode="batch_invariant", fused_silu_mul=True,
+    bi_fused, _, bf = run_engine(model, reqs[:3], mode="batch_invariant", **{flag: True},
                                  **CUDA)
+    assert getattr(bf.runner.bi_ops, flag)
     for a, c in zip(bi_base, bi_fused, strict=True):
         assert signature(a) == signature(c)
     for e in (b, f, bb, bf):

@@ -15,6 +15,7 @@ from kernel_suite import interp, interpreter_suite, needs_cuda  # noqa: E402
 
 from detserve.kernels import testing as kt  # noqa: E402
 from detserve.kernels.batch_invariant import (  # noqa: E402
+    add_rmsnorm_bi,
     log_softmax_bi,
     log_softmax_ref,
     matmul_bi,
@@ -61,6 +62,18 @@ def check_rows(device: str, dtype: torch.dtype, rows: int, n: int, atol: float,
         assert kt.bitwise_equal(log_softmax_bi(x[sl].clone(), cfg=lsm_cfg), z[sl])
 
 
+def check_add_rmsnorm(device: str, dtype: torch.dtype, rows: int, n: int, cfg: RowConfig) -> None:
+    """The fused residual add and norm: the sum as torch adds, the norm rmsnorm_bi's bits of
+    that sum, bit for bit."""
+    x = kt.randn(rows, n, dtype=dtype, device=device, seed=6, scale=3.0)
+    d = kt.randn(rows, n, dtype=dtype, device=device, seed=7)
+    w = kt.randn(n, dtype=dtype, device=device, seed=8)
+    total, y = add_rmsnorm_bi(x, d, w, 1e-5, cfg=cfg)
+    assert kt.bitwise_equal(total, x + d)
+    assert kt.bitwise_equal(y, rmsnorm_bi(x + d, w, 1e-5, cfg=cfg))
+    assert total.data_ptr() != x.data_ptr()  # x stays as it was (graphs may reuse it)
+
+
 SMALL_MM = MatmulConfig(block_m=32, block_n=32, block_k=16, group_m=2, num_warps=4)
 
 
@@ -88,6 +101,13 @@ def test_rmsnorm_log_softmax_interp(n: int) -> None:
 
 
 @interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # (interpreter: no bf16)
+@pytest.mark.parametrize("n", [1000, 64, 5])
+def test_add_rmsnorm_interp(n: int, dtype: torch.dtype) -> None:
+    check_add_rmsnorm("cpu", dtype, 9, n, RowConfig(block=256))
+
+
+@interp
 def test_log_softmax_handles_infinities_interp() -> None:
     x = torch.full((3, 300), float("-inf"))
     x[0, 7] = 2.0
@@ -106,6 +126,8 @@ def test_rejects_bad_arguments() -> None:
         matmul_bi(torch.zeros(2, 8), torch.zeros(4, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match="weight"):
         rmsnorm_bi(torch.zeros(2, 8), torch.zeros(9), 1e-5)
+    with pytest.raises(ValueError, match="delta must match"):
+        add_rmsnorm_bi(torch.zeros(2, 8), torch.zeros(3, 8), torch.zeros(8), 1e-5)
 
 
 LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -137,3 +159,4 @@ def test_rmsnorm_log_softmax_gpu(dtype: torch.dtype) -> None:
                TABLE.rmsnorm, TABLE.log_softmax)
     check_rows("cuda", dtype, 33, 128256, 2e-2 if dtype == torch.bfloat16 else 1e-5,
                TABLE.rmsnorm, TABLE.log_softmax)
+    check_add_rmsnorm("cuda", dtype, 257, 4096, TABLE.rmsnorm)

@@ -21,10 +21,10 @@ from torch import Tensor
 
 from detserve.executor.attention import RowBatch
 from detserve.executor.kv_pool import KVPool
-from detserve.executor.ops import TorchOps, linear_in_row_chunks, silu_mul
+from detserve.executor.ops import TorchOps, add_then_rmsnorm, linear_in_row_chunks, silu_mul
 from detserve.executor.transfer import upload
 from detserve.kernels._utils import num_sms
-from detserve.kernels.batch_invariant import matmul_bi, rmsnorm_bi
+from detserve.kernels.batch_invariant import add_rmsnorm_bi, matmul_bi, rmsnorm_bi
 from detserve.kernels.config import KERNEL_VERSION, TABLE, LaneConfig
 from detserve.kernels.decode_attention import choose_num_splits, decode_attention
 from detserve.kernels.kv_write import rope_kv_write
@@ -45,20 +45,35 @@ def _silu_mul(gate_up: Tensor, out: Tensor | None, fused: bool) -> Tensor:
     return silu_mul_fused(gate_up, out=out) if fused else silu_mul(gate_up, out=out)
 
 
+def _add_rmsnorm(ops: GpuFastOps | TritonBatchInvariantOps, x: Tensor, delta: Tensor,
+                 weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Torch's add then the one-row RMSNorm, or both in that kernel
+    (``EngineConfig.fused_add_rmsnorm``: the norm's bits either way)."""
+    if ops.fused_add_rmsnorm:
+        return add_rmsnorm_bi(x, delta, weight, eps)
+    return add_then_rmsnorm(ops, x, delta, weight, eps)
+
+
 class GpuFastOps(TorchOps):
     """Fast path: cuBLAS for products (any reduction order), one kernel per RMSNorm, and
-    SiLU-and-multiply as torch's kernels or one fused kernel (``fused_silu_mul``)."""
+    SiLU-and-multiply and the residual add before a norm as torch's kernels or fused ones
+    (``fused_silu_mul``, ``fused_add_rmsnorm``)."""
 
     name = "cublas+rmsnorm-row"
 
-    def __init__(self, fused_silu_mul: bool = False) -> None:
+    def __init__(self, fused_silu_mul: bool = False, fused_add_rmsnorm: bool = False) -> None:
         self.fused_silu_mul = fused_silu_mul
+        self.fused_add_rmsnorm = fused_add_rmsnorm
 
     def silu_mul(self, gate_up: Tensor, out: Tensor | None = None) -> Tensor:
         return _silu_mul(gate_up, out, self.fused_silu_mul)
 
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return rmsnorm_bi(x, weight, eps)
+
+    def add_rmsnorm(self, x: Tensor, delta: Tensor, weight: Tensor,
+                    eps: float) -> tuple[Tensor, Tensor]:
+        return _add_rmsnorm(self, x, delta, weight, eps)
 
 
 class GpuLaneOps(GpuFastOps):
@@ -71,10 +86,10 @@ class GpuLaneOps(GpuFastOps):
 
     def __init__(self, rows: int,
                  one_call: Mapping[tuple[int, int], frozenset[int]] | None = None,
-                 fused_silu_mul: bool = False) -> None:
+                 fused_silu_mul: bool = False, fused_add_rmsnorm: bool = False) -> None:
         if rows <= 0:
             raise ValueError("rows must be positive")
-        super().__init__(fused_silu_mul)
+        super().__init__(fused_silu_mul, fused_add_rmsnorm)
         self.rows = rows
         self.one_call = dict(one_call or {})
         self.name = f"cublas-fixed{rows}+rmsnorm-row"
@@ -86,14 +101,19 @@ class GpuLaneOps(GpuFastOps):
 class TritonBatchInvariantOps:
     name = "triton-bi"
 
-    def __init__(self, fused_silu_mul: bool = False) -> None:
+    def __init__(self, fused_silu_mul: bool = False, fused_add_rmsnorm: bool = False) -> None:
         self.fused_silu_mul = fused_silu_mul
+        self.fused_add_rmsnorm = fused_add_rmsnorm
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return matmul_bi(x, weight, bias)
 
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return rmsnorm_bi(x, weight, eps)
+
+    def add_rmsnorm(self, x: Tensor, delta: Tensor, weight: Tensor,
+                    eps: float) -> tuple[Tensor, Tensor]:
+        return _add_rmsnorm(self, x, delta, weight, eps)
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:  # elementwise: a row's bits in any batch
         return _silu_mul(gate_up, None, self.fused_silu_mul)

@@ -10,10 +10,14 @@ batch-invariant baseline (the SGLang/vLLM approach, here as a plain-torch refere
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from detserve.model.llama import Ops
 
 
 def _rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -28,6 +32,13 @@ def silu_mul(gate_up: Tensor, out: Tensor | None = None) -> Tensor:
     return torch.mul(F.silu(gate), up, out=out)
 
 
+def add_then_rmsnorm(ops: Ops, x: Tensor, delta: Tensor, weight: Tensor,
+                     eps: float) -> tuple[Tensor, Tensor]:
+    """The residual add before a norm as two steps: torch's add, then ``ops``' norm."""
+    h = x + delta
+    return h, ops.rmsnorm(h, weight, eps)
+
+
 class TorchOps:
     name = "torch"
 
@@ -36,6 +47,10 @@ class TorchOps:
 
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return _rmsnorm(x, weight, eps)
+
+    def add_rmsnorm(self, x: Tensor, delta: Tensor, weight: Tensor,
+                    eps: float) -> tuple[Tensor, Tensor]:
+        return add_then_rmsnorm(self, x, delta, weight, eps)
 
     def silu_mul(self, gate_up: Tensor, out: Tensor | None = None) -> Tensor:
         """Elementwise (a row's bits never depend on the batch), into ``out`` if given."""
@@ -86,6 +101,10 @@ class FixedShapeOps:
 
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return run_in_row_chunks(lambda c: _rmsnorm(c, weight, eps), x, self.rows)
+
+    def add_rmsnorm(self, x: Tensor, delta: Tensor, weight: Tensor,
+                    eps: float) -> tuple[Tensor, Tensor]:
+        return add_then_rmsnorm(self, x, delta, weight, eps)
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         return run_in_row_chunks(silu_mul, gate_up, self.rows)

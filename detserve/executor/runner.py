@@ -107,6 +107,10 @@ class HeadPaddedOps:
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return self.base.rmsnorm(x, weight, eps)
 
+    def add_rmsnorm(self, x: Tensor, delta: Tensor, weight: Tensor,
+                    eps: float) -> tuple[Tensor, Tensor]:
+        return self.base.add_rmsnorm(x, delta, weight, eps)
+
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         return self.base.silu_mul(gate_up)
 
@@ -150,6 +154,10 @@ class PaddedProductOps:
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return self.base.rmsnorm(x, weight, eps)
 
+    def add_rmsnorm(self, x: Tensor, delta: Tensor, weight: Tensor,
+                    eps: float) -> tuple[Tensor, Tensor]:
+        return self.base.add_rmsnorm(x, delta, weight, eps)
+
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         n, width = gate_up.shape[0], gate_up.shape[1] // 2
         padded = self._by_width.get((width, n))
@@ -185,13 +193,14 @@ class ModelRunner:
                  decode_pads: Mapping[tuple[int, int], Mapping[int, int]] | None = None,
                  lane_attention_split: int = 0, aligned_decode_lane: str = "",
                  lane_full_tiles: bool = True, lane_dot_sums: bool = True,
-                 fused_silu_mul: bool = False) -> None:
+                 fused_silu_mul: bool = False, fused_add_rmsnorm: bool = False) -> None:
         self.model = model
         self.pool = pool
         self.device = model.embed_tokens.device
         self.cuda = self.device.type == "cuda"
         self.lane_rows = lane_rows
-        self.fused_silu_mul = fused_silu_mul  # CUDA only (the CPU path keeps torch's)
+        # CUDA only (the CPU path keeps torch's ops)
+        self.fused_silu_mul, self.fused_add_rmsnorm = fused_silu_mul, fused_add_rmsnorm
         self.fast_ops: Ops = TorchOps()
         self.lane_chunk = lane_gemm_rows or lane_rows  # row chunk of the lane's products
         self.lane_ops: Ops = FixedShapeOps(self.lane_chunk)
@@ -225,14 +234,15 @@ class ModelRunner:
         if self.cuda:
             from detserve.executor import gpu
 
-            self.fast_ops = gpu.GpuFastOps(fused_silu_mul)
+            fused = (fused_silu_mul, fused_add_rmsnorm)
+            self.fast_ops = gpu.GpuFastOps(*fused)
             self.kernel_set = gpu.KERNEL_VERSION
             if lane_attention_split:  # other bits: a verifier's runner must split alike
                 self.kernel_set += f"+lanesplit{lane_attention_split}"
             if not lane_dot_sums:  # other bits too
                 self.kernel_set += "+plainsums"
-            if fused_silu_mul:  # meant to be torch's bits; another set until a GPU says so
-                self.kernel_set += "+fusedsilu"
+            # meant to be the unfused bits; other sets until a GPU has shown it
+            self.kernel_set += "+fusedsilu" * fused_silu_mul + "+fusedaddnorm" * fused_add_rmsnorm
             if lane_gemm_rows and lane_one_calls:
                 multiples = self.lane_sizes()
                 grid = lane_size_grid(multiples, lane_size_step)
@@ -243,11 +253,10 @@ class ModelRunner:
                 self.kernel_set += "".join(
                     f"+one{n}x{k}@{','.join(map(str, sorted(v)))}"
                     for (n, k), v in sorted(self.lane_one_call.items()))
-            self.lane_ops = gpu.GpuLaneOps(self.lane_chunk, self.lane_one_call, fused_silu_mul)
+            self.lane_ops = gpu.GpuLaneOps(self.lane_chunk, self.lane_one_call, *fused)
             if lane_gemm_rows:
-                self.lane_logit_ops = gpu.GpuLaneOps(lane_gemm_rows, self.lane_one_call,
-                                                     fused_silu_mul)
-            self.bi_ops = gpu.TritonBatchInvariantOps(fused_silu_mul)
+                self.lane_logit_ops = gpu.GpuLaneOps(lane_gemm_rows, self.lane_one_call, *fused)
+            self.bi_ops = gpu.TritonBatchInvariantOps(*fused)
 
     def enable_cuda_graphs(self, decode: str | None, lane: bool, max_batch: int,
                            max_blocks: int, step_rows: int = 0) -> None:

@@ -116,22 +116,44 @@ def matmul_bi_ref(x: Tensor, w: Tensor, bias: Tensor | None = None, *,
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps,
+                    d_ptr, sum_ptr, stride_d, stride_s,
+                    BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+    # HAS_RES: normalise x + d instead of x, rounded to x's dtype as torch's add rounds it,
+    # and write that sum to sum_ptr (the residual stream); the norm's arithmetic is the
+    # same either way (the sum is recomputed in the second loop, never read back)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     o_row = out_ptr + row * stride_o
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for off in range(0, N, BLOCK):
         cols = off + tl.arange(0, BLOCK)
-        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+        mask = cols < N
+        if HAS_RES:
+            x = _residual_sum(x_row, d_ptr + row * stride_d, cols, mask)
+            tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
+            x = x.to(tl.float32)
+        else:
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         acc += x * x
     rstd = tl.rsqrt(tl.sum(acc, 0) / N + eps)
     for off in range(0, N, BLOCK):
         cols = off + tl.arange(0, BLOCK)
         mask = cols < N
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            x = _residual_sum(x_row, d_ptr + row * stride_d, cols, mask).to(tl.float32)
+        else:
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(o_row + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _residual_sum(x_row, d_row, cols, mask):
+    """x + d in fp32, rounded once to x's dtype (torch's add of two such tensors)."""
+    x = tl.load(x_row + cols, mask=mask, other=0.0)
+    d = tl.load(d_row + cols, mask=mask, other=0.0)
+    return (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
 
 
 def _expect_rows(x: Tensor, name: str) -> Tensor:
@@ -154,8 +176,29 @@ def rmsnorm_bi(x: Tensor, weight: Tensor, eps: float, *, out_dtype: torch.dtype 
     out = torch.empty(x2.shape, dtype=out_dtype or x.dtype, device=x.device)
     if x2.shape[0] > 0:
         _rmsnorm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), n, float(eps),
-                                        BLOCK=cfg.block, num_warps=cfg.num_warps)
+                                        x2, x2, 0, 0, BLOCK=cfg.block, HAS_RES=False,
+                                        num_warps=cfg.num_warps)
     return out.reshape(x.shape)
+
+
+def add_rmsnorm_bi(x: Tensor, delta: Tensor, weight: Tensor, eps: float, *,
+                   cfg: RowConfig = TABLE.rmsnorm) -> tuple[Tensor, Tensor]:
+    """``(s, rmsnorm_bi(s, weight, eps))`` for ``s = x + delta`` (rounded to x's dtype, as
+    torch adds), in one kernel: the residual add before a norm, fused. The norm gives
+    ``rmsnorm_bi``'s bits for ``s`` (the same kernel, the same reduction order).
+    x, delta: [rows, N], rows contiguous."""
+    x2, d2 = _expect_rows(x, "x"), _expect_rows(delta, "delta")
+    n = x2.shape[1]
+    expect(d2.shape == x2.shape and delta.dtype == x.dtype and delta.device == x.device,
+           f"delta must match x: {tuple(x.shape)} {x.dtype}")
+    expect(weight.shape == (n,) and weight.stride(0) == 1, f"weight must be contiguous [{n}]")
+    total = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0] > 0:
+        _rmsnorm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), n, float(eps),
+                                        d2, total, d2.stride(0), total.stride(0),
+                                        BLOCK=cfg.block, HAS_RES=True, num_warps=cfg.num_warps)
+    return total.reshape(x.shape), out.reshape(x.shape)
 
 
 def rmsnorm_ref(x: Tensor, weight: Tensor, eps: float, *,

@@ -24,6 +24,11 @@ class Ops(Protocol):
 
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor: ...
 
+    def add_rmsnorm(self, x: Tensor, delta: Tensor, weight: Tensor,
+                    eps: float) -> tuple[Tensor, Tensor]:
+        """The residual add before a norm: ``(x + delta, rmsnorm(x + delta))``."""
+        ...
+
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         """silu(first half) * second half, along the last dim."""
         ...
@@ -102,8 +107,9 @@ class LlamaModel(nn.Module):
             cos = cast(Tensor, self.rope_cos)[positions]
             sin = cast(Tensor, self.rope_sin)[positions]
         n = h.shape[0]
-        for i, layer in enumerate(self.layer_list):
-            x = ops.rmsnorm(h, layer.input_norm, c.rms_norm_eps)
+        layers = self.layer_list
+        x = ops.rmsnorm(h, layers[0].input_norm, c.rms_norm_eps)
+        for i, layer in enumerate(layers):
             qkv = ops.linear(x, layer.qkv_proj, layer.qkv_bias)
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = q.reshape(n, c.num_heads, c.head_dim)
@@ -112,10 +118,13 @@ class LlamaModel(nn.Module):
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             v = v.reshape(n, c.num_kv_heads, c.head_dim)
             o = attention(i, q, k, v).reshape(n, c.q_size)
-            h = h + ops.linear(o, layer.o_proj)
-            x = ops.rmsnorm(h, layer.post_norm, c.rms_norm_eps)
-            h = h + ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up_proj)), layer.down_proj)
-        return ops.rmsnorm(h, self.norm, c.rms_norm_eps)
+            h, x = ops.add_rmsnorm(h, ops.linear(o, layer.o_proj), layer.post_norm,
+                                   c.rms_norm_eps)
+            mlp = ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up_proj)), layer.down_proj)
+            # the next layer's input norm (the final norm after the last layer) on h + mlp
+            norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
+            h, x = ops.add_rmsnorm(h, mlp, norm, c.rms_norm_eps)
+        return x
 
     def gemm_weights(self) -> list[Tensor]:
         """One weight of every matrix-product shape the forward uses, then the lm_head's."""

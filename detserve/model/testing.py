@@ -293,6 +293,11 @@ class ReferenceOps:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(x.dtype)
 
+    def add_rmsnorm(self, x: Tensor, delta: Tensor, weight: Tensor,
+                    eps: float) -> tuple[Tensor, Tensor]:
+        h = x + delta
+        return h, self.rmsnorm(h, weight, eps)
+
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up

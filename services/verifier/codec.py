@@ -42,7 +42,8 @@ def encode_hello(record: DecoderRecord) -> pb.LaneRequest:
                                  block_size=g.block_size, lane_gemm_rows=g.lane_gemm_rows,
                                  lane_attention_split=g.lane_attention_split,
                                  lane_plain_sums=g.lane_plain_sums,
-                                 fused_silu_mul=g.fused_silu_mul)))
+                                 fused_silu_mul=g.fused_silu_mul,
+                                 fused_add_rmsnorm=g.fused_add_rmsnorm)))
 
 
 def lane_geometry(runner: ModelRunner) -> LaneGeometry:
@@ -50,13 +51,14 @@ def lane_geometry(runner: ModelRunner) -> LaneGeometry:
     return LaneGeometry(runner.lane_rows, runner.window, runner.bi_rows, runner.pool.block_size,
                         runner.lane_gemm_rows, runner.lane_attn.split,
                         lane_plain_sums=not runner.lane_attn.dot_sums,
-                        fused_silu_mul=runner.fused_silu_mul)
+                        fused_silu_mul=runner.fused_silu_mul,
+                        fused_add_rmsnorm=runner.fused_add_rmsnorm)
 
 
 def decode_geometry(g: pb.LaneGeometry) -> LaneGeometry:
     return LaneGeometry(g.lane_rows, g.window, g.batch_invariant_rows, g.block_size,
                         g.lane_gemm_rows, g.lane_attention_split, g.lane_plain_sums,
-                        g.fused_silu_mul)
+                        g.fused_silu_mul, g.fused_add_rmsnorm)
 
 
 # ---- passes -------------------------------------------------------------------------

@@ -163,7 +163,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                              lane_gemm_rows=g.lane_gemm_rows,
                              lane_attention_split=g.lane_attention_split,
                              lane_dot_sums=not g.lane_plain_sums,
-                             fused_silu_mul=g.fused_silu_mul)
+                             fused_silu_mul=g.fused_silu_mul,
+                             fused_add_rmsnorm=g.fused_add_rmsnorm)
         numerics = codec.numerics_profile(runner)
         if hello.numerics != numerics:
             raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
