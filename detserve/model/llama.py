@@ -108,6 +108,8 @@ class LlamaModel(nn.Module):
             sin = cast(Tensor, self.rope_sin)[positions]
         n = h.shape[0]
         layers = self.layer_list
+        if not layers:
+            return ops.rmsnorm(h, self.norm, c.rms_norm_eps)
         x = ops.rmsnorm(h, layers[0].input_norm, c.rms_norm_eps)
         for i, layer in enumerate(layers):
             qkv = ops.linear(x, layer.qkv_proj, layer.qkv_bias)
