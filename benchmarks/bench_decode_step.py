@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_offline import hardware
+from benchmarks.bench_offline import add_fused_flags, hardware
 from benchmarks.stream_profile import kernel_key
 from detserve.config import EngineConfig
 from detserve.engine import LLMEngine
@@ -102,13 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                    metavar="BLOCK_M:NUM_WARPS:NUM_STAGES",
                    help="llm42: the lane kernel's query tile and launch for the decode rows "
                         "('': the lane's own; auto: 16:2:3 with dot sums)")
-    p.add_argument("--fused-silu-mul", action=argparse.BooleanOptionalAction,
-                   default=EngineConfig.fused_silu_mul,
-                   help="CUDA: SiLU-and-multiply as one Triton kernel (EngineConfig.fused_silu_mul)")
-    p.add_argument("--fused-add-rmsnorm", action=argparse.BooleanOptionalAction,
-                   default=EngineConfig.fused_add_rmsnorm,
-                   help="CUDA: the residual add in the RMSNorm's kernel "
-                        "(EngineConfig.fused_add_rmsnorm)")
+    add_fused_flags(p)
     p.add_argument("--no-align", action="store_true",
                    help="split-KV decode attention for every context (no lane-kernel decode)")
     p.add_argument("--sync", action="store_true",

@@ -264,6 +264,19 @@ def profile_range(text: str) -> tuple[int, int]:
     return a, b
 
 
+def add_fused_flags(p: argparse.ArgumentParser) -> None:
+    """--fused-silu-mul / --fused-add-rmsnorm (EngineConfig's, off by default), shared by
+    the benchmarks that build an engine."""
+    p.add_argument("--fused-silu-mul", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.fused_silu_mul,
+                   help="CUDA: SiLU-and-multiply as one Triton kernel "
+                        "(EngineConfig.fused_silu_mul; kernel set +fusedsilu)")
+    p.add_argument("--fused-add-rmsnorm", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.fused_add_rmsnorm,
+                   help="CUDA: the residual add in the RMSNorm's kernel "
+                        "(EngineConfig.fused_add_rmsnorm; kernel set +fusedaddnorm)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="random:tiny", help="model spec, or random:<shape>")
@@ -334,14 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="CUDA: the lane kernel sums probabilities with a matrix product "
                         "(EngineConfig.lane_dot_sums; other bits, the same for every query "
                         "tile)")
-    p.add_argument("--fused-silu-mul", action=argparse.BooleanOptionalAction,
-                   default=EngineConfig.fused_silu_mul,
-                   help="CUDA: SiLU-and-multiply as one Triton kernel "
-                        "(EngineConfig.fused_silu_mul; kernel set +fusedsilu)")
-    p.add_argument("--fused-add-rmsnorm", action=argparse.BooleanOptionalAction,
-                   default=EngineConfig.fused_add_rmsnorm,
-                   help="CUDA: the residual add in the RMSNorm's kernel "
-                        "(EngineConfig.fused_add_rmsnorm; kernel set +fusedaddnorm)")
+    add_fused_flags(p)
     p.add_argument("--lane-max-wait-steps", type=int,
                    default=SchedulerConfig.lane_max_wait_steps,
                    help="llm42: steps a lane pass waits to fill once work is ready for it (a "

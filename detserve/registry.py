@@ -53,7 +53,7 @@ class LaneGeometry:
     lane_gemm_rows: int = 0  # row chunk of the lane's products (0: the whole pass)
     lane_attention_split: int = 0  # the lane attention kernel's split size (0: none)
     # CUDA numerics options other than the defaults (EngineConfig.lane_dot_sums=False,
-    # EngineConfig.fused_silu_mul=True): the verifier's runner is built with them too
+    # fused_silu_mul=True, fused_add_rmsnorm=True): the verifier's runner is built with them
     lane_plain_sums: bool = False
     fused_silu_mul: bool = False
     fused_add_rmsnorm: bool = False

@@ -100,7 +100,6 @@ def test_numerics_options_travel_in_the_geometry() -> None:
     import json
 
     from detserve.engine import LLMEngine
-    from detserve.registry import LaneGeometry
     from services.verifier import codec
 
     eng = LLMEngine.from_args("random:tiny", "llm42", fused_silu_mul=True, lane_dot_sums=False,

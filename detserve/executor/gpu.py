@@ -40,20 +40,6 @@ __all__ = ["KERNEL_VERSION", "DecodeInputs", "GpuFastOps", "GpuLaneOps", "GpuMet
 Rope = tuple[Tensor, Tensor]  # the model's fp32 cos/sin tables, indexed by position
 
 
-def _silu_mul(gate_up: Tensor, out: Tensor | None, fused: bool) -> Tensor:
-    """Torch's two elementwise kernels, or the fused one (``EngineConfig.fused_silu_mul``)."""
-    return silu_mul_fused(gate_up, out=out) if fused else silu_mul(gate_up, out=out)
-
-
-def _add_rmsnorm(ops: GpuFastOps | TritonBatchInvariantOps, x: Tensor, delta: Tensor,
-                 weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """Torch's add then the one-row RMSNorm, or both in that kernel
-    (``EngineConfig.fused_add_rmsnorm``: the norm's bits either way)."""
-    if ops.fused_add_rmsnorm:
-        return add_rmsnorm_bi(x, delta, weight, eps)
-    return add_then_rmsnorm(ops, x, delta, weight, eps)
-
-
 class GpuFastOps(TorchOps):
     """Fast path: cuBLAS for products (any reduction order), one kernel per RMSNorm, and
     SiLU-and-multiply and the residual add before a norm as torch's kernels or fused ones
@@ -66,14 +52,20 @@ class GpuFastOps(TorchOps):
         self.fused_add_rmsnorm = fused_add_rmsnorm
 
     def silu_mul(self, gate_up: Tensor, out: Tensor | None = None) -> Tensor:
-        return _silu_mul(gate_up, out, self.fused_silu_mul)
+        if self.fused_silu_mul:
+            return silu_mul_fused(gate_up, out=out)
+        return silu_mul(gate_up, out=out)
 
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return rmsnorm_bi(x, weight, eps)
 
     def add_rmsnorm(self, x: Tensor, delta: Tensor, weight: Tensor,
                     eps: float) -> tuple[Tensor, Tensor]:
-        return _add_rmsnorm(self, x, delta, weight, eps)
+        """Torch's add then the one-row RMSNorm, or both in that kernel (the norm's bits
+        either way)."""
+        if self.fused_add_rmsnorm:
+            return add_rmsnorm_bi(x, delta, weight, eps)
+        return add_then_rmsnorm(self, x, delta, weight, eps)
 
 
 class GpuLaneOps(GpuFastOps):
@@ -98,25 +90,15 @@ class GpuLaneOps(GpuFastOps):
         return linear_in_row_chunks(x, weight, bias, self.rows, self.one_call)
 
 
-class TritonBatchInvariantOps:
-    name = "triton-bi"
+class TritonBatchInvariantOps(GpuFastOps):
+    """batch_invariant mode: the persistent no-split-K matmul for products; the norm and
+    the elementwise ops are the fast path's (one row per program, or elementwise: a row's
+    bits in any batch)."""
 
-    def __init__(self, fused_silu_mul: bool = False, fused_add_rmsnorm: bool = False) -> None:
-        self.fused_silu_mul = fused_silu_mul
-        self.fused_add_rmsnorm = fused_add_rmsnorm
+    name = "triton-bi"
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return matmul_bi(x, weight, bias)
-
-    def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        return rmsnorm_bi(x, weight, eps)
-
-    def add_rmsnorm(self, x: Tensor, delta: Tensor, weight: Tensor,
-                    eps: float) -> tuple[Tensor, Tensor]:
-        return _add_rmsnorm(self, x, delta, weight, eps)
-
-    def silu_mul(self, gate_up: Tensor) -> Tensor:  # elementwise: a row's bits in any batch
-        return _silu_mul(gate_up, None, self.fused_silu_mul)
 
 
 @dataclass(frozen=True)

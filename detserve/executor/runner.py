@@ -241,8 +241,11 @@ class ModelRunner:
                 self.kernel_set += f"+lanesplit{lane_attention_split}"
             if not lane_dot_sums:  # other bits too
                 self.kernel_set += "+plainsums"
-            # meant to be the unfused bits; other sets until a GPU has shown it
-            self.kernel_set += "+fusedsilu" * fused_silu_mul + "+fusedaddnorm" * fused_add_rmsnorm
+            # the fusions are meant to give the unfused bits; other sets until a GPU shows it
+            if fused_silu_mul:
+                self.kernel_set += "+fusedsilu"
+            if fused_add_rmsnorm:
+                self.kernel_set += "+fusedaddnorm"
             if lane_gemm_rows and lane_one_calls:
                 multiples = self.lane_sizes()
                 grid = lane_size_grid(multiples, lane_size_step)

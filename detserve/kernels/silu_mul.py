@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import os
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from detserve.executor.ops import silu_mul as silu_mul_ref  # the torch form it follows
 from detserve.kernels._utils import cdiv, expect
+
+__all__ = ["silu_mul_fused", "silu_mul_ref"]
 
 try:  # CUDA's expf, the one torch's SiLU calls
     from triton.language.extra import libdevice
@@ -68,9 +70,3 @@ def silu_mul_fused(gate_up: Tensor, out: Tensor | None = None) -> Tensor:
         gate_up, out, d, gate_up.stride(0), out.stride(0),
         BLOCK=BLOCK, ACCURATE=accurate, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return out
-
-
-def silu_mul_ref(gate_up: Tensor) -> Tensor:
-    """The torch form the kernel follows."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
