@@ -265,16 +265,16 @@ def profile_range(text: str) -> tuple[int, int]:
 
 
 def add_fused_flags(p: argparse.ArgumentParser) -> None:
-    """--fused-silu-mul / --fused-add-rmsnorm (EngineConfig's, off by default), shared by
-    the benchmarks that build an engine."""
+    """--fused-silu-mul / --fused-add-rmsnorm (EngineConfig's, on by default; --no-... for
+    torch's kernels, the same bits), shared by the benchmarks that build an engine."""
     p.add_argument("--fused-silu-mul", action=argparse.BooleanOptionalAction,
                    default=EngineConfig.fused_silu_mul,
                    help="CUDA: SiLU-and-multiply as one Triton kernel "
-                        "(EngineConfig.fused_silu_mul; kernel set +fusedsilu)")
+                        "(EngineConfig.fused_silu_mul)")
     p.add_argument("--fused-add-rmsnorm", action=argparse.BooleanOptionalAction,
                    default=EngineConfig.fused_add_rmsnorm,
                    help="CUDA: the residual add in the RMSNorm's kernel "
-                        "(EngineConfig.fused_add_rmsnorm; kernel set +fusedaddnorm)")
+                        "(EngineConfig.fused_add_rmsnorm)")
 
 
 def main(argv: list[str] | None = None) -> int:

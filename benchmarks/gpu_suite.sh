@@ -21,7 +21,7 @@
 #                                     # llm42 decode step, 10 % target without/with
 #   benchmarks/gpu_suite.sh full-tiles # the lane kernel with whole tiles unmasked: GPU tests,
 #                                     # lane sweep, llm42 decode step, 10 % target without/with
-#   benchmarks/gpu_suite.sh fused     # the fused SiLU-and-multiply and residual add + RMSNorm
+#   benchmarks/gpu_suite.sh fused     # the fused SiLU-and-multiply and residual add + RMSNorm (on by default)
 #                                     # (EngineConfig.fused_silu_mul / fused_add_rmsnorm): GPU
 #                                     # tests (the unfused bits?), decode steps per fusion, the
 #                                     # 10 % workload without/with both

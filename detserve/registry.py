@@ -52,11 +52,12 @@ class LaneGeometry:
     block_size: int
     lane_gemm_rows: int = 0  # row chunk of the lane's products (0: the whole pass)
     lane_attention_split: int = 0  # the lane attention kernel's split size (0: none)
-    # CUDA numerics options other than the defaults (EngineConfig.lane_dot_sums=False,
-    # fused_silu_mul=True, fused_add_rmsnorm=True): the verifier's runner is built with them
+    # CUDA options the verifier's runner is built with as the decoder's was:
+    # EngineConfig.lane_dot_sums=False (other bits), and the fusions (the same bits either
+    # way; carried so the verifier runs as fast as the decoder)
     lane_plain_sums: bool = False
-    fused_silu_mul: bool = False
-    fused_add_rmsnorm: bool = False
+    fused_silu_mul: bool = True
+    fused_add_rmsnorm: bool = True
 
     def __post_init__(self) -> None:
         if min(self.lane_rows, self.window, self.batch_invariant_rows, self.block_size) <= 0:

@@ -102,11 +102,11 @@ def test_numerics_options_travel_in_the_geometry() -> None:
     from detserve.engine import LLMEngine
     from services.verifier import codec
 
-    eng = LLMEngine.from_args("random:tiny", "llm42", fused_silu_mul=True, lane_dot_sums=False,
-                              fused_add_rmsnorm=True)
+    eng = LLMEngine.from_args("random:tiny", "llm42", fused_silu_mul=False, lane_dot_sums=False,
+                              fused_add_rmsnorm=False)
     g = codec.lane_geometry(eng.runner)
     eng.close()
-    assert g.fused_silu_mul and g.lane_plain_sums and g.fused_add_rmsnorm
+    assert g.lane_plain_sums and not (g.fused_silu_mul or g.fused_add_rmsnorm)
     assert (g.lane_rows, g.window) == (eng.runner.lane_rows, eng.runner.window)
     rec = dataclasses.replace(_record(), geometry=g)
     assert codec.decode_geometry(codec.encode_hello(rec).hello.geometry) == g
@@ -114,11 +114,11 @@ def test_numerics_options_travel_in_the_geometry() -> None:
     old = {k: v for k, v in dataclasses.asdict(g).items()
            if k not in ("lane_plain_sums", "fused_silu_mul", "fused_add_rmsnorm")}
     assert LaneGeometry(**old) == dataclasses.replace(g, lane_plain_sums=False,
-                                                      fused_silu_mul=False, fused_add_rmsnorm=False)
+                                                      fused_silu_mul=True, fused_add_rmsnorm=True)
     default = LLMEngine.from_args("random:tiny", "llm42")
     d = codec.lane_geometry(default.runner)
     default.close()
-    assert not (d.fused_silu_mul or d.lane_plain_sums or d.fused_add_rmsnorm)
+    assert d.fused_silu_mul and d.fused_add_rmsnorm and not d.lane_plain_sums
 
 
 def _record() -> DecoderRecord:
@@ -179,14 +179,14 @@ def test_aligned_decode_lane_is_parsed_and_checked() -> None:
         TABLE.lane, dot_sums=False)  # without: the lane's own, the only tile sure to agree
 
 
-def test_fused_ops_are_off_by_default_and_a_cuda_matter() -> None:
+def test_fused_ops_are_on_by_default_and_a_cuda_matter() -> None:
     """``fused_silu_mul`` and ``fused_add_rmsnorm`` reach the runner; on CPU the ops stay
     torch's, so the kernel set and the output do not change."""
     from detserve.config import EngineConfig
     from detserve.engine import LLMEngine
     from detserve.params import SamplingParams
 
-    assert EngineConfig.fused_silu_mul is False and EngineConfig.fused_add_rmsnorm is False
+    assert EngineConfig.fused_silu_mul is True and EngineConfig.fused_add_rmsnorm is True
     outs = []
     for fused in (False, True):
         eng = LLMEngine.from_args("random:tiny", "llm42", fused_silu_mul=fused,

@@ -47,7 +47,7 @@ class GpuFastOps(TorchOps):
 
     name = "cublas+rmsnorm-row"
 
-    def __init__(self, fused_silu_mul: bool = False, fused_add_rmsnorm: bool = False) -> None:
+    def __init__(self, fused_silu_mul: bool = True, fused_add_rmsnorm: bool = True) -> None:
         self.fused_silu_mul = fused_silu_mul
         self.fused_add_rmsnorm = fused_add_rmsnorm
 
@@ -78,7 +78,7 @@ class GpuLaneOps(GpuFastOps):
 
     def __init__(self, rows: int,
                  one_call: Mapping[tuple[int, int], frozenset[int]] | None = None,
-                 fused_silu_mul: bool = False, fused_add_rmsnorm: bool = False) -> None:
+                 fused_silu_mul: bool = True, fused_add_rmsnorm: bool = True) -> None:
         if rows <= 0:
             raise ValueError("rows must be positive")
         super().__init__(fused_silu_mul, fused_add_rmsnorm)

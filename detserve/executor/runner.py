@@ -193,7 +193,7 @@ class ModelRunner:
                  decode_pads: Mapping[tuple[int, int], Mapping[int, int]] | None = None,
                  lane_attention_split: int = 0, aligned_decode_lane: str = "",
                  lane_full_tiles: bool = True, lane_dot_sums: bool = True,
-                 fused_silu_mul: bool = False, fused_add_rmsnorm: bool = False) -> None:
+                 fused_silu_mul: bool = True, fused_add_rmsnorm: bool = True) -> None:
         self.model = model
         self.pool = pool
         self.device = model.embed_tokens.device
@@ -241,11 +241,7 @@ class ModelRunner:
                 self.kernel_set += f"+lanesplit{lane_attention_split}"
             if not lane_dot_sums:  # other bits too
                 self.kernel_set += "+plainsums"
-            # the fusions are meant to give the unfused bits; other sets until a GPU shows it
-            if fused_silu_mul:
-                self.kernel_set += "+fusedsilu"
-            if fused_add_rmsnorm:
-                self.kernel_set += "+fusedaddnorm"
+            # (the fusions give the unfused bits, GPU-tested: no tag of their own)
             if lane_gemm_rows and lane_one_calls:
                 multiples = self.lane_sizes()
                 grid = lane_size_grid(multiples, lane_size_step)

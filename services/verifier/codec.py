@@ -42,8 +42,8 @@ def encode_hello(record: DecoderRecord) -> pb.LaneRequest:
                                  block_size=g.block_size, lane_gemm_rows=g.lane_gemm_rows,
                                  lane_attention_split=g.lane_attention_split,
                                  lane_plain_sums=g.lane_plain_sums,
-                                 fused_silu_mul=g.fused_silu_mul,
-                                 fused_add_rmsnorm=g.fused_add_rmsnorm)))
+                                 unfused_silu_mul=not g.fused_silu_mul,
+                                 unfused_add_rmsnorm=not g.fused_add_rmsnorm)))
 
 
 def lane_geometry(runner: ModelRunner) -> LaneGeometry:
@@ -58,7 +58,7 @@ def lane_geometry(runner: ModelRunner) -> LaneGeometry:
 def decode_geometry(g: pb.LaneGeometry) -> LaneGeometry:
     return LaneGeometry(g.lane_rows, g.window, g.batch_invariant_rows, g.block_size,
                         g.lane_gemm_rows, g.lane_attention_split, g.lane_plain_sums,
-                        g.fused_silu_mul, g.fused_add_rmsnorm)
+                        not g.unfused_silu_mul, not g.unfused_add_rmsnorm)
 
 
 # ---- passes -------------------------------------------------------------------------

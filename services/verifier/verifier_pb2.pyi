@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LaneGeometry(_message.Message):
-    __slots__ = ("lane_rows", "window", "batch_invariant_rows", "block_size", "lane_gemm_rows", "lane_attention_split", "lane_plain_sums", "fused_silu_mul", "fused_add_rmsnorm")
+    __slots__ = ("lane_rows", "window", "batch_invariant_rows", "block_size", "lane_gemm_rows", "lane_attention_split", "lane_plain_sums", "unfused_silu_mul", "unfused_add_rmsnorm")
     LANE_ROWS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     BATCH_INVARIANT_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -16,8 +16,8 @@ class LaneGeometry(_message.Message):
     LANE_GEMM_ROWS_FIELD_NUMBER: _ClassVar[int]
     LANE_ATTENTION_SPLIT_FIELD_NUMBER: _ClassVar[int]
     LANE_PLAIN_SUMS_FIELD_NUMBER: _ClassVar[int]
-    FUSED_SILU_MUL_FIELD_NUMBER: _ClassVar[int]
-    FUSED_ADD_RMSNORM_FIELD_NUMBER: _ClassVar[int]
+    UNFUSED_SILU_MUL_FIELD_NUMBER: _ClassVar[int]
+    UNFUSED_ADD_RMSNORM_FIELD_NUMBER: _ClassVar[int]
     lane_rows: int
     window: int
     batch_invariant_rows: int
@@ -25,9 +25,9 @@ class LaneGeometry(_message.Message):
     lane_gemm_rows: int
     lane_attention_split: int
     lane_plain_sums: bool
-    fused_silu_mul: bool
-    fused_add_rmsnorm: bool
-    def __init__(self, lane_rows: _Optional[int] = ..., window: _Optional[int] = ..., batch_invariant_rows: _Optional[int] = ..., block_size: _Optional[int] = ..., lane_gemm_rows: _Optional[int] = ..., lane_attention_split: _Optional[int] = ..., lane_plain_sums: _Optional[bool] = ..., fused_silu_mul: _Optional[bool] = ..., fused_add_rmsnorm: _Optional[bool] = ...) -> None: ...
+    unfused_silu_mul: bool
+    unfused_add_rmsnorm: bool
+    def __init__(self, lane_rows: _Optional[int] = ..., window: _Optional[int] = ..., batch_invariant_rows: _Optional[int] = ..., block_size: _Optional[int] = ..., lane_gemm_rows: _Optional[int] = ..., lane_attention_split: _Optional[int] = ..., lane_plain_sums: _Optional[bool] = ..., unfused_silu_mul: _Optional[bool] = ..., unfused_add_rmsnorm: _Optional[bool] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("decoder_id", "epoch", "kv_handle", "weights_hash", "dtype", "geometry", "numerics")
