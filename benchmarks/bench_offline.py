@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-single-calls", action="store_true",
                    help="CUDA: eager steps split every product around lane decode rows (no "
                         "probe of the step sizes that may run unsplit)")
-    p.add_argument("--lane-priority", choices=("high", "normal"), default="high",
+    p.add_argument("--lane-priority", choices=("high", "normal", "low"), default="high",
                    help="CUDA stream priority of the lane")
     p.add_argument("--lane-sms", type=int, default=None,
                    help="run the lane in a green context of this many SMs")

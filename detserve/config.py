@@ -127,8 +127,11 @@ class EngineConfig:
     batch_invariant_rows: int = 32  # fixed row-chunk of batch_invariant mode (CPU reference)
     lane_threaded: bool = False     # run lane passes on a worker thread (always on CUDA)
     lane_sms: int | None = None     # CUDA: SMs of the lane's green context (None: shared)
-    # CUDA: the lane stream's priority. "high": when both have kernels waiting, the lane's
-    # go first (windows come back sooner); "normal": the fast path's steps are not delayed
+    # CUDA: the lane stream's priority against the fast path's. "high": when both have
+    # kernels waiting, the lane's go first (windows come back sooner); "normal": the same
+    # priority; "low": the fast path runs on a stream of high priority, so its kernels' blocks
+    # go onto SMs before the lane's whenever both wait (a lane kernel never holds a decode
+    # step back by more than its running blocks)
     lane_priority: str = "high"
     cuda_graphs: bool = True        # CUDA: graphs for decode batches and the lane pass
     cuda_graph_max_batch: int = 256  # largest decode batch captured (bigger ones run eagerly)
@@ -216,8 +219,9 @@ class EngineConfig:
             raise ValueError("fastpath_perturbation must be in [0, 1]")
         if self.lane_sms is not None and self.lane_sms <= 0:
             raise ValueError("lane_sms must be positive")
-        if self.lane_priority not in ("high", "normal"):
-            raise ValueError(f"lane_priority must be 'high' or 'normal', got {self.lane_priority!r}")
+        if self.lane_priority not in ("high", "normal", "low"):
+            raise ValueError("lane_priority must be 'high', 'normal' or 'low', "
+                             f"got {self.lane_priority!r}")
         if self.cuda_graph_max_batch <= 0:
             raise ValueError("cuda_graph_max_batch must be positive")
         if self.cuda_graph_step_rows < 0:

@@ -16,6 +16,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -102,14 +103,19 @@ class LLMEngine:
                                   fused_silu_mul=config.fused_silu_mul,
                                   fused_add_rmsnorm=config.fused_add_rmsnorm,
                                   decode_pads=self.alignment.pads if self.alignment else None)
+        # lane_priority "low": the fast path's work (graph capture, steps) goes to a stream of
+        # high priority; the lane's stream keeps the normal one
+        self._fast_stream = (torch.cuda.Stream(device=torch.device(config.device), priority=-1)
+                             if cuda and sc.uses_lane and config.lane_priority == "low" else None)
         if cuda and config.cuda_graphs:
             mode = config.mode
             decode = {"llm42": "fast", "nondeterministic": "fast", "batch_invariant": "bi"}.get(mode)
-            self.runner.enable_cuda_graphs(
-                decode, lane=mode in ("llm42", "lane_only"),
-                max_batch=min(sc.max_num_seqs, config.cuda_graph_max_batch),
-                max_blocks=-(-sc.max_model_len // cc.block_size),
-                step_rows=min(config.cuda_graph_step_rows, sc.max_num_batched_tokens))
+            with self._on_fast_stream():
+                self.runner.enable_cuda_graphs(
+                    decode, lane=mode in ("llm42", "lane_only"),
+                    max_batch=min(sc.max_num_seqs, config.cuda_graph_max_batch),
+                    max_blocks=-(-sc.max_model_len // cc.block_size),
+                    step_rows=min(config.cuda_graph_step_rows, sc.max_num_batched_tokens))
         if verifier_factory is None:
             verifier_factory = self._default_verifier_factory(config)
         self.verifier: Verifier = verifier_factory(self.runner)
@@ -217,8 +223,19 @@ class LLMEngine:
         return (self.scheduler.has_work() or bool(self._inflight) or bool(self._touched)
                 or self._launch is not None)
 
+    def _on_fast_stream(self) -> AbstractContextManager[object]:
+        """The fast path's stream as the current one (``lane_priority`` "low"), else no-op."""
+        if self._fast_stream is None:
+            return nullcontext()
+        return torch.cuda.stream(self._fast_stream)
+
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Plan and run one step; returns the outputs it released (see ``_step``)."""
+        with self._on_fast_stream():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         """Plan and run one step; returns the outputs it released.
 
         With asynchronous scheduling the step queues its fast batch on the device first

@@ -70,6 +70,11 @@ def test_unknown_mode_and_bad_engine_config(model: str) -> None:
         LLM(model, fastpath_perturbation=2.0)
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(model, max_model_len=4096)
+    with pytest.raises(ValueError, match="lane_priority must be 'high', 'normal' or 'low'"):
+        LLM(model, lane_priority="urgent")
+    low = LLM(model, lane_priority="low", max_model_len=512)  # CUDA only: no stream on CPU
+    assert low.engine._fast_stream is None
+    low.engine.close()
     with pytest.raises((ValueError, FileNotFoundError)):
         LLM("/nonexistent/model")
 

@@ -26,11 +26,14 @@ def _reqs(det: bool) -> list[Req]:
             for i, p in enumerate(prompts)]
 
 
-@pytest.mark.parametrize("lane_sms", [None, 32])
-def test_dvr_equals_lane_only_on_gpu(model: str, lane_sms: int | None) -> None:
+@pytest.mark.parametrize(("lane_sms", "priority"), [(None, "high"), (32, "high"), (None, "low")])
+def test_dvr_equals_lane_only_on_gpu(model: str, lane_sms: int | None, priority: str) -> None:
+    """Also with the fast path on a stream of high priority (``lane_priority`` "low")."""
     reqs = _reqs(det=True)
     oracle, _, _ = run_engine(model, reqs, mode="lane_only", **CUDA)
-    dvr, stats, eng = run_engine(model, reqs, perturbation=0.2, lane_sms=lane_sms, **CUDA)
+    dvr, stats, eng = run_engine(model, reqs, perturbation=0.2, lane_sms=lane_sms,
+                                 lane_priority=priority, **CUDA)
+    assert (eng._fast_stream is not None) == (priority == "low")
     assert stats["rollbacks"] > 0
     for a, b in zip(oracle, dvr, strict=True):
         assert signature(a) == signature(b)
