@@ -97,6 +97,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               lane_gemm_rows=args.lane_gemm_rows,
                               lane_bound_fraction=args.lane_bound_fraction,
                               lane_priority=args.lane_priority, lane_sms=args.lane_sms,
+                              lane_overlap=args.lane_overlap,
                               lane_decode_in_mixed_steps=not args.lane_decode_sits_out,
                               pipeline_lane_prefill=not args.no_pipeline_lane_prefill,
                               decode_past_queued_windows=not args.no_decode_past_queued_windows,
@@ -304,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
                         "probe of the step sizes that may run unsplit)")
     p.add_argument("--lane-priority", choices=("high", "normal", "low"), default="high",
                    help="CUDA stream priority of the lane")
+    p.add_argument("--lane-overlap", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.lane_overlap,
+                   help="lane passes beside the fast path's steps (--no-lane-overlap: each "
+                        "pass runs alone, the next step waits for it; EngineConfig.lane_overlap)")
     p.add_argument("--lane-sms", type=int, default=None,
                    help="run the lane in a green context of this many SMs")
     p.add_argument("--switch-interval", type=float, default=None,

@@ -133,6 +133,11 @@ class EngineConfig:
     # go onto SMs before the lane's whenever both wait (a lane kernel never holds a decode
     # step back by more than its running blocks)
     lane_priority: str = "high"
+    # the lane's passes run beside the fast path's steps (True, the design), or a step that
+    # has a pass in flight waits for its result before the next step's batch is queued
+    # (False: on a GPU each pass then runs alone, as LLM-42's prototype ran verification,
+    # and every sequence's decoding stalls for its length; a measurement, not a default)
+    lane_overlap: bool = True
     cuda_graphs: bool = True        # CUDA: graphs for decode batches and the lane pass
     cuda_graph_max_batch: int = 256  # largest decode batch captured (bigger ones run eagerly)
     # CUDA: steps that carry prompt chunks of up to this many rows (capped by the token

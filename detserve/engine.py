@@ -252,6 +252,7 @@ class LLMEngine:
         # most sequences wait on the lane and a pass is in flight: this step gives the GPU
         # to the lane instead of a decode step (a full weight read) for the few others; the
         # lane and the fast path share the GPU, so that is time the lane's queue gets back
+        c["lane_in_flight_at_plan"] += self.verifier.in_flight() > 0
         yield_to_lane = bool(self.verifier.in_flight()) and self.scheduler.lane_bound()
         out = self.scheduler.schedule(fast=not yield_to_lane)
         t1 = clock()
@@ -292,6 +293,7 @@ class LLMEngine:
             wait = yield_to_lane or (not self.scheduler.lane_prefill_ready()
                                      and (not out.fast or self.scheduler.lane_bound()))
             c["lane_bound_waits"] += yield_to_lane or (wait and bool(out.fast))
+            wait = wait or not self.config.lane_overlap
         for result in self.verifier.poll(wait=wait):
             self._apply_lane(result)
         t2 = clock()

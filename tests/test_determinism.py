@@ -145,13 +145,19 @@ def test_nondeterministic_mode_ignores_flag(model: str) -> None:
     assert not outs[0].is_deterministic
 
 
-def test_threaded_lane_verifier_equals_oracle(model: str) -> None:
-    """Lane passes on a worker thread (asynchronous decisions) change nothing in the output."""
+@pytest.mark.parametrize("overlap", [True, False])
+def test_threaded_lane_verifier_equals_oracle(model: str, overlap: bool) -> None:
+    """Lane passes on a worker thread (asynchronous decisions) change nothing in the output;
+    nor does waiting for every pass before the next step (``lane_overlap`` False), which
+    leaves no pass in flight when a step is planned."""
     reqs = [Req(TARGET, SAMPLED)] + _others(6, det=True, seed=14)
     oracle, _, _ = run_engine(model, reqs, mode="lane_only")
-    outs, stats, engine = run_engine(model, reqs, perturbation=0.2, lane_threaded=True)
+    outs, stats, engine = run_engine(model, reqs, perturbation=0.2, lane_threaded=True,
+                                     lane_overlap=overlap)
+    in_flight_at_plan = engine.counters["lane_in_flight_at_plan"]
     engine.close()
     assert stats["rollbacks"] > 0
+    assert (in_flight_at_plan == 0) == (not overlap)
     for a, b in zip(oracle, outs, strict=True):
         assert signature(a) == signature(b)
 
