@@ -7,7 +7,8 @@ bits). This probes a third way: one strided-batched product, k batches of ``chun
 against the same weight (batch stride 0), for each product shape of the model:
 
 - bits: does every batch give the rows the chunked calls' bits?
-- time: the k chunked calls, the batched call, and one call over all rows (us).
+- time: the k chunked calls, the batched call, and one call over all rows (us; each from
+  ``bench_kernels.bench``: CUDA-graph replays with L2 flushed, median).
 
     python -m benchmarks.bench_lane_bmm --model random:llama3-8b --out lane-bmm.json
 """
@@ -22,21 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from benchmarks.bench_kernels import bench
 from benchmarks.bench_offline import hardware
 from detserve.executor.ops import run_in_row_chunks
 from detserve.model.loader import load_model
-
-
-def _time_us(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / reps
 
 
 def batched_linear(x: Tensor, weight: Tensor, chunk: int) -> Tensor:
@@ -46,16 +36,16 @@ def batched_linear(x: Tensor, weight: Tensor, chunk: int) -> Tensor:
     return torch.bmm(x.view(k, chunk, -1), wt).view(k * chunk, -1)
 
 
-def _probe(w: Tensor, x: Tensor, chunk: int, reps: int) -> dict[str, object]:
+def _probe(w: Tensor, x: Tensor, chunk: int, quick: bool) -> dict[str, object]:
     def chunked() -> Tensor:
         return run_in_row_chunks(lambda c: F.linear(c, w), x, chunk)
 
     ref = chunked()
     return {"batched_same_bits": bool(torch.equal(ref, batched_linear(x, w, chunk))),
             "one_call_same_bits": bool(torch.equal(ref, F.linear(x, w))),
-            "chunked_us": _time_us(chunked, reps),
-            "batched_us": _time_us(lambda: batched_linear(x, w, chunk), reps),
-            "one_call_us": _time_us(lambda: F.linear(x, w), reps)}
+            "chunked_us": 1000 * bench(chunked, quick),
+            "batched_us": 1000 * bench(lambda: batched_linear(x, w, chunk), quick),
+            "one_call_us": 1000 * bench(lambda: F.linear(x, w), quick)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="random:llama3-8b")
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--chunks", default="2,4")
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--quick", action="store_true", help="fewer timed replays")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -79,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in (int(s) for s in a.chunks.split(",")):
             m = k * a.chunk
             x = torch.randn(m, k_dim, generator=gen).to("cuda", torch.bfloat16)
-            row = {"N": n, "K": k_dim, "chunks": k, "rows": m, **_probe(w, x, a.chunk, a.reps)}
+            row = {"N": n, "K": k_dim, "chunks": k, "rows": m, **_probe(w, x, a.chunk, a.quick)}
             rows.append(row)
             print(f"N={n:>6} K={k_dim:>6} {k} x {a.chunk}: batched bits "
                   f"{'same' if row['batched_same_bits'] else 'OTHER'}, one call "

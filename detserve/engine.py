@@ -252,8 +252,9 @@ class LLMEngine:
         # most sequences wait on the lane and a pass is in flight: this step gives the GPU
         # to the lane instead of a decode step (a full weight read) for the few others; the
         # lane and the fast path share the GPU, so that is time the lane's queue gets back
-        c["lane_in_flight_at_plan"] += self.verifier.in_flight() > 0
-        yield_to_lane = bool(self.verifier.in_flight()) and self.scheduler.lane_bound()
+        in_flight = self.verifier.in_flight() > 0
+        c["lane_in_flight_at_plan"] += in_flight
+        yield_to_lane = in_flight and self.scheduler.lane_bound()
         out = self.scheduler.schedule(fast=not yield_to_lane)
         t1 = clock()
         c["schedule_us"] += int((t1 - t0) * 1e6)
