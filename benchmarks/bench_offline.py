@@ -96,6 +96,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               align_fast_path=not args.no_align,
                               lane_gemm_rows=args.lane_gemm_rows,
                               lane_bound_fraction=args.lane_bound_fraction,
+                              parked_seq_headroom=args.parked_seq_headroom,
                               lane_priority=args.lane_priority, lane_sms=args.lane_sms,
                               lane_overlap=args.lane_overlap,
                               lane_decode_in_mixed_steps=not args.lane_decode_sits_out,
@@ -172,9 +173,12 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "pipeline_lane_prefill": not args.no_pipeline_lane_prefill,
         "decode_past_queued_windows": not args.no_decode_past_queued_windows,
         "lane_max_wait_steps": args.lane_max_wait_steps,
+        "parked_seq_headroom": args.parked_seq_headroom,
         "variant": getattr(args, "variant", ""),
         "prefill_batch_tokens": prefill_batch_tokens,
         "prefill_held_steps": stats["prefill_held_steps"],
+        "parked_admissions": stats["parked_admissions"],
+        "seq_capped_steps": stats["seq_capped_steps"],
         "duration_s": elapsed,
         "request_throughput": len(shapes) / elapsed,
         "output_throughput": out_tokens / elapsed,
@@ -381,6 +385,11 @@ def main(argv: list[str] | None = None) -> int:
                    default=SchedulerConfig.lane_bound_fraction,
                    help="give a step to the lane pass in flight when more than this share of "
                         "sequences wait on the lane (1: never)")
+    p.add_argument("--parked-seq-headroom", type=float,
+                   default=SchedulerConfig.parked_seq_headroom,
+                   help="llm42: admit up to this share of max-num-seqs more sequences while "
+                        "as many are parked on the lane (0: every running sequence holds a "
+                        "batch slot)")
     p.add_argument("--trace", default=None,
                    help="loadgen JSONL trace (real prompts, e.g. ShareGPT); overrides --lengths")
     p.add_argument("--warmup-requests", type=int, default=4,
@@ -454,7 +463,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'':>16} lane: {r['verify_passes']} passes, "
                   f"{r['lane_rows_computed_per_pass']:.0f} rows computed a pass, "
                   f"{r['lane_computed_padding_fraction']:.1%} of them padding, "
-                  f"{r['lane_seconds']:.2f} s", flush=True)
+                  f"{r['lane_seconds']:.2f} s; {r['parked_admissions']:.0f} admissions in "
+                  f"parked sequences' slots, {r['seq_capped_steps']:.0f} steps full at "
+                  "max-num-seqs", flush=True)
         if r.get("profile"):
             for line in describe(r["profile"]):
                 print(f"{'':>16} {line}", flush=True)

@@ -85,6 +85,13 @@ class SchedulerConfig:
     # wait) on CPU, where the engine decides
     prefill_batch_tokens: int | None = None
     prefill_max_wait_steps: int = 8
+    # ``max_num_seqs`` bounds the sequences a fast step carries (vLLM's "sequences per
+    # iteration"). A lane sequence parked on the lane (its prompt or a full window queued
+    # there, or decoded as far past a window in flight as allowed) is in no fast step, so
+    # while some are, admission lets that many more sequences run, up to this share of
+    # ``max_num_seqs``: the fast path keeps its batch full instead of idling the slots of
+    # sequences that wait for verification. 0: every running sequence holds a slot
+    parked_seq_headroom: float = 0.125
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -101,6 +108,8 @@ class SchedulerConfig:
             raise ValueError("prefill_batch_tokens must be >= 0 (None: chosen by device)")
         if not 0.0 <= self.lane_bound_fraction <= 1.0:
             raise ValueError("lane_bound_fraction must be in [0, 1]")
+        if not 0.0 <= self.parked_seq_headroom <= 1.0:
+            raise ValueError("parked_seq_headroom must be in [0, 1]")
 
     @property
     def lane_rows(self) -> int:
@@ -261,7 +270,9 @@ class EngineConfig:
                lane_bound_fraction: float = SchedulerConfig.lane_bound_fraction,
                lane_decode_in_mixed_steps: bool = True, pipeline_lane_prefill: bool = True,
                decode_past_queued_windows: bool = True,
-               prefill_batch_tokens: int | None = None, block_size: int = 16,
+               prefill_batch_tokens: int | None = None,
+               parked_seq_headroom: float = SchedulerConfig.parked_seq_headroom,
+               block_size: int = 16,
                num_blocks: int | None = None, enable_prefix_caching: bool = True,
                **kw: object) -> EngineConfig:
         """Flat keyword constructor used by the offline API and the CLI."""
@@ -274,7 +285,8 @@ class EngineConfig:
                                 lane_decode_in_mixed_steps=lane_decode_in_mixed_steps,
                                 pipeline_lane_prefill=pipeline_lane_prefill,
                                 decode_past_queued_windows=decode_past_queued_windows,
-                                prefill_batch_tokens=prefill_batch_tokens)
+                                prefill_batch_tokens=prefill_batch_tokens,
+                                parked_seq_headroom=parked_seq_headroom)
         if num_blocks is None:
             # enough for a full lane of long sequences plus headroom
             num_blocks = max(1024, 2 * max_model_len // block_size + 1)

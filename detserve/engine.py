@@ -537,6 +537,8 @@ class LLMEngine:
         out["recomputed_tokens"] = c["tokens_rolled_back"] + c["preempted_tokens"]
         out["prefix_cache_hit_tokens"] = self.scheduler.prefix_hit_tokens
         out["prefill_held_steps"] = self.scheduler.prefill_held_steps
+        out["parked_admissions"] = self.scheduler.parked_admissions
+        out["seq_capped_steps"] = self.scheduler.seq_capped_steps
         out["lane_padding_fraction"] = c["lane_padding_rows"] / c["lane_rows"] if c["lane_rows"] else 0.0
         out["lane_seconds"] = c["lane_seconds_us"] / 1e6
         # where the engine's wall time goes (seconds): scheduling, fast-path steps (decode

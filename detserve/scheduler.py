@@ -95,6 +95,10 @@ class Scheduler:
         self.lane_state_steps: Counter[str] = Counter()
         self.prefill_held_steps = 0  # steps that held new prompts back (_hold_prompts)
         self._prompt_held_since: dict[int, int] = {}  # id(seq) -> first step it could run
+        # admissions past max_num_seqs (slots of parked lane sequences; _parked_slots), and
+        # fast steps that left rows out because they already carried max_num_seqs sequences
+        self.parked_admissions = 0
+        self.seq_capped_steps = 0
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -136,7 +140,10 @@ class Scheduler:
         return out
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+        if not self.waiting:
+            return
+        limit = self.cfg.max_num_seqs + self._parked_slots()
+        while self.waiting and len(self.running) < limit:
             seq = self.waiting[0]
             cached = self._match_prefix(seq)
             # the whole committed prefix (+1 for the next token) must fit now, so prefill
@@ -152,6 +159,19 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
+            self.parked_admissions += len(self.running) > self.cfg.max_num_seqs
+
+    def _parked_slots(self) -> int:
+        """Sequences admission may run beyond ``max_num_seqs``: those parked on the lane
+        (no fast row now), at most ``parked_seq_headroom`` of ``max_num_seqs``."""
+        cap = int(self.cfg.parked_seq_headroom * self.cfg.max_num_seqs)
+        if not (cap and self.cfg.uses_lane and self.cfg.max_candidates):
+            return 0  # (lane_only: no fast path whose batch slots could idle)
+        return min(cap, self._num_parked())
+
+    def _num_parked(self) -> int:
+        """Running lane sequences that can only move once the lane answers."""
+        return sum(1 for s in self.running if s.uses_lane and self._fast_rows(s) == 0)
 
     def _match_prefix(self, seq: Sequence) -> int:
         """Share lane-computed blocks of an earlier request with the same prefix (lane
@@ -291,8 +311,7 @@ class Scheduler:
         """More than ``lane_bound_fraction`` of the running sequences wait on the lane."""
         if not self.cfg.uses_lane or not self.running or self.cfg.lane_bound_fraction >= 1.0:
             return False
-        waiting = sum(1 for s in self.running if s.uses_lane and self._fast_rows(s) == 0)
-        return waiting > self.cfg.lane_bound_fraction * len(self.running)
+        return self._num_parked() > self.cfg.lane_bound_fraction * len(self.running)
 
     def _fast_rows(self, seq: Sequence) -> int:
         """Rows this sequence wants on the fast path now (0: not eligible)."""
@@ -330,6 +349,9 @@ class Scheduler:
         items: list[FastItem] = []
         for seq, rows in order:
             if budget == 0:
+                break
+            if len(items) == self.cfg.max_num_seqs:
+                self.seq_capped_steps += 1
                 break
             if rows == 0 or seq.status is not Status.RUNNING:
                 continue

@@ -194,6 +194,40 @@ def test_lane_bound_when_most_sequences_wait_on_the_lane() -> None:
     assert not never.lane_bound()
 
 
+@pytest.mark.parametrize("headroom", [0.5, 0.0])
+def test_parked_lane_sequences_lend_their_batch_slots(headroom: float) -> None:
+    """While deterministic sequences sit parked on the lane (here: their prompts), admission
+    runs as many more sequences as they are (at most headroom x max_num_seqs), and a fast
+    step still carries at most max_num_seqs sequences. With 0 every running sequence holds
+    a slot, as before."""
+    s = _sched(W=4, G=4, max_num_seqs=4, parked_seq_headroom=headroom)
+    det = [_seq(0, 6, det=True), _seq(1, 6, det=True)]
+    others = [_seq(i, 6, det=False) for i in range(2, 8)]
+    for q in (*det, *others):
+        s.add(q)
+    out = s.schedule()  # admits 4: both prompts to the lane, two others prefill
+    pass_ = out.lane
+    assert [(i.seq.request_id, i.start, i.end) for i in pass_] == [("s0", 0, 6), ("s1", 0, 6)]
+    assert [i.seq.request_id for i in out.fast] == ["s2", "s3"]
+    _fake_fast(s, out)
+    out = s.schedule()  # the two parked prompts lend their slots (cap: 0.5 x 4 = 2)
+    ran = [q.request_id for q in s.running]
+    assert ran == (["s0", "s1", "s2", "s3", "s4", "s5"] if headroom else ["s0", "s1", "s2", "s3"])
+    assert s.parked_admissions == (2 if headroom else 0)
+    assert len(out.fast) == (4 if headroom else 2)
+    _fake_fast(s, out)
+    for it in pass_:  # the lane answers: each prompt gets its first token
+        s.on_lane_result(it, [9])
+    out = s.schedule()  # nothing parked: no admission; 6 (or 4) sequences want a row
+    assert len(s.running) == (6 if headroom else 4)
+    assert len(out.fast) == 4, "a fast step carries at most max_num_seqs sequences"
+    assert s.seq_capped_steps == (1 if headroom else 0)
+    left_out = {q.request_id for q in s.running} - {i.seq.request_id for i in out.fast}
+    assert left_out == ({"s4", "s5"} if headroom else set()), "the newest wait a step"
+    _fake_fast(s, out)
+    s.check_integrity()
+
+
 def test_schedule_without_fast_rows_still_plans_the_lane() -> None:
     """schedule(fast=False) (the engine gives the step to the lane) plans lane items and no
     fast rows; the sequences it left out get their rows in the next ordinary step."""
