@@ -66,6 +66,7 @@ OPTIONAL_ARGS: Mapping[str, Any] = {"fastpath_perturbation": 0.0, "stream_interv
                                     # why)
                                     "verifier_confine": False,
                                     "lane_bound_fraction": SchedulerConfig.lane_bound_fraction,
+                                    "parked_seq_headroom": SchedulerConfig.parked_seq_headroom,
                                     "switch_interval": 0.0,
                                     # None (absent): the engine's default for its device
                                     "prefill_batch_tokens": None}
@@ -209,7 +210,8 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
     for name in ("pipeline_lane_prefill", "decoder_link", "verifier_confine"):
         if name in args and not isinstance(args[name], bool):
             raise ValueError(f"{name} must be a boolean")
-    for name in ("switch_interval", "lane_bound_fraction", "fastpath_perturbation"):
+    for name in ("switch_interval", "lane_bound_fraction", "parked_seq_headroom",
+                 "fastpath_perturbation"):
         if name in args:  # (switch_interval in seconds)
             _check_number(name, args[name], lo=0.0, hi=1.0)
     return {name: args[name] for name in (*ARG_NAMES, *OPTIONAL_ARGS) if name in args}

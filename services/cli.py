@@ -59,6 +59,10 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="a decoder step gives the GPU to the lane pass in flight when more "
                         "than this share of its sequences wait on the lane (1: never; "
                         f"default {SchedulerConfig.lane_bound_fraction})")
+    p.add_argument("--parked-seq-headroom", type=float, default=None,
+                   help="while deterministic sequences are parked on the lane, a decoder runs "
+                        "as many more, up to this share of --max-num-seqs (0: none; "
+                        f"default {SchedulerConfig.parked_seq_headroom})")
     p.add_argument("--prefill-batch-tokens", type=int, default=None,
                    help="while others decode, new prompts wait until this many of their "
                         "tokens are pending (at most 8 steps): fewer eager steps with prefill "
@@ -111,8 +115,9 @@ def serve_config_from(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
         overrides["switch_interval"] = a.switch_interval
     if a.verifier_confine:
         overrides["verifier_confine"] = True
-    if a.lane_bound_fraction is not None:
-        overrides["lane_bound_fraction"] = a.lane_bound_fraction
+    for name in ("lane_bound_fraction", "parked_seq_headroom"):
+        if getattr(a, name) is not None:
+            overrides[name] = getattr(a, name)
     if a.prefill_batch_tokens is not None:
         overrides["prefill_batch_tokens"] = a.prefill_batch_tokens
     return default_serve_config(http_host=a.host, **overrides)

@@ -527,9 +527,12 @@ def test_pipeline_lane_prefill_reaches_the_decoders_engine() -> None:
             default_serve_config(pipeline_lane_prefill=bad)
 
 
-def test_lane_bound_fraction_reaches_the_decoders_engine() -> None:
-    """``detserve serve --lane-bound-fraction F`` sets the decoder engine's yield threshold
-    (default: the engine's); values outside [0, 1] or not numbers are refused."""
+@pytest.mark.parametrize("name", ["lane_bound_fraction", "parked_seq_headroom"])
+def test_scheduler_fraction_reaches_the_decoders_engine(name: str) -> None:
+    """``detserve serve --lane-bound-fraction F`` (the decoder engine's yield threshold) and
+    ``--parked-seq-headroom F`` (the batch slots parked lane sequences lend) set the
+    decoder engine's scheduler (default: the engine's); values outside [0, 1] or not
+    numbers are refused."""
     from detserve.cli import build_parser
     from detserve.config import SchedulerConfig
     from services.cli import serve_config_from
@@ -537,16 +540,17 @@ def test_lane_bound_fraction_reaches_the_decoders_engine() -> None:
 
     parse = build_parser().parse_args
     plain = serve_config_from(parse(["serve"]), "redis://127.0.0.1:1/0")["applications"][0]["args"]
-    assert "lane_bound_fraction" not in plain
-    assert (DecoderSettings.from_args(plain).engine_config().scheduler.lane_bound_fraction
-            == SchedulerConfig.lane_bound_fraction)
-    set_ = serve_config_from(parse(["serve", "--lane-bound-fraction", "0.6"]),
+    assert name not in plain
+    assert (getattr(DecoderSettings.from_args(plain).engine_config().scheduler, name)
+            == getattr(SchedulerConfig, name))
+    flag = "--" + name.replace("_", "-")
+    set_ = serve_config_from(parse(["serve", flag, "0.6"]),
                              "redis://127.0.0.1:1/0")["applications"][0]["args"]
-    assert set_["lane_bound_fraction"] == 0.6
-    assert DecoderSettings.from_args(set_).engine_config().scheduler.lane_bound_fraction == 0.6
+    assert set_[name] == 0.6
+    assert getattr(DecoderSettings.from_args(set_).engine_config().scheduler, name) == 0.6
     for bad in (-0.1, 1.5, "half", None, True, float("nan")):
-        with pytest.raises(ValueError, match="lane_bound_fraction"):
-            default_serve_config(lane_bound_fraction=bad)
+        with pytest.raises(ValueError, match=name):
+            default_serve_config(**{name: bad})
 
 
 def test_prefill_batch_tokens_reaches_the_decoders_engine() -> None:
