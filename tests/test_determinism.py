@@ -366,3 +366,23 @@ def test_steps_yielded_to_the_lane_keep_the_oracle(model: str,
             assert any(yielded) and stats["lane_bound_waits"] >= sum(yielded)
         else:
             assert not any(yielded)
+
+
+def test_parked_sequences_lending_slots_keep_the_oracle(model: str) -> None:
+    """Admission past max_num_seqs while deterministic sequences sit parked on the lane
+    changes which sequences share each step, never a deterministic output: every
+    deterministic request equals lane_only's with the headroom and without it. Control: the
+    headroom run did admit into parked slots, and the run without it did not."""
+    reqs = ([Req(TARGET, SAMPLED)] + _others(5, det=True, seed=21)
+            + _others(6, det=False, seed=22))
+    oracle, _, o = run_engine(model, reqs, mode="lane_only", max_num_seqs=4)
+    o.close()
+    det = [i for i, r in enumerate(reqs) if r.params.is_deterministic]
+    for headroom in (0.5, 0.0):
+        outs, stats, engine = run_engine(model, reqs, perturbation=0.2, max_num_seqs=4,
+                                         parked_seq_headroom=headroom)
+        engine.close()
+        assert stats["perturbed_tokens"] > 0
+        for i in det:
+            assert signature(outs[i]) == signature(oracle[i]), (headroom, i)
+        assert (stats["parked_admissions"] > 0) == (headroom > 0)
