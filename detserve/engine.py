@@ -27,7 +27,7 @@ from detserve.config import EngineConfig
 from detserve.executor.attention import RowSegment
 from detserve.executor.gemm_classes import Alignment, auto_alignment
 from detserve.executor.kv_pool import KVPool
-from detserve.executor.runner import LaunchedBatch, ModelRunner
+from detserve.executor.runner import LaneLaunch, LaunchedBatch, ModelRunner
 from detserve.executor.transfer import upload
 from detserve.lane import LanePass, LaneResult, LaneSegment
 from detserve.model.llama import LlamaModel
@@ -36,7 +36,7 @@ from detserve.model.tokenizer import Tokenizer
 from detserve.outputs import RequestOutput
 from detserve.params import SamplingParams
 from detserve.sampler import SamplingSpec
-from detserve.scheduler import LANE_STATES, FastItem, LaneItem, Scheduler
+from detserve.scheduler import LANE_STATES, FastItem, LaneItem, Scheduler, SchedulerOutput
 from detserve.sequence import PLACEHOLDER, Sequence
 from detserve.verifier import InProcessVerifier, ThreadedVerifier, Verifier
 
@@ -51,6 +51,7 @@ class _Launch:
     offsets: dict[int, int] = field(default_factory=dict)  # fault injection per row
     fed: torch.Tensor | None = None       # the tokens the next step is fed (on the device)
     dropped: set[int] = field(default_factory=set)  # id(sequence): rows after a stop
+    lane: LaneLaunch | None = None        # the lane pass these rows rode in, undecided
 
 
 class LLMEngine:
@@ -137,6 +138,10 @@ class LLMEngine:
         self.async_scheduling = (cuda if config.async_scheduling is None
                                  else config.async_scheduling)
         self._launch: _Launch | None = None  # the fast batch whose tokens are unread
+        riders = cuda if config.lane_riders is None else config.lane_riders
+        self.lane_riders = (riders and config.mode == "llm42" and config.lane_overlap
+                            and config.lane_sms is None
+                            and getattr(self.verifier, "runner", None) is self.runner)
 
     def _alignment(self) -> Alignment | None:
         """On CUDA with ``align_fast_path``: the lane's GEMM chunk and the fast path's decode
@@ -255,7 +260,8 @@ class LLMEngine:
         in_flight = self.verifier.in_flight() > 0
         c["lane_in_flight_at_plan"] += in_flight
         yield_to_lane = in_flight and self.scheduler.lane_bound()
-        out = self.scheduler.schedule(fast=not yield_to_lane)
+        out = self.scheduler.schedule(fast=not yield_to_lane,
+                                      riders=self.lane_riders and not in_flight)
         t1 = clock()
         c["schedule_us"] += int((t1 - t0) * 1e6)
         c["steps"] += 1
@@ -266,9 +272,16 @@ class LLMEngine:
         # this step, writing its last candidate's K/V; the lane pass, queued behind this
         # step's kernels, then overwrites that position with its own K/V
         prev, self._launch = self._launch, None
-        launch = self._launch_fast(out.fast, prev) if out.fast else None
-        if prev is not None:
-            self._settle(prev)
+        ride = self.lane_riders and not in_flight and self._riders_fit(out)
+        launch: _Launch | None
+        if ride:  # (the pass's windows need their candidates read: this step waits for prev)
+            if prev is not None:
+                self._settle(prev)
+            launch = self._launch_riders(out)
+        else:
+            launch = self._launch_fast(out.fast, prev) if out.fast else None
+            if prev is not None:
+                self._settle(prev)
         if launch is not None:
             self._place(launch)
             if self.async_scheduling:
@@ -280,7 +293,7 @@ class LLMEngine:
             c["decode_steps" if decode_only else "mixed_steps"] += 1
             c["decode_step_us" if decode_only else "mixed_step_us"] += int((t2 - t1) * 1e6)
             t1 = t2
-        if out.lane:
+        if out.lane and not ride:
             if self._launch is not None and not self.verifier.stream_ordered:
                 # a verifier in another process sees the K/V only once it is written: the
                 # batch in flight may write a slot the pass writes too (see Sequence)
@@ -295,7 +308,10 @@ class LLMEngine:
                                      and (not out.fast or self.scheduler.lane_bound()))
             c["lane_bound_waits"] += yield_to_lane or (wait and bool(out.fast))
             wait = wait or not self.config.lane_overlap
-        for result in self.verifier.poll(wait=wait):
+        results = self.verifier.poll(wait=wait)
+        if results and self._launch is not None and self._launch.lane is not None:
+            self._settle(self._launch)  # its pass ran first: its decisions go first
+        for result in results:
             self._apply_lane(result)
         t2 = clock()
         c["lane_wait_us"] += int((t2 - t1) * 1e6)
@@ -340,6 +356,36 @@ class LLMEngine:
         batch = self.runner.launch_batch(segs, specs,
                                          batch_invariant=self.config.mode == "batch_invariant",
                                          align_decode=align, feed=feed)
+        return self._record_launch(items, batch)
+
+    def _riders_fit(self, out: SchedulerOutput) -> bool:
+        """This step's fast rows can ride in its lane pass: there is one, every fast row is
+        a decode row, and they fit in the pass's rows."""
+        if not (out.lane and out.fast) or any(i.end - i.start != 1 for i in out.fast):
+            return False
+        return out.lane_rows_used + len(out.fast) <= self.config.scheduler.lane_rows
+
+    def _launch_riders(self, out: SchedulerOutput) -> _Launch:
+        """Queue the step's lane pass with its decode rows riding in the padding (the
+        previous launch is settled: every input token is known). A sequence with an item in
+        the pass sits this step out (the pass's decision moves it on), as does one whose
+        input token ended it."""
+        in_lane = {id(it.seq) for it in out.lane}
+        items = [i for i in out.fast if id(i.seq) not in in_lane and not i.seq.finished
+                 and i.seq.token_ids[i.start] != PLACEHOLDER and not self._after_stop(i)]
+        riders = [RowSegment((i.seq.token_ids[i.start],), i.start, tuple(i.seq.block_table))
+                  for i in items]
+        lane_pass = self._lane_pass(out.lane)
+        lane, batch = self.runner.launch_lane(
+            lane_pass, riders, [i.seq.spec if i.sample else None for i in items])
+        self.counters["rider_passes"] += 1
+        self.counters["rider_rows"] += len(items)
+        launch = self._record_launch(items, batch)
+        launch.lane = lane
+        return launch
+
+    def _record_launch(self, items: list[FastItem], batch: LaunchedBatch) -> _Launch:
+        """Count a queued fast batch and draw its fault injection."""
         c = self.counters
         c["fast_passes"] += 1
         c["fast_rows"] += sum(i.end - i.start for i in items)
@@ -409,8 +455,15 @@ class LLMEngine:
                 self._touched.setdefault(seq.request_id, pos)
                 if res[1]:
                     seq.logprobs.append(res[1])
+        lane, launch.lane = launch.lane, None
+        if lane is not None:
+            self._apply_lane(lane.finish())
 
     def _submit_lane(self, items: list[LaneItem]) -> None:
+        self.verifier.submit(self._lane_pass(items))
+
+    def _lane_pass(self, items: list[LaneItem]) -> LanePass:
+        """The pass of ``items``, registered as in flight and counted."""
         segs = []
         for n, it in enumerate(items):
             seq = it.seq
@@ -429,7 +482,7 @@ class LLMEngine:
         c["lane_computed_rows"] += self.runner.lane_run_rows(lane_pass.used_rows)
         c["lane_prefill_rows"] += sum(it.rows for it in items if it.kind == "prefill")
         c["windows"] += sum(it.kind == "window" for it in items)
-        self.verifier.submit(lane_pass)
+        return lane_pass
 
     def _apply_lane(self, result: LaneResult) -> None:
         items = self._inflight.pop(result.pass_id)
@@ -533,7 +586,9 @@ class LLMEngine:
             "preemptions", "perturbed_tokens", "finished_requests",
             # asynchronous scheduling: rows fed the previous step's token on the device, and
             # rows planned after what turned out to be a stop token (run, then dropped)
-            "fed_rows", "dropped_rows")}
+            "fed_rows", "dropped_rows",
+            # steps whose decode rows rode in the lane pass planned with them, and those rows
+            "rider_passes", "rider_rows")}
         out["recomputed_tokens"] = c["tokens_rolled_back"] + c["preempted_tokens"]
         out["prefix_cache_hit_tokens"] = self.scheduler.prefix_hit_tokens
         out["prefill_held_steps"] = self.scheduler.prefill_held_steps

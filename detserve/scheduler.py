@@ -125,14 +125,16 @@ class Scheduler:
         return seq.stop_set
 
     # ---- the step ---------------------------------------------------------------------
-    def schedule(self, fast: bool = True) -> SchedulerOutput:
+    def schedule(self, fast: bool = True, riders: bool = False) -> SchedulerOutput:
         """Plan one step: lane items, then (unless ``fast`` is False: the engine lets the
-        lane have the GPU this step) the fast path's rows."""
+        lane have the GPU this step) the fast path's rows. ``riders``: the engine may run
+        this step's decode rows in the padding of the lane pass planned with it, so a pass
+        planned now leaves room for them (``_rider_room``)."""
         self.step_count += 1
         out = SchedulerOutput(step=self.step_count)
         self._admit()
         if self.cfg.uses_lane:
-            out.lane = self._plan_lane(out)
+            out.lane = self._plan_lane(out, self._rider_room() if riders and fast else 0)
         if fast:
             out.fast = self._plan_fast(out)
         assert out.lane_rows_used <= self.cfg.lane_rows
@@ -250,7 +252,16 @@ class Scheduler:
         pass need not wait for it before the next step)."""
         return any(self._prefill_from(s) is not None for s in self.running)
 
-    def _plan_lane(self, out: SchedulerOutput) -> list[LaneItem]:
+    def _rider_room(self) -> int:
+        """Lane rows to leave for this step's decode rows to ride in: one a sequence that
+        wants one, none when some sequence wants a prompt chunk (the step is not decode-only,
+        so nothing rides), at most half the pass."""
+        rows = [self._fast_rows(s) for s in self.running]
+        if any(r > 1 for r in rows):
+            return 0
+        return min(sum(rows), self.cfg.lane_rows // 2)
+
+    def _plan_lane(self, out: SchedulerOutput, room: int = 0) -> list[LaneItem]:
         idle = [s for s in self.running if s.uses_lane and not s.in_lane]
         starts = {id(s): x for s in self.running if (x := self._prefill_from(s)) is not None}
         prefills = [s for s in self.running if id(s) in starts]
@@ -265,12 +276,12 @@ class Scheduler:
         wanted += sum(self.window_end(s) - s.num_committed + 1 for s in windows)
         still_decoding = len(idle) > sum(not s.in_lane for s in ready)
         oldest = min(s.ready_step for s in ready if s.ready_step is not None)
-        if wanted < self.cfg.lane_rows and still_decoding and (
+        rows_left = self.cfg.lane_rows - room
+        if wanted < rows_left and still_decoding and (
                 self.step_count - oldest < self.cfg.lane_max_wait_steps
                 or (not prefills and all(self._decodes_past_window(s) for s in windows))):
             return []  # wait for more windows to fill the fixed-size pass
         items: list[LaneItem] = []
-        rows_left = self.cfg.lane_rows
         windows.sort(key=lambda s: (s.ready_step, s.arrival))
         for s in windows:
             end = self.window_end(s)

@@ -351,9 +351,9 @@ def test_steps_yielded_to_the_lane_keep_the_oracle(model: str,
     for fraction in (0.3, 1.0):
         yielded: list[bool] = []
 
-        def schedule(self, fast=True, _y=yielded):  # type: ignore[no-untyped-def]
+        def schedule(self, fast=True, _y=yielded, **kw):  # type: ignore[no-untyped-def]
             _y.append(not fast)
-            return real(self, fast)
+            return real(self, fast, **kw)
 
         monkeypatch.setattr(Scheduler, "schedule", schedule)
         outs, stats, engine = run_engine(model, reqs, perturbation=0.2, lane_threaded=True,
@@ -386,3 +386,42 @@ def test_parked_sequences_lending_slots_keep_the_oracle(model: str) -> None:
         for i in det:
             assert signature(outs[i]) == signature(oracle[i]), (headroom, i)
         assert (stats["parked_admissions"] > 0) == (headroom > 0)
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["in-process", "lane-thread"])
+def test_decode_rows_riding_in_lane_passes_keep_the_oracle(
+        model: str, threaded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that plans a lane pass runs its decode rows in the pass's padding rows
+    (``lane_riders``): every deterministic output still equals lane_only's, with a perturbed
+    fast path, and no sequence rides in a pass that carries its own window or prompt.
+    Control: without riders no pass carries any."""
+    from detserve.executor.runner import ModelRunner
+
+    launch_lane = ModelRunner.launch_lane
+    carried: list[int] = []
+
+    def checked(self, lane_pass, riders=(), rider_specs=()):  # type: ignore[no-untyped-def]
+        own = {(tuple(s.block_table), s.start + i) for s in lane_pass.segments
+               for i in range(len(s.input_ids))}
+        assert not any((tuple(r.block_table), r.start) in own for r in riders)
+        carried.append(len(riders))
+        return launch_lane(self, lane_pass, riders, rider_specs)
+
+    monkeypatch.setattr(ModelRunner, "launch_lane", checked)
+    reqs = [Req(TARGET, SAMPLED)] + _others(6, det=True, seed=31) + _others(5, False, seed=32)
+    oracle, _, o = run_engine(model, reqs, mode="lane_only")
+    o.close()
+    det = [i for i, r in enumerate(reqs) if r.params.is_deterministic]
+    for riders in (True, False):
+        carried.clear()
+        outs, stats, engine = run_engine(model, reqs, perturbation=0.2, lane_riders=riders,
+                                         lane_threaded=threaded)
+        engine.close()
+        assert stats["perturbed_tokens"] > 0
+        for i in det:
+            assert signature(outs[i]) == signature(oracle[i]), (riders, i)
+        assert stats["rider_rows"] == sum(carried)
+        if riders:
+            assert stats["rider_passes"] > 0 and stats["rider_rows"] > 0
+        else:
+            assert stats["rider_passes"] == 0 and not any(carried)

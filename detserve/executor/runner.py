@@ -34,7 +34,7 @@ from detserve.kernels.config import TABLE, lane_variant
 from detserve.lane import LaneDecision, LanePass, LaneResult, decide
 from detserve.model.llama import LlamaModel, Ops
 from detserve.outputs import TokenLogprob
-from detserve.sampler import PickedRows, SamplingSpec, launch_rows, sample_rows
+from detserve.sampler import PickedRows, SamplingSpec, launch_rows
 
 if TYPE_CHECKING:
     from detserve.executor.graphs import DecodeGraphs, LaneGraph, StepGraphs
@@ -71,6 +71,32 @@ class LaunchedBatch:
             for i, res in zip(self.want, self.picked.result(), strict=True):
                 results[i] = res
         return results
+
+
+class LaneLaunch:
+    """A lane pass queued on the device; ``finish()`` waits for its tokens and decides."""
+
+    def __init__(self, lane_pass: LanePass, picked: PickedRows | None, t0: float) -> None:
+        self.lane_pass, self.picked, self._t0 = lane_pass, picked, t0
+
+    def finish(self) -> LaneResult:
+        picked = self.picked.result() if self.picked is not None else []
+        decisions = []
+        j = 0
+        for seg in self.lane_pass.segments:
+            n = len(seg.sample_rows)
+            tokens = [t for t, _ in picked[j:j + n]]
+            lps = [lp for _, lp in picked[j:j + n]]
+            j += n
+            if seg.kind == "window":
+                acc = decide(seg.candidates, tokens)
+                tokens, lps = tokens[:acc + 1], lps[:acc + 1]
+            else:
+                acc = 0
+            decisions.append(LaneDecision(seg.request_id, seg.kind, seg.start, acc,
+                                          tuple(tokens), tuple(lps)))
+        return LaneResult(self.lane_pass.pass_id, tuple(decisions),
+                          self.lane_pass.padding_rows, time.perf_counter() - self._t0)
 
 
 class HeadPaddedOps:
@@ -408,15 +434,33 @@ class ModelRunner:
         return ops if b is None else HeadPaddedOps(ops, head, b, self.single_call,
                                                     self.head_products, self.decode_pads)
 
-    @torch.inference_mode()
     def run_lane(self, lane_pass: LanePass) -> LaneResult:
         """One fixed-shape pass of exactly ``lane_rows`` rows; decides every segment."""
+        return self.launch_lane(lane_pass)[0].finish()
+
+    @torch.inference_mode()
+    def launch_lane(self, lane_pass: LanePass, riders: Sequence[RowSegment] = (),
+                    rider_specs: Sequence[SamplingSpec | None] = ()
+                    ) -> tuple[LaneLaunch, LaunchedBatch]:
+        """Queue a lane pass on the current stream without waiting for it.
+
+        ``riders``: fast-path decode rows (one row each) that run in the pass's padding
+        rows, sampled with ``rider_specs`` (None: not sampled). A row's result depends on
+        that row alone in the lane (fixed-shape products, per-row attention, norms and
+        sampling), so riders change no lane row's bits; they get lane bits themselves. The
+        pass runs at the lane size that holds all its rows. Returns the pass (``finish()``
+        decides it) and the riders' launch (as ``launch_batch`` returns one)."""
         t0 = time.perf_counter()
         if lane_pass.rows != self.lane_rows:
             raise ValueError(f"lane pass has {lane_pass.rows} rows, lane is {self.lane_rows}")
+        if len(rider_specs) != len(riders) or any(len(r.input_ids) != 1 for r in riders):
+            raise ValueError("riders are decode rows (one input token each), one spec each")
+        used = lane_pass.used_rows + len(riders)
+        if used > self.lane_rows:
+            raise ValueError(f"{used} rows (with riders) exceed the lane's {self.lane_rows}")
         segs = [RowSegment(s.input_ids, s.start, s.block_table) for s in lane_pass.segments]
-        batch = build_rows(segs, self.pool.block_size, self.device,
-                           pad_to=self.lane_run_rows(lane_pass.used_rows))
+        batch = build_rows([*segs, *riders], self.pool.block_size, self.device,
+                           pad_to=self.lane_run_rows(used))
         hidden = None
         if self.lane_graph is not None:
             try:
@@ -428,24 +472,20 @@ class ModelRunner:
             hidden = self._forward(batch, self.lane_ops, "lane")
         rows = [batch.seg_offsets[i] + r for i, s in enumerate(lane_pass.segments)
                 for r in s.sample_rows]
+        n_lane = len(rows)
+        want = [k for k, spec in enumerate(rider_specs) if spec is not None]
+        rows += [batch.seg_offsets[len(segs) + k] for k in want]
         logits = (self.model.logits(hidden[torch.tensor(rows, device=self.device)],
                                     self.lane_logit_ops) if rows else None)
-        specs = [s.spec for s in lane_pass.segments for _ in s.sample_rows]
-        positions = [s.start + r + 1 for s in lane_pass.segments for r in s.sample_rows]
-        picked = sample_rows(logits, specs, positions) if logits is not None else []
-        decisions = []
-        j = 0
-        for seg in lane_pass.segments:
-            n = len(seg.sample_rows)
-            tokens = [t for t, _ in picked[j:j + n]]
-            lps = [lp for _, lp in picked[j:j + n]]
-            j += n
-            if seg.kind == "window":
-                acc = decide(seg.candidates, tokens)
-                tokens, lps = tokens[:acc + 1], lps[:acc + 1]
-            else:
-                acc = 0
-            decisions.append(LaneDecision(seg.request_id, seg.kind, seg.start, acc,
-                                          tuple(tokens), tuple(lps)))
-        return LaneResult(lane_pass.pass_id, tuple(decisions), lane_pass.padding_rows,
-                          time.perf_counter() - t0)
+        picked = rider_picked = None
+        if logits is not None and n_lane:
+            picked = launch_rows(logits[:n_lane],
+                                 [s.spec for s in lane_pass.segments for _ in s.sample_rows],
+                                 [s.start + r + 1 for s in lane_pass.segments
+                                  for r in s.sample_rows])
+        if logits is not None and want:
+            rider_picked = launch_rows(logits[n_lane:],
+                                       [cast(SamplingSpec, rider_specs[k]) for k in want],
+                                       [riders[k].start + 1 for k in want])
+        return (LaneLaunch(lane_pass, picked, t0),
+                LaunchedBatch(len(riders), want, rider_picked))
