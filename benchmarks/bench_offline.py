@@ -99,8 +99,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               parked_seq_headroom=args.parked_seq_headroom,
                               lane_priority=args.lane_priority, lane_sms=args.lane_sms,
                               lane_overlap=args.lane_overlap,
-                              lane_riders=(None if args.lane_riders is None
-                                           else bool(args.lane_riders)),
+                              lane_riders=args.lane_riders,
                               lane_decode_in_mixed_steps=not args.lane_decode_sits_out,
                               pipeline_lane_prefill=not args.no_pipeline_lane_prefill,
                               decode_past_queued_windows=not args.no_decode_past_queued_windows,
@@ -314,10 +313,10 @@ def main(argv: list[str] | None = None) -> int:
                         "probe of the step sizes that may run unsplit)")
     p.add_argument("--lane-priority", choices=("high", "normal", "low"), default="high",
                    help="CUDA stream priority of the lane")
-    p.add_argument("--lane-riders", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--lane-riders", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.lane_riders,
                    help="llm42: a step that plans a lane pass runs its decode rows in the "
-                        "pass's padding rows (EngineConfig.lane_riders; default: on for CUDA; "
-                        "as a variant, lane_riders=0 or 1)")
+                        "pass's padding rows (EngineConfig.lane_riders, off by default)")
     p.add_argument("--lane-overlap", action=argparse.BooleanOptionalAction,
                    default=EngineConfig.lane_overlap,
                    help="lane passes beside the fast path's steps (--no-lane-overlap: each "

@@ -138,8 +138,8 @@ class LLMEngine:
         self.async_scheduling = (cuda if config.async_scheduling is None
                                  else config.async_scheduling)
         self._launch: _Launch | None = None  # the fast batch whose tokens are unread
-        riders = cuda if config.lane_riders is None else config.lane_riders
-        self.lane_riders = (riders and config.mode == "llm42" and config.lane_overlap
+        self._lane_done: list[LaneResult] = []  # decided passes that carried riders
+        self.lane_riders = (config.lane_riders and config.mode == "llm42" and config.lane_overlap
                             and config.lane_sms is None
                             and getattr(self.verifier, "runner", None) is self.runner)
 
@@ -311,7 +311,11 @@ class LLMEngine:
         results = self.verifier.poll(wait=wait)
         if results and self._launch is not None and self._launch.lane is not None:
             self._settle(self._launch)  # its pass ran first: its decisions go first
-        for result in results:
+        # passes that carried riders, then the verifier's (submitted after them): decisions
+        # apply only here, after this step's rows entered the scheduler's state, as the
+        # verifier's always do (a rollback may cut tokens a planned row would read)
+        done, self._lane_done = self._lane_done, []
+        for result in (*done, *results):
             self._apply_lane(result)
         t2 = clock()
         c["lane_wait_us"] += int((t2 - t1) * 1e6)
@@ -456,8 +460,8 @@ class LLMEngine:
                 if res[1]:
                     seq.logprobs.append(res[1])
         lane, launch.lane = launch.lane, None
-        if lane is not None:
-            self._apply_lane(lane.finish())
+        if lane is not None:  # decided now, applied where the step applies lane results
+            self._lane_done.append(lane.finish())
 
     def _submit_lane(self, items: list[LaneItem]) -> None:
         self.verifier.submit(self._lane_pass(items))

@@ -388,12 +388,15 @@ def test_parked_sequences_lending_slots_keep_the_oracle(model: str) -> None:
         assert (stats["parked_admissions"] > 0) == (headroom > 0)
 
 
-@pytest.mark.parametrize("threaded", [False, True], ids=["in-process", "lane-thread"])
+@pytest.mark.parametrize(("threaded", "async_"), [(False, False), (True, False), (False, True)],
+                         ids=["in-process", "lane-thread", "async-scheduling"])
 def test_decode_rows_riding_in_lane_passes_keep_the_oracle(
-        model: str, threaded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        model: str, threaded: bool, async_: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step that plans a lane pass runs its decode rows in the pass's padding rows
     (``lane_riders``): every deterministic output still equals lane_only's, with a perturbed
-    fast path, and no sequence rides in a pass that carries its own window or prompt.
+    fast path, and no sequence rides in a pass that carries its own window or prompt. With
+    asynchronous scheduling (as on CUDA) a rider pass's decisions wait until the step's
+    rows are placed (a rollback applied earlier cut tokens a planned row read: IndexError).
     Control: without riders no pass carries any."""
     from detserve.executor.runner import ModelRunner
 
@@ -415,7 +418,7 @@ def test_decode_rows_riding_in_lane_passes_keep_the_oracle(
     for riders in (True, False):
         carried.clear()
         outs, stats, engine = run_engine(model, reqs, perturbation=0.2, lane_riders=riders,
-                                         lane_threaded=threaded)
+                                         lane_threaded=threaded, async_scheduling=async_)
         engine.close()
         assert stats["perturbed_tokens"] > 0
         for i in det:

@@ -371,9 +371,10 @@ def test_decode_bucket_products_get_the_lane_chunks_bits() -> None:
 
 @pytest.mark.parametrize("riders", [True, False])
 def test_decode_rows_riding_in_lane_passes_on_gpu(model: str, riders: bool) -> None:
-    """Decode rows riding in lane passes' padding (``lane_riders``, the CUDA default) leave
+    """Decode rows riding in lane passes' padding (``lane_riders``, off by default) leave
     every deterministic output equal to lane_only's, under fast-path perturbation, with the
-    lane graph; the runs with riders do carry them. Control: riders off carry none."""
+    lane graph and asynchronous scheduling; the runs with riders do carry them. Control:
+    riders off carry none."""
     reqs = [Req(r.prompt, dataclasses.replace(r.params, is_deterministic=i % 2 == 0),
                 r.arrival) for i, r in enumerate(_reqs(det=False))]
     oracle, _, o = run_engine(model, reqs, mode="lane_only", **CUDA)
