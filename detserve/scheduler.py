@@ -134,7 +134,7 @@ class Scheduler:
         out = SchedulerOutput(step=self.step_count)
         self._admit()
         if self.cfg.uses_lane:
-            out.lane = self._plan_lane(out, self._rider_room() if riders and fast else 0)
+            out.lane = self._plan_lane(out, riders and fast)
         if fast:
             out.fast = self._plan_fast(out)
         assert out.lane_rows_used <= self.cfg.lane_rows
@@ -261,7 +261,7 @@ class Scheduler:
             return 0
         return min(sum(rows), self.cfg.lane_rows // 2)
 
-    def _plan_lane(self, out: SchedulerOutput, room: int = 0) -> list[LaneItem]:
+    def _plan_lane(self, out: SchedulerOutput, riders: bool = False) -> list[LaneItem]:
         idle = [s for s in self.running if s.uses_lane and not s.in_lane]
         starts = {id(s): x for s in self.running if (x := self._prefill_from(s)) is not None}
         prefills = [s for s in self.running if id(s) in starts]
@@ -276,7 +276,7 @@ class Scheduler:
         wanted += sum(self.window_end(s) - s.num_committed + 1 for s in windows)
         still_decoding = len(idle) > sum(not s.in_lane for s in ready)
         oldest = min(s.ready_step for s in ready if s.ready_step is not None)
-        rows_left = self.cfg.lane_rows - room
+        rows_left = self.cfg.lane_rows - (self._rider_room() if riders else 0)
         if wanted < rows_left and still_decoding and (
                 self.step_count - oldest < self.cfg.lane_max_wait_steps
                 or (not prefills and all(self._decodes_past_window(s) for s in windows))):
