@@ -97,7 +97,9 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               lane_gemm_rows=args.lane_gemm_rows,
                               lane_bound_fraction=args.lane_bound_fraction,
                               parked_seq_headroom=args.parked_seq_headroom,
+                              lane_prefill_ahead=args.lane_prefill_ahead,
                               lane_priority=args.lane_priority, lane_sms=args.lane_sms,
+                              sm_carveout=args.sm_carveout, blas_library=args.blas_library,
                               lane_overlap=args.lane_overlap,
                               lane_riders=args.lane_riders,
                               lane_decode_in_mixed_steps=not args.lane_decode_sits_out,
@@ -176,10 +178,12 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "decode_past_queued_windows": not args.no_decode_past_queued_windows,
         "lane_max_wait_steps": args.lane_max_wait_steps,
         "parked_seq_headroom": args.parked_seq_headroom,
+        "lane_prefill_ahead": args.lane_prefill_ahead,
         "variant": getattr(args, "variant", ""),
         "prefill_batch_tokens": prefill_batch_tokens,
         "prefill_held_steps": stats["prefill_held_steps"],
         "parked_admissions": stats["parked_admissions"],
+        "lane_ahead_admissions": stats["lane_ahead_admissions"],
         "lane_riders": lane_riders,
         "rider_passes": stats["rider_passes"], "rider_rows": stats["rider_rows"],
         "seq_capped_steps": stats["seq_capped_steps"],
@@ -323,6 +327,12 @@ def main(argv: list[str] | None = None) -> int:
                         "pass runs alone, the next step waits for it; EngineConfig.lane_overlap)")
     p.add_argument("--lane-sms", type=int, default=None,
                    help="run the lane in a green context of this many SMs")
+    p.add_argument("--sm-carveout", type=int, default=None,
+                   help="cuBLAS picks GEMM kernels for this many SMs fewer than the GPU has "
+                        "(EngineConfig.sm_carveout; pair it with --lane-sms)")
+    p.add_argument("--blas-library", default=EngineConfig.blas_library,
+                   choices=["default", "cublas", "cublaslt"],
+                   help="torch's preferred BLAS library (EngineConfig.blas_library)")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="Python's thread switch interval in seconds (sys.setswitchinterval): "
                         "how long the engine thread may hold the GIL while the lane thread "
@@ -393,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
                    default=SchedulerConfig.lane_bound_fraction,
                    help="give a step to the lane pass in flight when more than this share of "
                         "sequences wait on the lane (1: never)")
+    p.add_argument("--lane-prefill-ahead", type=int, default=SchedulerConfig.lane_prefill_ahead,
+                   help="llm42: a lane pass's spare rows take the prompts of deterministic "
+                        "requests still queued, at most this many prefilling at once "
+                        "(SchedulerConfig.lane_prefill_ahead; 0: off)")
     p.add_argument("--parked-seq-headroom", type=float,
                    default=SchedulerConfig.parked_seq_headroom,
                    help="llm42: admit up to this share of max-num-seqs more sequences while "
@@ -474,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['lane_seconds']:.2f} s; {r['rider_passes']:.0f} passes carried "
                   f"{r['rider_rows']:.0f} decode rows; {r['parked_admissions']:.0f} admissions in "
                   f"parked sequences' slots, {r['seq_capped_steps']:.0f} steps full at "
-                  "max-num-seqs", flush=True)
+                  f"max-num-seqs; {r['lane_ahead_admissions']:.0f} prompts admitted ahead "
+                  "into spare lane rows", flush=True)
         if r.get("profile"):
             for line in describe(r["profile"]):
                 print(f"{'':>16} {line}", flush=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from detserve.kernels.config import TABLE, lane_variant  # (no triton: table and checks only)
 
 MODES = ("llm42", "nondeterministic", "batch_invariant", "lane_only")
+BLAS_LIBRARIES = ("default", "cublas", "cublaslt")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -92,6 +93,14 @@ class SchedulerConfig:
     # ``max_num_seqs``: the fast path keeps its batch full instead of idling the slots of
     # sequences that wait for verification. 0: every running sequence holds a slot
     parked_seq_headroom: float = 0.125
+    # a lane pass that goes out with rows to spare fills them with the prompts of
+    # deterministic requests still queued behind others, admitting them ahead of the queue
+    # while at most this many running lane sequences still wait for their prompt's lane
+    # prefill (and the KV pool keeps a block for every running sequence). Every prompt row
+    # has to go through the lane once anyway: rows that would be padding do it, so passes
+    # run fuller and fewer. A row's lane bits do not depend on its chunking, so no output
+    # changes. 0: only admitted sequences' prompts (llm42 only; lane_only keeps FCFS)
+    lane_prefill_ahead: int = 8
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -110,6 +119,9 @@ class SchedulerConfig:
             raise ValueError("lane_bound_fraction must be in [0, 1]")
         if not 0.0 <= self.parked_seq_headroom <= 1.0:
             raise ValueError("parked_seq_headroom must be in [0, 1]")
+        if isinstance(self.lane_prefill_ahead, bool) or not isinstance(self.lane_prefill_ahead, int) \
+                or self.lane_prefill_ahead < 0:
+            raise ValueError("lane_prefill_ahead must be an integer >= 0 (0: off)")
 
     @property
     def lane_rows(self) -> int:
@@ -136,6 +148,17 @@ class EngineConfig:
     batch_invariant_rows: int = 32  # fixed row-chunk of batch_invariant mode (CPU reference)
     lane_threaded: bool = False     # run lane passes on a worker thread (always on CUDA)
     lane_sms: int | None = None     # CUDA: SMs of the lane's green context (None: shared)
+    # CUDA: cuBLAS picks the fast path's and the lane's GEMM kernels for this many SMs
+    # fewer than the GPU has (torch's SM carveout; CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET).
+    # With ``lane_sms`` the same number, a lane kernel holding its green context's SMs no
+    # longer leaves a fast-path GEMM's last wave waiting for them. Process-wide (every
+    # engine in the process sets it, None clearing it) and part of the numerics a verifier
+    # must share (``kernels`` tag ``+carve<n>``)
+    sm_carveout: int | None = None
+    # CUDA: torch's preferred BLAS library for every GEMM in the process ("default", "cublas"
+    # or "cublaslt"; torch.backends.cuda.preferred_blas_library). Also part of the numerics
+    # (tag ``+blas-<name>``) when not "default"
+    blas_library: str = "default"
     # CUDA: the lane stream's priority against the fast path's. "high": when both have
     # kernels waiting, the lane's go first (windows come back sooner); "normal": the same
     # priority; "low": the fast path runs on a stream of high priority, so its kernels' blocks
@@ -244,6 +267,13 @@ class EngineConfig:
             raise ValueError("fastpath_perturbation must be in [0, 1]")
         if self.lane_sms is not None and self.lane_sms <= 0:
             raise ValueError("lane_sms must be positive")
+        if self.sm_carveout is not None and (isinstance(self.sm_carveout, bool)
+                                             or not isinstance(self.sm_carveout, int)
+                                             or self.sm_carveout <= 0):
+            raise ValueError("sm_carveout must be a positive integer (None: no carveout)")
+        if self.blas_library not in BLAS_LIBRARIES:
+            raise ValueError(f"blas_library must be one of {', '.join(BLAS_LIBRARIES)}, "
+                             f"got {self.blas_library!r}")
         if self.lane_priority not in ("high", "normal", "low"):
             raise ValueError("lane_priority must be 'high', 'normal' or 'low', "
                              f"got {self.lane_priority!r}")
@@ -283,6 +313,7 @@ class EngineConfig:
                decode_past_queued_windows: bool = True,
                prefill_batch_tokens: int | None = None,
                parked_seq_headroom: float = SchedulerConfig.parked_seq_headroom,
+               lane_prefill_ahead: int = SchedulerConfig.lane_prefill_ahead,
                block_size: int = 16,
                num_blocks: int | None = None, enable_prefix_caching: bool = True,
                **kw: object) -> EngineConfig:
@@ -297,7 +328,8 @@ class EngineConfig:
                                 pipeline_lane_prefill=pipeline_lane_prefill,
                                 decode_past_queued_windows=decode_past_queued_windows,
                                 prefill_batch_tokens=prefill_batch_tokens,
-                                parked_seq_headroom=parked_seq_headroom)
+                                parked_seq_headroom=parked_seq_headroom,
+                                lane_prefill_ahead=lane_prefill_ahead)
         if num_blocks is None:
             # enough for a full lane of long sequences plus headroom
             num_blocks = max(1024, 2 * max_model_len // block_size + 1)

@@ -54,6 +54,18 @@ class _Launch:
     lane: LaneLaunch | None = None        # the lane pass these rows rode in, undecided
 
 
+def apply_blas_settings(config: EngineConfig) -> None:
+    """Set the process-wide cuBLAS SM carveout and preferred BLAS library (CUDA)."""
+    torch._C._set_sm_carveout_experimental(config.sm_carveout)
+    torch.backends.cuda.preferred_blas_library(config.blas_library)
+
+
+def blas_tag(config: EngineConfig) -> str:
+    """The ``kernels`` tag of non-default BLAS settings (they change GEMM bits)."""
+    tag = f"+carve{config.sm_carveout}" if config.sm_carveout else ""
+    return tag + (f"+blas-{config.blas_library}" if config.blas_library != "default" else "")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, *,
                  verifier_factory: Callable[[ModelRunner], Verifier] | None = None,
@@ -84,6 +96,8 @@ class LLMEngine:
         if sc.prefill_batch_tokens is None:
             sc = replace(sc, prefill_batch_tokens=sc.max_num_batched_tokens // 4 if cuda else 0)
         self.scheduler = Scheduler(sc, self.blocks, eos, prefix_caching=cc.enable_prefix_caching)
+        if cuda:  # before the alignment's probes: they must see the GEMMs the steps run
+            apply_blas_settings(config)
         self.alignment = self._alignment() if cuda and sc.uses_lane else None
         self.lane_gemm_rows = (self.alignment.chunk if self.alignment else
                                config.lane_gemm_rows if sc.uses_lane else 0)
@@ -104,6 +118,8 @@ class LLMEngine:
                                   fused_silu_mul=config.fused_silu_mul,
                                   fused_add_rmsnorm=config.fused_add_rmsnorm,
                                   decode_pads=self.alignment.pads if self.alignment else None)
+        if cuda:
+            self.runner.kernel_set += blas_tag(config)
         # lane_priority "low": the fast path's work (graph capture, steps) goes to a stream of
         # high priority; the lane's stream keeps the normal one
         self._fast_stream = (torch.cuda.Stream(device=torch.device(config.device), priority=-1)
@@ -597,6 +613,7 @@ class LLMEngine:
         out["prefix_cache_hit_tokens"] = self.scheduler.prefix_hit_tokens
         out["prefill_held_steps"] = self.scheduler.prefill_held_steps
         out["parked_admissions"] = self.scheduler.parked_admissions
+        out["lane_ahead_admissions"] = self.scheduler.lane_ahead_admissions
         out["seq_capped_steps"] = self.scheduler.seq_capped_steps
         out["lane_padding_fraction"] = c["lane_padding_rows"] / c["lane_rows"] if c["lane_rows"] else 0.0
         out["lane_seconds"] = c["lane_seconds_us"] / 1e6

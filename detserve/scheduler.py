@@ -99,6 +99,8 @@ class Scheduler:
         # fast steps that left rows out because they already carried max_num_seqs sequences
         self.parked_admissions = 0
         self.seq_capped_steps = 0
+        # deterministic requests admitted ahead of the queue into a lane pass's spare rows
+        self.lane_ahead_admissions = 0
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -146,22 +148,29 @@ class Scheduler:
             return
         limit = self.cfg.max_num_seqs + self._parked_slots()
         while self.waiting and len(self.running) < limit:
-            seq = self.waiting[0]
-            cached = self._match_prefix(seq)
-            # the whole committed prefix (+1 for the next token) must fit now, so prefill
-            # chunks never need to allocate later
-            if not self.blocks.grow(seq.block_table, seq.num_tokens + 1):
-                if cached:
-                    self.blocks.free(seq.block_table)
-                    seq.reset_for_recompute()
+            if not self._take(self.waiting[0], reserve=0):
                 break
-            if cached:
-                seq.num_lane_kv = seq.num_computed = cached * self.blocks.block_size
-                self.prefix_hit_tokens += seq.num_lane_kv
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
             self.parked_admissions += len(self.running) > self.cfg.max_num_seqs
+
+    def _take(self, seq: Sequence, reserve: int) -> bool:
+        """Move queued ``seq`` to the running sequences if the KV pool holds its whole
+        committed prefix (+1 for the next token, so prefill chunks never need to allocate
+        later) with ``reserve`` blocks to spare; False (nothing changed) if not."""
+        cached = self._match_prefix(seq)
+        need = self.blocks.blocks_needed(seq.num_tokens + 1) - len(seq.block_table)
+        if need + reserve > self.blocks.num_free \
+                or not self.blocks.grow(seq.block_table, seq.num_tokens + 1):
+            if cached:
+                self.blocks.free(seq.block_table)
+                seq.reset_for_recompute()
+            return False
+        if cached:
+            seq.num_lane_kv = seq.num_computed = cached * self.blocks.block_size
+            self.prefix_hit_tokens += seq.num_lane_kv
+        self.waiting.remove(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return True
 
     def _parked_slots(self) -> int:
         """Sequences admission may run beyond ``max_num_seqs``: those parked on the lane
@@ -277,6 +286,8 @@ class Scheduler:
         still_decoding = len(idle) > sum(not s.in_lane for s in ready)
         oldest = min(s.ready_step for s in ready if s.ready_step is not None)
         rows_left = self.cfg.lane_rows - (self._rider_room() if riders else 0)
+        queued = self._ahead_queue(rows_left - wanted)
+        wanted += sum(s.num_committed for s in queued)
         if wanted < rows_left and still_decoding and (
                 self.step_count - oldest < self.cfg.lane_max_wait_steps
                 or (not prefills and all(self._decodes_past_window(s) for s in windows))):
@@ -301,15 +312,47 @@ class Scheduler:
                 break
             if s.status is not Status.RUNNING:
                 continue
-            start = starts[id(s)]
-            end = min(s.num_committed, start + rows_left)
-            items.append(LaneItem(s, "prefill", start, end, ()))
-            s.lane_items += 1
-            s.lane_sent = end
-            rows_left -= end - start
+            rows_left -= self._send_prefill(s, starts[id(s)], rows_left, items)
+        for s in queued:
+            if rows_left == 0 or not self._admit_ahead(s):
+                break
+            rows_left -= self._send_prefill(s, s.num_lane_kv, rows_left, items)
         for it in items:
             it.seq.ready_step = None
         return items
+
+    @staticmethod
+    def _send_prefill(seq: Sequence, start: int, rows: int, items: list[LaneItem]) -> int:
+        """Plan ``seq``'s prompt chunk from ``start`` in at most ``rows`` lane rows."""
+        end = min(seq.num_committed, start + rows)
+        items.append(LaneItem(seq, "prefill", start, end, ()))
+        seq.lane_items += 1
+        seq.lane_sent = end
+        return end - start
+
+    def _ahead_queue(self, rows: int) -> list[Sequence]:
+        """Queued lane sequences (in queue order) whose prompts could fill ``rows`` spare
+        rows of the pass being planned (``lane_prefill_ahead``)."""
+        room = self.cfg.lane_prefill_ahead - sum(1 for s in self.running
+                                                 if s.needs_lane_prefill())
+        if rows <= 0 or room <= 0 or not self.cfg.max_candidates:
+            return []
+        out: list[Sequence] = []
+        for seq in self.waiting:
+            if len(out) == room or rows <= 0:
+                break
+            if seq.uses_lane:
+                out.append(seq)
+                rows -= seq.num_committed
+        return out
+
+    def _admit_ahead(self, seq: Sequence) -> bool:
+        """Admit queued lane sequence ``seq`` now, ahead of the queue, if the KV pool holds
+        its prompt and still keeps a block for every running sequence to grow into."""
+        if not self._take(seq, reserve=len(self.running)):
+            return False
+        self.lane_ahead_admissions += 1
+        return True
 
     def overlap_cap(self, seq: Sequence) -> int:
         """How many tokens a sequence whose window is in the lane may decode past it."""
