@@ -67,6 +67,7 @@ OPTIONAL_ARGS: Mapping[str, Any] = {"fastpath_perturbation": 0.0, "stream_interv
                                     "verifier_confine": False,
                                     "lane_bound_fraction": SchedulerConfig.lane_bound_fraction,
                                     "parked_seq_headroom": SchedulerConfig.parked_seq_headroom,
+                                    "lane_prefill_ahead": SchedulerConfig.lane_prefill_ahead,
                                     "switch_interval": 0.0,
                                     # None (absent): the engine's default for its device
                                     "prefill_batch_tokens": None}
@@ -204,6 +205,8 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError("http_port and grpc_port must differ")
     if "stream_interval" in args:
         _check_int("stream_interval", args["stream_interval"], lo=1, hi=4096)
+    if "lane_prefill_ahead" in args:  # (queued prompts prefilling in lane rows at once)
+        _check_int("lane_prefill_ahead", args["lane_prefill_ahead"], lo=0, hi=4096)
     if "prefill_batch_tokens" in args:  # (up to a whole model length of prompt tokens)
         _check_int("prefill_batch_tokens", args["prefill_batch_tokens"], lo=0,
                    hi=args["max_model_len"])

@@ -63,6 +63,11 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="while deterministic sequences are parked on the lane, a decoder runs "
                         "as many more, up to this share of --max-num-seqs (0: none; "
                         f"default {SchedulerConfig.parked_seq_headroom})")
+    p.add_argument("--lane-prefill-ahead", type=int, default=None,
+                   help="a lane pass's spare rows take the prompts of deterministic requests "
+                        "still queued, admitted ahead of the queue while at most this many "
+                        "lane sequences wait for their prompt's lane prefill (0: off; "
+                        f"default {SchedulerConfig.lane_prefill_ahead})")
     p.add_argument("--prefill-batch-tokens", type=int, default=None,
                    help="while others decode, new prompts wait until this many of their "
                         "tokens are pending (at most 8 steps): fewer eager steps with prefill "
@@ -118,8 +123,9 @@ def serve_config_from(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
     for name in ("lane_bound_fraction", "parked_seq_headroom"):
         if getattr(a, name) is not None:
             overrides[name] = getattr(a, name)
-    if a.prefill_batch_tokens is not None:
-        overrides["prefill_batch_tokens"] = a.prefill_batch_tokens
+    for name in ("lane_prefill_ahead", "prefill_batch_tokens"):
+        if getattr(a, name) is not None:
+            overrides[name] = getattr(a, name)
     return default_serve_config(http_host=a.host, **overrides)
 
 

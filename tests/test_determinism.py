@@ -388,6 +388,27 @@ def test_parked_sequences_lending_slots_keep_the_oracle(model: str) -> None:
         assert (stats["parked_admissions"] > 0) == (headroom > 0)
 
 
+def test_prompts_admitted_ahead_into_spare_lane_rows_keep_the_oracle(model: str) -> None:
+    """Deterministic requests queued behind others whose prompts go through a lane pass's
+    spare rows, admitted ahead of the queue (``lane_prefill_ahead``): their prompts are
+    chunked and scheduled differently, their outputs are not. Every deterministic request
+    equals lane_only's with a perturbed fast path, with the option and without it. Control:
+    prompts were admitted ahead only with it."""
+    reqs = (_others(4, det=False, seed=31) + [Req(TARGET, SAMPLED)]
+            + _others(3, det=False, seed=32) + _others(4, det=True, seed=33))
+    oracle, _, o = run_engine(model, reqs, mode="lane_only", max_num_seqs=3)
+    o.close()
+    det = [i for i, r in enumerate(reqs) if r.params.is_deterministic]
+    for ahead in (8, 0):
+        outs, stats, engine = run_engine(model, reqs, perturbation=0.2, max_num_seqs=3,
+                                         lane_prefill_ahead=ahead)
+        engine.close()
+        assert stats["perturbed_tokens"] > 0
+        for i in det:
+            assert signature(outs[i]) == signature(oracle[i]), (ahead, i)
+        assert (stats["lane_ahead_admissions"] > 0) == (ahead > 0)
+
+
 @pytest.mark.parametrize(("threaded", "async_"), [(False, False), (True, False), (False, True)],
                          ids=["in-process", "lane-thread", "async-scheduling"])
 def test_decode_rows_riding_in_lane_passes_keep_the_oracle(

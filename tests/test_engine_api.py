@@ -75,8 +75,28 @@ def test_unknown_mode_and_bad_engine_config(model: str) -> None:
     low = LLM(model, lane_priority="low", max_model_len=512)  # CUDA only: no stream on CPU
     assert low.engine._fast_stream is None
     low.engine.close()
+    for bad in (0, -4, True, 1.5):
+        with pytest.raises(ValueError, match="sm_carveout"):
+            LLM(model, sm_carveout=bad)
+    with pytest.raises(ValueError, match="blas_library must be one of"):
+        LLM(model, blas_library="mkl")
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ValueError, match="lane_prefill_ahead"):
+            LLM(model, lane_prefill_ahead=bad)
     with pytest.raises((ValueError, FileNotFoundError)):
         LLM("/nonexistent/model")
+
+
+def test_blas_settings_tag_the_kernels() -> None:
+    """The SM carveout and a preferred BLAS library change which GEMM kernels run (bits):
+    both name themselves in the ``kernels`` tag a verifier must match; defaults add none."""
+    from detserve.config import EngineConfig
+    from detserve.engine import blas_tag
+
+    assert blas_tag(EngineConfig(model="m")) == ""
+    assert blas_tag(EngineConfig(model="m", sm_carveout=32)) == "+carve32"
+    assert (blas_tag(EngineConfig(model="m", sm_carveout=48, blas_library="cublaslt"))
+            == "+carve48+blas-cublaslt")
 
 
 def test_max_tokens_and_finish_reason(llm: LLM) -> None:

@@ -228,6 +228,50 @@ def test_parked_lane_sequences_lend_their_batch_slots(headroom: float) -> None:
     s.check_integrity()
 
 
+@pytest.mark.parametrize(("ahead", "blocks", "admitted"),
+                         [(8, 64, ["s3", "s4"]), (0, 64, []), (1, 64, []), (8, 8, [])],
+                         ids=["on", "off", "cap", "kv-reserve"])
+def test_spare_lane_rows_take_queued_deterministic_prompts(
+        ahead: int, blocks: int, admitted: list[str]) -> None:
+    """A lane pass that goes out with rows to spare fills them with the prompts of
+    deterministic requests queued behind others, admitting them ahead of the queue (the
+    last one's prompt in part; its next chunk goes as an admitted sequence's). Not with
+    lane_prefill_ahead 0, not while that many lane sequences already wait for their lane
+    prefill (cap 1: s0), and not when the KV pool would keep less than a block for every
+    running sequence."""
+    s = _sched(W=4, G=4, max_num_seqs=2, parked_seq_headroom=0.0, lane_prefill_ahead=ahead,
+               blocks=blocks)
+    queue = [_seq(0, 6, det=True), _seq(1, 6, det=False), _seq(2, 6, det=False),
+             _seq(3, 5, det=True), _seq(4, 8, det=True)]
+    for q in queue:
+        s.add(q)
+    out = s.schedule()
+    chunks = {"s3": ("s3", 0, 5), "s4": ("s4", 0, 5)}
+    assert [(i.seq.request_id, i.start, i.end) for i in out.lane] == \
+        [("s0", 0, 6)] + [chunks[r] for r in admitted]
+    assert [q.request_id for q in s.running] == ["s0", "s1", *admitted]
+    assert [q.request_id for q in s.waiting] == [r for r in ("s2", "s3", "s4")
+                                                 if r not in admitted]
+    assert s.lane_ahead_admissions == len(admitted)
+    assert all(not q.block_table for q in s.waiting), "a refused admission keeps no blocks"
+    assert [i.seq.request_id for i in out.fast] == ["s1"]
+    _fake_fast(s, out)
+    for it in out.lane:
+        s.on_lane_result(it, [9] if it.end == it.seq.num_committed else [])
+    s.check_integrity()
+    sent = []
+    for _ in range(s.cfg.lane_max_wait_steps + 2):  # (a lone chunk waits for the pass to fill)
+        out = s.schedule()
+        assert len(out.fast) <= 2, "a fast step carries at most max_num_seqs sequences"
+        sent += [(i.seq.request_id, i.start, i.end) for i in out.lane]
+        _fake_fast(s, out)
+        s.check_integrity()
+        if sent:
+            break
+    if admitted:  # s4's rest goes as an admitted sequence's chunk
+        assert ("s4", 5, 8) in sent
+
+
 def test_schedule_without_fast_rows_still_plans_the_lane() -> None:
     """schedule(fast=False) (the engine gives the step to the lane) plans lane items and no
     fast rows; the sequences it left out get their rows in the next ordinary step."""

@@ -553,24 +553,32 @@ def test_scheduler_fraction_reaches_the_decoders_engine(name: str) -> None:
             default_serve_config(**{name: bad})
 
 
-def test_prefill_batch_tokens_reaches_the_decoders_engine() -> None:
-    """``detserve serve --prefill-batch-tokens N`` sets how many new prompt tokens a decoder
-    waits for (absent: the engine picks by device, 0 on CPU); bad values are refused."""
+@pytest.mark.parametrize(("name", "value", "default", "bad"), [
+    ("prefill_batch_tokens", 256, None, (-1, 1 << 20, "many", None, True, 2.5)),
+    ("lane_prefill_ahead", 3, 8, (-1, 1 << 20, "some", None, True, 2.5)),
+])
+def test_scheduler_count_reaches_the_decoders_engine(name: str, value: int, default: int | None,
+                                                     bad: tuple[object, ...]) -> None:
+    """``detserve serve --prefill-batch-tokens N`` (how many new prompt tokens a decoder
+    waits for; absent: the engine picks by device, 0 on CPU) and ``--lane-prefill-ahead N``
+    (queued deterministic prompts a lane pass's spare rows may take) set the decoder
+    engine's scheduler; bad values are refused."""
     from detserve.cli import build_parser
     from services.cli import serve_config_from
     from services.decoder.engine_factory import DecoderSettings
 
     parse = build_parser().parse_args
     plain = serve_config_from(parse(["serve"]), "redis://127.0.0.1:1/0")["applications"][0]["args"]
-    assert "prefill_batch_tokens" not in plain
-    assert DecoderSettings.from_args(plain).engine_config().scheduler.prefill_batch_tokens is None
-    set_ = serve_config_from(parse(["serve", "--prefill-batch-tokens", "256"]),
+    assert name not in plain
+    assert getattr(DecoderSettings.from_args(plain).engine_config().scheduler, name) == default
+    flag = "--" + name.replace("_", "-")
+    set_ = serve_config_from(parse(["serve", flag, str(value)]),
                              "redis://127.0.0.1:1/0")["applications"][0]["args"]
-    assert set_["prefill_batch_tokens"] == 256
-    assert DecoderSettings.from_args(set_).engine_config().scheduler.prefill_batch_tokens == 256
-    for bad in (-1, 1 << 20, "many", None, True, 2.5):
-        with pytest.raises(ValueError, match="prefill_batch_tokens"):
-            default_serve_config(prefill_batch_tokens=bad)
+    assert set_[name] == value
+    assert getattr(DecoderSettings.from_args(set_).engine_config().scheduler, name) == value
+    for v in bad:
+        with pytest.raises(ValueError, match=name):
+            default_serve_config(**{name: v})
 
 
 def test_switch_interval_reaches_the_decoder_settings() -> None:
