@@ -98,6 +98,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               lane_bound_fraction=args.lane_bound_fraction,
                               parked_seq_headroom=args.parked_seq_headroom,
                               lane_prefill_ahead=args.lane_prefill_ahead,
+                              lane_prefill_lookahead=args.lane_prefill_lookahead,
                               lane_priority=args.lane_priority, lane_sms=args.lane_sms,
                               sm_carveout=args.sm_carveout, blas_library=args.blas_library,
                               lane_overlap=args.lane_overlap,
@@ -179,6 +180,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "lane_max_wait_steps": args.lane_max_wait_steps,
         "parked_seq_headroom": args.parked_seq_headroom,
         "lane_prefill_ahead": args.lane_prefill_ahead,
+        "lane_prefill_lookahead": args.lane_prefill_lookahead,
         "variant": getattr(args, "variant", ""),
         "prefill_batch_tokens": prefill_batch_tokens,
         "prefill_held_steps": stats["prefill_held_steps"],
@@ -407,6 +409,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="llm42: a lane pass's spare rows take the prompts of deterministic "
                         "requests still queued, at most this many prefilling at once "
                         "(SchedulerConfig.lane_prefill_ahead; 0: off)")
+    p.add_argument("--lane-prefill-lookahead", type=int,
+                   default=SchedulerConfig.lane_prefill_lookahead,
+                   help="--lane-prefill-ahead takes prompts among the first this many queued "
+                        "requests "
+                        "(SchedulerConfig.lane_prefill_lookahead)")
     p.add_argument("--parked-seq-headroom", type=float,
                    default=SchedulerConfig.parked_seq_headroom,
                    help="llm42: admit up to this share of max-num-seqs more sequences while "

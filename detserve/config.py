@@ -101,6 +101,11 @@ class SchedulerConfig:
     # run fuller and fewer. A row's lane bits do not depend on its chunking, so no output
     # changes. 0: only admitted sequences' prompts (llm42 only; lane_only keeps FCFS)
     lane_prefill_ahead: int = 8
+    # how far from the head of the queue such prompts are taken: a deterministic request
+    # moves ahead of at most this many others (unbounded, at 10 % deterministic traffic
+    # offline, it moved them all to the front: their mean finish 5.0 s against 12.7 s, the
+    # others' 12.8 s against 11.9 s)
+    lane_prefill_lookahead: int = 32
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -122,6 +127,9 @@ class SchedulerConfig:
         if isinstance(self.lane_prefill_ahead, bool) or not isinstance(self.lane_prefill_ahead, int) \
                 or self.lane_prefill_ahead < 0:
             raise ValueError("lane_prefill_ahead must be an integer >= 0 (0: off)")
+        if isinstance(self.lane_prefill_lookahead, bool) \
+                or not isinstance(self.lane_prefill_lookahead, int) or self.lane_prefill_lookahead < 1:
+            raise ValueError("lane_prefill_lookahead must be a positive integer")
 
     @property
     def lane_rows(self) -> int:
@@ -314,6 +322,7 @@ class EngineConfig:
                prefill_batch_tokens: int | None = None,
                parked_seq_headroom: float = SchedulerConfig.parked_seq_headroom,
                lane_prefill_ahead: int = SchedulerConfig.lane_prefill_ahead,
+               lane_prefill_lookahead: int = SchedulerConfig.lane_prefill_lookahead,
                block_size: int = 16,
                num_blocks: int | None = None, enable_prefix_caching: bool = True,
                **kw: object) -> EngineConfig:
@@ -329,7 +338,8 @@ class EngineConfig:
                                 decode_past_queued_windows=decode_past_queued_windows,
                                 prefill_batch_tokens=prefill_batch_tokens,
                                 parked_seq_headroom=parked_seq_headroom,
-                                lane_prefill_ahead=lane_prefill_ahead)
+                                lane_prefill_ahead=lane_prefill_ahead,
+                                lane_prefill_lookahead=lane_prefill_lookahead)
         if num_blocks is None:
             # enough for a full lane of long sequences plus headroom
             num_blocks = max(1024, 2 * max_model_len // block_size + 1)

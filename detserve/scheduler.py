@@ -10,6 +10,7 @@ this sequence, recomputed in the lane".
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -331,14 +332,15 @@ class Scheduler:
         return end - start
 
     def _ahead_queue(self, rows: int) -> list[Sequence]:
-        """Queued lane sequences (in queue order) whose prompts could fill ``rows`` spare
-        rows of the pass being planned (``lane_prefill_ahead``)."""
+        """Queued lane sequences (in queue order, among the first
+        ``lane_prefill_lookahead``) whose prompts could fill ``rows`` spare rows of the pass
+        being planned (``lane_prefill_ahead``)."""
         room = self.cfg.lane_prefill_ahead - sum(1 for s in self.running
                                                  if s.needs_lane_prefill())
         if rows <= 0 or room <= 0 or not self.cfg.max_candidates:
             return []
         out: list[Sequence] = []
-        for seq in self.waiting:
+        for seq in itertools.islice(self.waiting, self.cfg.lane_prefill_lookahead):
             if len(out) == room or rows <= 0:
                 break
             if seq.uses_lane:
