@@ -102,9 +102,15 @@ class SchedulerConfig:
     # changes. 0: only admitted sequences' prompts (llm42 only; lane_only keeps FCFS)
     lane_prefill_ahead: int = 8
     # how far from the head of the queue such prompts are taken: a deterministic request
-    # moves ahead of at most this many others (unbounded, at 10 % deterministic traffic
-    # offline, it moved them all to the front: their mean finish 5.0 s against 12.7 s, the
-    # others' 12.8 s against 11.9 s)
+    # moves ahead of at most this many others. On an H100 at 10 % deterministic traffic
+    # (8B shape, 1,024 requests queued at once; docs/benchmarks/gpu/README.md), 32 gave
+    # 0.946x nondeterministic's throughput (one run; 0.944x-0.947x without the option), the
+    # others' mean finish unchanged. A lookahead over the whole queue (as long as the
+    # queue) gave 0.953x-0.955x (medians of two, two calls), as deterministic prompts
+    # filled passes from the start (101 passes, 7.9 % padding, against 114-117 and
+    # 12-14 %), but it moved them all to the front: their mean finish 5.0 s against 12.7
+    # s, the others' 12.8 s against 11.9 s. That lets any request jump the queue by
+    # asking for determinism, so it is not the default
     lane_prefill_lookahead: int = 32
 
     def __post_init__(self) -> None:
@@ -161,11 +167,16 @@ class EngineConfig:
     # With ``lane_sms`` the same number, a lane kernel holding its green context's SMs no
     # longer leaves a fast-path GEMM's last wave waiting for them. Process-wide (every
     # engine in the process sets it, None clearing it) and part of the numerics a verifier
-    # must share (``kernels`` tag ``+carve<n>``)
+    # must share (``kernels`` tag ``+carve<n>``). Measured slower, so off: on an H100 torch's
+    # cuBLAS path ignored it (same kernels), cuBLASLt honoured it, and the decode-size GEMMs
+    # still ran 1.28x-1.44x slower beside a lane GEMM on 32 SMs (they need the bandwidth of
+    # every SM); at 10 % deterministic traffic llm42 read 0.925x-0.941x nondeterministic's
+    # throughput with it against 0.947x without (bench_sm_carveout, bench_offline)
     sm_carveout: int | None = None
-    # CUDA: torch's preferred BLAS library for every GEMM in the process ("default", "cublas"
-    # or "cublaslt"; torch.backends.cuda.preferred_blas_library). Also part of the numerics
-    # (tag ``+blas-<name>``) when not "default"
+    # CUDA: torch's preferred BLAS library for every GEMM in the process ("default": torch's
+    # choice, overriding TORCH_BLAS_PREFER_CUBLASLT; "cublas" or "cublaslt";
+    # torch.backends.cuda.preferred_blas_library). Also part of the numerics (tag
+    # ``+blas-<name>``) when not "default"
     blas_library: str = "default"
     # CUDA: the lane stream's priority against the fast path's. "high": when both have
     # kernels waiting, the lane's go first (windows come back sooner); "normal": the same

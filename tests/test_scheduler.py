@@ -228,19 +228,21 @@ def test_parked_lane_sequences_lend_their_batch_slots(headroom: float) -> None:
     s.check_integrity()
 
 
-@pytest.mark.parametrize(("ahead", "blocks", "admitted"),
-                         [(8, 64, ["s3", "s4"]), (0, 64, []), (1, 64, []), (8, 8, [])],
-                         ids=["on", "off", "cap", "kv-reserve"])
+@pytest.mark.parametrize(("ahead", "lookahead", "blocks", "admitted"),
+                         [(8, 32, 64, ["s3", "s4"]), (0, 32, 64, []), (1, 32, 64, []),
+                          (8, 32, 8, []), (8, 2, 64, ["s3"])],
+                         ids=["on", "off", "cap", "kv-reserve", "lookahead"])
 def test_spare_lane_rows_take_queued_deterministic_prompts(
-        ahead: int, blocks: int, admitted: list[str]) -> None:
+        ahead: int, lookahead: int, blocks: int, admitted: list[str]) -> None:
     """A lane pass that goes out with rows to spare fills them with the prompts of
     deterministic requests queued behind others, admitting them ahead of the queue (the
     last one's prompt in part; its next chunk goes as an admitted sequence's). Not with
     lane_prefill_ahead 0, not while that many lane sequences already wait for their lane
-    prefill (cap 1: s0), and not when the KV pool would keep less than a block for every
-    running sequence."""
+    prefill (cap 1: s0), not when the KV pool would keep less than a block for every
+    running sequence, and only among the first ``lane_prefill_lookahead`` queued (2: s2,
+    s3)."""
     s = _sched(W=4, G=4, max_num_seqs=2, parked_seq_headroom=0.0, lane_prefill_ahead=ahead,
-               blocks=blocks)
+               lane_prefill_lookahead=lookahead, blocks=blocks)
     queue = [_seq(0, 6, det=True), _seq(1, 6, det=False), _seq(2, 6, det=False),
              _seq(3, 5, det=True), _seq(4, 8, det=True)]
     for q in queue:
@@ -268,7 +270,7 @@ def test_spare_lane_rows_take_queued_deterministic_prompts(
         s.check_integrity()
         if sent:
             break
-    if admitted:  # s4's rest goes as an admitted sequence's chunk
+    if "s4" in admitted:  # s4's rest goes as an admitted sequence's chunk
         assert ("s4", 5, 8) in sent
 
 
