@@ -68,6 +68,8 @@ OPTIONAL_ARGS: Mapping[str, Any] = {"fastpath_perturbation": 0.0, "stream_interv
                                     "lane_bound_fraction": SchedulerConfig.lane_bound_fraction,
                                     "parked_seq_headroom": SchedulerConfig.parked_seq_headroom,
                                     "lane_prefill_ahead": SchedulerConfig.lane_prefill_ahead,
+                                    "lane_prefill_lookahead":
+                                        SchedulerConfig.lane_prefill_lookahead,
                                     "switch_interval": 0.0,
                                     # None (absent): the engine's default for its device
                                     "prefill_batch_tokens": None}
@@ -207,6 +209,8 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
         _check_int("stream_interval", args["stream_interval"], lo=1, hi=4096)
     if "lane_prefill_ahead" in args:  # (queued prompts prefilling in lane rows at once)
         _check_int("lane_prefill_ahead", args["lane_prefill_ahead"], lo=0, hi=4096)
+    if "lane_prefill_lookahead" in args:  # (queue positions a prompt may move ahead by)
+        _check_int("lane_prefill_lookahead", args["lane_prefill_lookahead"], lo=1, hi=1 << 20)
     if "prefill_batch_tokens" in args:  # (up to a whole model length of prompt tokens)
         _check_int("prefill_batch_tokens", args["prefill_batch_tokens"], lo=0,
                    hi=args["max_model_len"])

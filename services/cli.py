@@ -68,6 +68,12 @@ def _args(p: argparse.ArgumentParser) -> None:
                         "still queued, admitted ahead of the queue while at most this many "
                         "lane sequences wait for their prompt's lane prefill (0: off; "
                         f"default {SchedulerConfig.lane_prefill_ahead})")
+    p.add_argument("--lane-prefill-lookahead", type=int, default=None,
+                   help="--lane-prefill-ahead takes prompts among the first this many queued "
+                        "requests, so a deterministic request moves ahead of at most that "
+                        "many others; the queue's length or more lets deterministic traffic "
+                        "pass all others (a priority policy; default "
+                        f"{SchedulerConfig.lane_prefill_lookahead})")
     p.add_argument("--prefill-batch-tokens", type=int, default=None,
                    help="while others decode, new prompts wait until this many of their "
                         "tokens are pending (at most 8 steps): fewer eager steps with prefill "
@@ -123,7 +129,7 @@ def serve_config_from(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
     for name in ("lane_bound_fraction", "parked_seq_headroom"):
         if getattr(a, name) is not None:
             overrides[name] = getattr(a, name)
-    for name in ("lane_prefill_ahead", "prefill_batch_tokens"):
+    for name in ("lane_prefill_ahead", "lane_prefill_lookahead", "prefill_batch_tokens"):
         if getattr(a, name) is not None:
             overrides[name] = getattr(a, name)
     return default_serve_config(http_host=a.host, **overrides)

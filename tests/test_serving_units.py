@@ -556,13 +556,15 @@ def test_scheduler_fraction_reaches_the_decoders_engine(name: str) -> None:
 @pytest.mark.parametrize(("name", "value", "default", "bad"), [
     ("prefill_batch_tokens", 256, None, (-1, 1 << 20, "many", None, True, 2.5)),
     ("lane_prefill_ahead", 3, 8, (-1, 1 << 20, "some", None, True, 2.5)),
+    ("lane_prefill_lookahead", 4096, 32, (0, -1, 1 << 21, "all", None, True, 2.5)),
 ])
 def test_scheduler_count_reaches_the_decoders_engine(name: str, value: int, default: int | None,
                                                      bad: tuple[object, ...]) -> None:
     """``detserve serve --prefill-batch-tokens N`` (how many new prompt tokens a decoder
-    waits for; absent: the engine picks by device, 0 on CPU) and ``--lane-prefill-ahead N``
-    (queued deterministic prompts a lane pass's spare rows may take) set the decoder
-    engine's scheduler; bad values are refused."""
+    waits for; absent: the engine picks by device, 0 on CPU), ``--lane-prefill-ahead N``
+    (queued deterministic prompts a lane pass's spare rows may take) and
+    ``--lane-prefill-lookahead N`` (how far into the queue) set the decoder engine's
+    scheduler; bad values are refused."""
     from detserve.cli import build_parser
     from services.cli import serve_config_from
     from services.decoder.engine_factory import DecoderSettings

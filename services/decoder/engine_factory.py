@@ -42,6 +42,7 @@ class DecoderSettings:
     lane_bound_fraction: float = SchedulerConfig.lane_bound_fraction
     parked_seq_headroom: float = SchedulerConfig.parked_seq_headroom
     lane_prefill_ahead: int = SchedulerConfig.lane_prefill_ahead
+    lane_prefill_lookahead: int = SchedulerConfig.lane_prefill_lookahead
     # the replica's Python thread switch interval (s; 0: Python's own, 5 ms): how long the
     # event loop may hold the GIL while the engine thread waits for it after a GPU step
     switch_interval: float = 0.0
@@ -68,6 +69,7 @@ class DecoderSettings:
             lane_bound_fraction=self.lane_bound_fraction,
             parked_seq_headroom=self.parked_seq_headroom,
             lane_prefill_ahead=self.lane_prefill_ahead,
+            lane_prefill_lookahead=self.lane_prefill_lookahead,
             prefill_batch_tokens=self.prefill_batch_tokens)
 
 
