@@ -169,6 +169,32 @@ def test_abort(model: str) -> None:
         eng.add_request("c", None, SamplingParams(), prompt_token_ids=PROMPT)
 
 
+@pytest.mark.parametrize("threaded", [False, True], ids=["in-process", "lane-thread"])
+def test_abort_a_prompt_admitted_ahead_into_spare_lane_rows(model: str, threaded: bool) -> None:
+    """A deterministic request queued behind others whose prompt went to a lane pass's
+    spare rows (admitted ahead) can be aborted while that chunk is in the lane: it gets one
+    final output, its blocks come back once the pass returns, and the others finish."""
+    eng = LLMEngine.from_args(model, "llm42", verify_window=8, verify_group=4,
+                              max_model_len=256, max_num_seqs=2, lane_threaded=threaded)
+    plain = SamplingParams(max_tokens=12, ignore_eos=True)
+    det = SamplingParams(max_tokens=12, ignore_eos=True, is_deterministic=True)
+    eng.add_request("d0", None, det, prompt_token_ids=PROMPT)
+    for i in range(3):
+        eng.add_request(f"n{i}", None, plain, prompt_token_ids=PROMPT)
+    eng.add_request("late", None, det, prompt_token_ids=random_prompts(1, [40], seed=9)[0])
+    outs = eng.step()
+    assert eng.stats()["lane_ahead_admissions"] == 1, "the late prompt went into spare rows"
+    assert eng.abort_request("late")
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    eng.check_integrity()
+    assert eng.blocks.num_free == eng.blocks.num_blocks - 1
+    finals = {o.request_id: o.finish_reason for o in outs if o.finished}
+    assert finals == {"d0": "length", "n0": "length", "n1": "length", "n2": "length",
+                      "late": "abort"}
+    eng.close()
+
+
 def test_staggered_arrivals_api(llm: LLM) -> None:
     p = SamplingParams(max_tokens=8, is_deterministic=True, ignore_eos=True, logprobs=0)
     a = llm.generate(prompt_token_ids=[PROMPT], params=p)[0]
