@@ -368,6 +368,24 @@ def test_steps_yielded_to_the_lane_keep_the_oracle(model: str,
             assert not any(yielded)
 
 
+def _oracle_with_and_without(model: str, reqs: list[Req], max_num_seqs: int, option: str,
+                             values: tuple[float, ...], counter: str) -> None:
+    """Run ``reqs`` with a perturbed fast path once per value of scheduler ``option``:
+    every deterministic output equals lane_only's, and ``counter`` (the option's own
+    counter) is non-zero exactly when the option is on (the control)."""
+    oracle, _, o = run_engine(model, reqs, mode="lane_only", max_num_seqs=max_num_seqs)
+    o.close()
+    det = [i for i, r in enumerate(reqs) if r.params.is_deterministic]
+    for value in values:
+        outs, stats, engine = run_engine(model, reqs, perturbation=0.2,
+                                         max_num_seqs=max_num_seqs, **{option: value})
+        engine.close()
+        assert stats["perturbed_tokens"] > 0
+        for i in det:
+            assert signature(outs[i]) == signature(oracle[i]), (option, value, i)
+        assert (stats[counter] > 0) == (value > 0), (option, value)
+
+
 def test_parked_sequences_lending_slots_keep_the_oracle(model: str) -> None:
     """Admission past max_num_seqs while deterministic sequences sit parked on the lane
     changes which sequences share each step, never a deterministic output: every
@@ -375,17 +393,8 @@ def test_parked_sequences_lending_slots_keep_the_oracle(model: str) -> None:
     headroom run did admit into parked slots, and the run without it did not."""
     reqs = ([Req(TARGET, SAMPLED)] + _others(5, det=True, seed=21)
             + _others(6, det=False, seed=22))
-    oracle, _, o = run_engine(model, reqs, mode="lane_only", max_num_seqs=4)
-    o.close()
-    det = [i for i, r in enumerate(reqs) if r.params.is_deterministic]
-    for headroom in (0.5, 0.0):
-        outs, stats, engine = run_engine(model, reqs, perturbation=0.2, max_num_seqs=4,
-                                         parked_seq_headroom=headroom)
-        engine.close()
-        assert stats["perturbed_tokens"] > 0
-        for i in det:
-            assert signature(outs[i]) == signature(oracle[i]), (headroom, i)
-        assert (stats["parked_admissions"] > 0) == (headroom > 0)
+    _oracle_with_and_without(model, reqs, 4, "parked_seq_headroom", (0.5, 0.0),
+                             "parked_admissions")
 
 
 def test_prompts_admitted_ahead_into_spare_lane_rows_keep_the_oracle(model: str) -> None:
@@ -396,17 +405,8 @@ def test_prompts_admitted_ahead_into_spare_lane_rows_keep_the_oracle(model: str)
     prompts were admitted ahead only with it."""
     reqs = (_others(4, det=False, seed=31) + [Req(TARGET, SAMPLED)]
             + _others(3, det=False, seed=32) + _others(4, det=True, seed=33))
-    oracle, _, o = run_engine(model, reqs, mode="lane_only", max_num_seqs=3)
-    o.close()
-    det = [i for i, r in enumerate(reqs) if r.params.is_deterministic]
-    for ahead in (8, 0):
-        outs, stats, engine = run_engine(model, reqs, perturbation=0.2, max_num_seqs=3,
-                                         lane_prefill_ahead=ahead)
-        engine.close()
-        assert stats["perturbed_tokens"] > 0
-        for i in det:
-            assert signature(outs[i]) == signature(oracle[i]), (ahead, i)
-        assert (stats["lane_ahead_admissions"] > 0) == (ahead > 0)
+    _oracle_with_and_without(model, reqs, 3, "lane_prefill_ahead", (8, 0),
+                             "lane_ahead_admissions")
 
 
 @pytest.mark.parametrize(("threaded", "async_"), [(False, False), (True, False), (False, True)],
