@@ -99,6 +99,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               parked_seq_headroom=args.parked_seq_headroom,
                               lane_prefill_ahead=args.lane_prefill_ahead,
                               lane_prefill_lookahead=args.lane_prefill_lookahead,
+                              lane_partial_windows=args.lane_partial_windows,
                               lane_priority=args.lane_priority, lane_sms=args.lane_sms,
                               sm_carveout=args.sm_carveout, blas_library=args.blas_library,
                               lane_overlap=args.lane_overlap,
@@ -181,11 +182,13 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "parked_seq_headroom": args.parked_seq_headroom,
         "lane_prefill_ahead": args.lane_prefill_ahead,
         "lane_prefill_lookahead": args.lane_prefill_lookahead,
+        "lane_partial_windows": args.lane_partial_windows,
         "variant": getattr(args, "variant", ""),
         "prefill_batch_tokens": prefill_batch_tokens,
         "prefill_held_steps": stats["prefill_held_steps"],
         "parked_admissions": stats["parked_admissions"],
         "lane_ahead_admissions": stats["lane_ahead_admissions"],
+        "partial_windows": stats["partial_windows"],
         "lane_riders": lane_riders,
         "rider_passes": stats["rider_passes"], "rider_rows": stats["rider_rows"],
         "seq_capped_steps": stats["seq_capped_steps"],
@@ -414,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="--lane-prefill-ahead takes prompts among the first this many queued "
                         "requests "
                         "(SchedulerConfig.lane_prefill_lookahead)")
+    p.add_argument("--lane-partial-windows", action=argparse.BooleanOptionalAction,
+                   default=SchedulerConfig.lane_partial_windows,
+                   help="llm42: a pass's spare rows carry partial windows of sequences in "
+                        "the middle of one (SchedulerConfig.lane_partial_windows)")
     p.add_argument("--parked-seq-headroom", type=float,
                    default=SchedulerConfig.parked_seq_headroom,
                    help="llm42: admit up to this share of max-num-seqs more sequences while "
@@ -496,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['rider_rows']:.0f} decode rows; {r['parked_admissions']:.0f} admissions in "
                   f"parked sequences' slots, {r['seq_capped_steps']:.0f} steps full at "
                   f"max-num-seqs; {r['lane_ahead_admissions']:.0f} prompts admitted ahead "
-                  "into spare lane rows", flush=True)
+                  f"into spare lane rows; {r['partial_windows']:.0f} partial windows",
+                  flush=True)
         if r.get("profile"):
             for line in describe(r["profile"]):
                 print(f"{'':>16} {line}", flush=True)

@@ -112,6 +112,13 @@ class SchedulerConfig:
     # s, the others' 12.8 s against 11.9 s. That lets any request jump the queue by
     # asking for determinism, so it is not the default
     lane_prefill_lookahead: int = 32
+    # a lane pass with rows to spare up to the size it runs at (``Scheduler.lane_sizes``)
+    # after its windows and prompt chunks fills them with partial windows: the candidates
+    # so far of lane sequences in the middle of a window, most first. They are verified
+    # sooner and the next window starts after them; the lane's verdict on a token does not
+    # depend on where its window starts, so no output changes. Rows that would be padding
+    # verify tokens that later passes then need not carry. Not yet measured on a GPU
+    lane_partial_windows: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -334,6 +341,7 @@ class EngineConfig:
                parked_seq_headroom: float = SchedulerConfig.parked_seq_headroom,
                lane_prefill_ahead: int = SchedulerConfig.lane_prefill_ahead,
                lane_prefill_lookahead: int = SchedulerConfig.lane_prefill_lookahead,
+               lane_partial_windows: bool = SchedulerConfig.lane_partial_windows,
                block_size: int = 16,
                num_blocks: int | None = None, enable_prefix_caching: bool = True,
                **kw: object) -> EngineConfig:
@@ -350,7 +358,8 @@ class EngineConfig:
                                 prefill_batch_tokens=prefill_batch_tokens,
                                 parked_seq_headroom=parked_seq_headroom,
                                 lane_prefill_ahead=lane_prefill_ahead,
-                                lane_prefill_lookahead=lane_prefill_lookahead)
+                                lane_prefill_lookahead=lane_prefill_lookahead,
+                                lane_partial_windows=lane_partial_windows)
         if num_blocks is None:
             # enough for a full lane of long sequences plus headroom
             num_blocks = max(1024, 2 * max_model_len // block_size + 1)

@@ -120,6 +120,7 @@ class LLMEngine:
                                   decode_pads=self.alignment.pads if self.alignment else None)
         if cuda:
             self.runner.kernel_set += blas_tag(config)
+        self.scheduler.lane_sizes = self.runner.lane_sizes()
         # lane_priority "low": the fast path's work (graph capture, steps) goes to a stream of
         # high priority; the lane's stream keeps the normal one
         self._fast_stream = (torch.cuda.Stream(device=torch.device(config.device), priority=-1)
@@ -614,6 +615,7 @@ class LLMEngine:
         out["prefill_held_steps"] = self.scheduler.prefill_held_steps
         out["parked_admissions"] = self.scheduler.parked_admissions
         out["lane_ahead_admissions"] = self.scheduler.lane_ahead_admissions
+        out["partial_windows"] = self.scheduler.partial_windows
         out["seq_capped_steps"] = self.scheduler.seq_capped_steps
         out["lane_padding_fraction"] = c["lane_padding_rows"] / c["lane_rows"] if c["lane_rows"] else 0.0
         out["lane_seconds"] = c["lane_seconds_us"] / 1e6

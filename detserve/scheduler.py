@@ -102,6 +102,11 @@ class Scheduler:
         self.seq_capped_steps = 0
         # deterministic requests admitted ahead of the queue into a lane pass's spare rows
         self.lane_ahead_admissions = 0
+        # windows sent with fewer candidates than a full one, into a pass's spare rows
+        self.partial_windows = 0
+        # the row counts a lane pass runs at (the engine sets its runner's); a pass's spare
+        # rows are those up to the smallest that holds its rows
+        self.lane_sizes: list[int] = [cfg.lane_rows]
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -302,11 +307,7 @@ class Scheduler:
                 continue
             if s.status is not Status.RUNNING or not self._grow(s, s.num_tokens, out):
                 continue  # preempted, by an earlier window's growth or by its own
-            items.append(LaneItem(s, "window", s.num_committed - 1, end,
-                                  tuple(s.token_ids[s.num_committed:end])))
-            s.lane_items += 1  # in the lane: from now on no later allocation may preempt it
-            s.lane_end = end
-            s.lane_step = self.step_count
+            self._send_window(s, end, items)
             rows_left -= n
         for s in sorted(prefills, key=lambda s: s.arrival):
             if rows_left == 0:
@@ -318,9 +319,40 @@ class Scheduler:
             if rows_left == 0 or not self._admit_ahead(s):
                 break
             rows_left -= self._send_prefill(s, s.num_lane_kv, rows_left, items)
+        if self.cfg.lane_partial_windows:
+            self._send_partial_windows(idle, rows_left, items)
         for it in items:
             it.seq.ready_step = None
         return items
+
+    def _send_window(self, seq: Sequence, end: int, items: list[LaneItem]) -> None:
+        """Plan ``seq``'s window of the candidates before ``end``."""
+        items.append(LaneItem(seq, "window", seq.num_committed - 1, end,
+                              tuple(seq.token_ids[seq.num_committed:end])))
+        seq.lane_items += 1  # in the lane: from now on no later allocation may preempt it
+        seq.lane_end = end
+        seq.lane_step = self.step_count
+
+    def _send_partial_windows(self, idle: list[Sequence], rows_left: int,
+                              items: list[LaneItem]) -> None:
+        """Fill the pass's spare rows (``lane_partial_windows``), up to the size it runs
+        at, with the candidates so far of lane sequences in the middle of a window."""
+        used = sum(it.rows for it in items)
+        size = min((n for n in self.lane_sizes if n >= used), default=self.cfg.lane_rows)
+        spare = min(rows_left, size - used)
+        busy = {id(it.seq) for it in items}
+        mid = [s for s in idle if id(s) not in busy and s.num_candidates > 0
+               and s.status is Status.RUNNING and not s.needs_lane_prefill()
+               and not self.window_ready(s)]
+        for s in sorted(mid, key=lambda s: (-s.num_candidates, s.arrival)):
+            if spare < 2:  # (a window row for the last committed token, one per candidate)
+                break
+            end = s.num_committed + min(s.num_candidates, spare - 1)
+            if not self.blocks.grow(s.block_table, end):  # (worth no preemption)
+                continue
+            self._send_window(s, end, items)
+            self.partial_windows += 1
+            spare -= end - s.num_committed + 1
 
     @staticmethod
     def _send_prefill(seq: Sequence, start: int, rows: int, items: list[LaneItem]) -> int:

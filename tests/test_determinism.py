@@ -369,7 +369,7 @@ def test_steps_yielded_to_the_lane_keep_the_oracle(model: str,
 
 
 def _oracle_with_and_without(model: str, reqs: list[Req], max_num_seqs: int, option: str,
-                             values: tuple[float, ...], counter: str) -> None:
+                             values: tuple[float, ...], counter: str, **kw: object) -> None:
     """Run ``reqs`` with a perturbed fast path once per value of scheduler ``option``:
     every deterministic output equals lane_only's, and ``counter`` (the option's own
     counter) is non-zero exactly when the option is on (the control)."""
@@ -378,7 +378,7 @@ def _oracle_with_and_without(model: str, reqs: list[Req], max_num_seqs: int, opt
     det = [i for i, r in enumerate(reqs) if r.params.is_deterministic]
     for value in values:
         outs, stats, engine = run_engine(model, reqs, perturbation=0.2,
-                                         max_num_seqs=max_num_seqs, **{option: value})
+                                         max_num_seqs=max_num_seqs, **{option: value}, **kw)
         engine.close()
         assert stats["perturbed_tokens"] > 0
         for i in det:
@@ -407,6 +407,19 @@ def test_prompts_admitted_ahead_into_spare_lane_rows_keep_the_oracle(model: str)
             + _others(3, det=False, seed=32) + _others(4, det=True, seed=33))
     _oracle_with_and_without(model, reqs, 3, "lane_prefill_ahead", (8, 0),
                              "lane_ahead_admissions")
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async-scheduling"])
+def test_partial_windows_in_spare_lane_rows_keep_the_oracle(model: str, async_: bool) -> None:
+    """Partial windows (``lane_partial_windows``: a pass's spare rows verify the candidates
+    so far of sequences in the middle of a window) move where windows start, never a
+    deterministic output: with a perturbed fast path (so some partial windows roll back)
+    every deterministic request equals lane_only's, with the option and without it.
+    Control: partial windows were sent only with it."""
+    reqs = ([Req(TARGET, SAMPLED)] + _others(6, det=True, seed=41)
+            + _others(4, det=False, seed=42))
+    _oracle_with_and_without(model, reqs, 4, "lane_partial_windows", (True, False),
+                             "partial_windows", async_scheduling=async_)
 
 
 @pytest.mark.parametrize(("threaded", "async_"), [(False, False), (True, False), (False, True)],
