@@ -120,7 +120,7 @@ class LLMEngine:
                                   decode_pads=self.alignment.pads if self.alignment else None)
         if cuda:
             self.runner.kernel_set += blas_tag(config)
-        self.scheduler.lane_sizes = self.runner.lane_sizes()
+        self.scheduler.lane_run_rows = self.runner.lane_run_rows
         # lane_priority "low": the fast path's work (graph capture, steps) goes to a stream of
         # high priority; the lane's stream keeps the normal one
         self._fast_stream = (torch.cuda.Stream(device=torch.device(config.device), priority=-1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from detserve.block_manager import BlockManager
@@ -104,9 +104,9 @@ class Scheduler:
         self.lane_ahead_admissions = 0
         # windows sent with fewer candidates than a full one, into a pass's spare rows
         self.partial_windows = 0
-        # the row counts a lane pass runs at (the engine sets its runner's); a pass's spare
-        # rows are those up to the smallest that holds its rows
-        self.lane_sizes: list[int] = [cfg.lane_rows]
+        # the rows a lane pass of n used rows runs at (the engine sets its runner's
+        # ``lane_run_rows``): its spare rows are the ones past n up to that
+        self.lane_run_rows: Callable[[int], int] = lambda used: cfg.lane_rows
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -164,12 +164,13 @@ class Scheduler:
         later) with ``reserve`` blocks to spare; False (nothing changed) if not."""
         cached = self._match_prefix(seq)
         need = self.blocks.blocks_needed(seq.num_tokens + 1) - len(seq.block_table)
-        if need + reserve > self.blocks.num_free \
-                or not self.blocks.grow(seq.block_table, seq.num_tokens + 1):
+        if need + reserve > self.blocks.num_free:
             if cached:
                 self.blocks.free(seq.block_table)
                 seq.reset_for_recompute()
             return False
+        grown = self.blocks.grow(seq.block_table, seq.num_tokens + 1)
+        assert grown, "the free blocks were counted above"
         if cached:
             seq.num_lane_kv = seq.num_computed = cached * self.blocks.block_size
             self.prefix_hit_tokens += seq.num_lane_kv
@@ -338,8 +339,7 @@ class Scheduler:
         """Fill the pass's spare rows (``lane_partial_windows``), up to the size it runs
         at, with the candidates so far of lane sequences in the middle of a window."""
         used = sum(it.rows for it in items)
-        size = min((n for n in self.lane_sizes if n >= used), default=self.cfg.lane_rows)
-        spare = min(rows_left, size - used)
+        spare = min(rows_left, self.lane_run_rows(used) - used)
         busy = {id(it.seq) for it in items}
         mid = [s for s in idle if id(s) not in busy and s.num_candidates > 0
                and s.status is Status.RUNNING and not s.needs_lane_prefill()
@@ -367,9 +367,11 @@ class Scheduler:
         """Queued lane sequences (in queue order, among the first
         ``lane_prefill_lookahead``) whose prompts could fill ``rows`` spare rows of the pass
         being planned (``lane_prefill_ahead``)."""
+        if rows <= 0 or not (self.cfg.lane_prefill_ahead and self.cfg.max_candidates):
+            return []
         room = self.cfg.lane_prefill_ahead - sum(1 for s in self.running
                                                  if s.needs_lane_prefill())
-        if rows <= 0 or room <= 0 or not self.cfg.max_candidates:
+        if room <= 0:
             return []
         out: list[Sequence] = []
         for seq in itertools.islice(self.waiting, self.cfg.lane_prefill_lookahead):
