@@ -100,6 +100,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               lane_prefill_ahead=args.lane_prefill_ahead,
                               lane_prefill_lookahead=args.lane_prefill_lookahead,
                               lane_partial_windows=args.lane_partial_windows,
+                              lane_partial_fill=args.lane_partial_fill,
                               lane_priority=args.lane_priority, lane_sms=args.lane_sms,
                               sm_carveout=args.sm_carveout, blas_library=args.blas_library,
                               lane_overlap=args.lane_overlap,
@@ -183,12 +184,14 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "lane_prefill_ahead": args.lane_prefill_ahead,
         "lane_prefill_lookahead": args.lane_prefill_lookahead,
         "lane_partial_windows": args.lane_partial_windows,
+        "lane_partial_fill": args.lane_partial_fill,
         "variant": getattr(args, "variant", ""),
         "prefill_batch_tokens": prefill_batch_tokens,
         "prefill_held_steps": stats["prefill_held_steps"],
         "parked_admissions": stats["parked_admissions"],
         "lane_ahead_admissions": stats["lane_ahead_admissions"],
         "partial_windows": stats["partial_windows"],
+        "partial_fill_passes": stats["partial_fill_passes"],
         "lane_riders": lane_riders,
         "rider_passes": stats["rider_passes"], "rider_rows": stats["rider_rows"],
         "seq_capped_steps": stats["seq_capped_steps"],
@@ -421,6 +424,11 @@ def main(argv: list[str] | None = None) -> int:
                    default=SchedulerConfig.lane_partial_windows,
                    help="llm42: a pass's spare rows carry partial windows of sequences in "
                         "the middle of one (SchedulerConfig.lane_partial_windows)")
+    p.add_argument("--lane-partial-fill", action=argparse.BooleanOptionalAction,
+                   default=SchedulerConfig.lane_partial_fill,
+                   help="with --lane-partial-windows: a pass goes out once windows, prompts "
+                        "and mid-window candidates fill the lane "
+                        "(SchedulerConfig.lane_partial_fill)")
     p.add_argument("--parked-seq-headroom", type=float,
                    default=SchedulerConfig.parked_seq_headroom,
                    help="llm42: admit up to this share of max-num-seqs more sequences while "
@@ -503,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['rider_rows']:.0f} decode rows; {r['parked_admissions']:.0f} admissions in "
                   f"parked sequences' slots, {r['seq_capped_steps']:.0f} steps full at "
                   f"max-num-seqs; {r['lane_ahead_admissions']:.0f} prompts admitted ahead "
-                  f"into spare lane rows; {r['partial_windows']:.0f} partial windows",
+                  f"into spare lane rows; {r['partial_windows']:.0f} partial windows, "
+                  f"{r['partial_fill_passes']:.0f} passes they filled",
                   flush=True)
         if r.get("profile"):
             for line in describe(r["profile"]):

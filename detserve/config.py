@@ -119,6 +119,11 @@ class SchedulerConfig:
     # depend on where its window starts, so no output changes. Rows that would be padding
     # verify tokens that later passes then need not carry. Not yet measured on a GPU
     lane_partial_windows: bool = False
+    # with lane_partial_windows: the candidates of lane sequences mid-window count toward
+    # filling the pass, so a pass goes out as soon as its windows, prompt chunks and those
+    # candidates fill all ``lane_rows`` (partial windows then fill it to the last row),
+    # instead of waiting for full windows alone and running at a smaller lane size
+    lane_partial_fill: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -143,6 +148,8 @@ class SchedulerConfig:
         if isinstance(self.lane_prefill_lookahead, bool) \
                 or not isinstance(self.lane_prefill_lookahead, int) or self.lane_prefill_lookahead < 1:
             raise ValueError("lane_prefill_lookahead must be a positive integer")
+        if self.lane_partial_fill and not self.lane_partial_windows:
+            raise ValueError("lane_partial_fill needs lane_partial_windows")
 
     @property
     def lane_rows(self) -> int:
@@ -342,6 +349,7 @@ class EngineConfig:
                lane_prefill_ahead: int = SchedulerConfig.lane_prefill_ahead,
                lane_prefill_lookahead: int = SchedulerConfig.lane_prefill_lookahead,
                lane_partial_windows: bool = SchedulerConfig.lane_partial_windows,
+               lane_partial_fill: bool = SchedulerConfig.lane_partial_fill,
                block_size: int = 16,
                num_blocks: int | None = None, enable_prefix_caching: bool = True,
                **kw: object) -> EngineConfig:
@@ -359,7 +367,8 @@ class EngineConfig:
                                 parked_seq_headroom=parked_seq_headroom,
                                 lane_prefill_ahead=lane_prefill_ahead,
                                 lane_prefill_lookahead=lane_prefill_lookahead,
-                                lane_partial_windows=lane_partial_windows)
+                                lane_partial_windows=lane_partial_windows,
+                                lane_partial_fill=lane_partial_fill)
         if num_blocks is None:
             # enough for a full lane of long sequences plus headroom
             num_blocks = max(1024, 2 * max_model_len // block_size + 1)

@@ -616,6 +616,7 @@ class LLMEngine:
         out["parked_admissions"] = self.scheduler.parked_admissions
         out["lane_ahead_admissions"] = self.scheduler.lane_ahead_admissions
         out["partial_windows"] = self.scheduler.partial_windows
+        out["partial_fill_passes"] = self.scheduler.partial_fill_passes
         out["seq_capped_steps"] = self.scheduler.seq_capped_steps
         out["lane_padding_fraction"] = c["lane_padding_rows"] / c["lane_rows"] if c["lane_rows"] else 0.0
         out["lane_seconds"] = c["lane_seconds_us"] / 1e6

@@ -104,6 +104,7 @@ class Scheduler:
         self.lane_ahead_admissions = 0
         # windows sent with fewer candidates than a full one, into a pass's spare rows
         self.partial_windows = 0
+        self.partial_fill_passes = 0  # passes sent because mid-window candidates filled them
         # the rows a lane pass of n used rows runs at (the engine sets its runner's
         # ``lane_run_rows``): its spare rows are the ones past n up to that
         self.lane_run_rows: Callable[[int], int] = lambda used: cfg.lane_rows
@@ -295,10 +296,16 @@ class Scheduler:
         rows_left = self.cfg.lane_rows - (self._rider_room() if riders else 0)
         queued = self._ahead_queue(rows_left - wanted)
         wanted += sum(s.num_committed for s in queued)
-        if wanted < rows_left and still_decoding and (
+        partial = self.cfg.lane_partial_windows and self.cfg.lane_partial_fill
+        mid_rows = 0
+        if partial:  # (a row for each one's last committed token, one a candidate)
+            mid_rows = sum(s.num_candidates + 1 for s in self._mid_window(idle, ready))
+        if wanted + mid_rows < rows_left and still_decoding and (
                 self.step_count - oldest < self.cfg.lane_max_wait_steps
                 or (not prefills and all(self._decodes_past_window(s) for s in windows))):
             return []  # wait for more windows to fill the fixed-size pass
+        if wanted < rows_left <= wanted + mid_rows:
+            self.partial_fill_passes += 1  # (mid-window candidates made it go now)
         items: list[LaneItem] = []
         windows.sort(key=lambda s: (s.ready_step, s.arrival))
         for s in windows:
@@ -321,7 +328,7 @@ class Scheduler:
                 break
             rows_left -= self._send_prefill(s, s.num_lane_kv, rows_left, items)
         if self.cfg.lane_partial_windows:
-            self._send_partial_windows(idle, rows_left, items)
+            self._send_partial_windows(idle, rows_left, items, to_the_end=partial)
         for it in items:
             it.seq.ready_step = None
         return items
@@ -334,16 +341,22 @@ class Scheduler:
         seq.lane_end = end
         seq.lane_step = self.step_count
 
+    def _mid_window(self, idle: list[Sequence], busy: Iterable[Sequence]) -> list[Sequence]:
+        """Lane sequences of ``idle`` not in ``busy`` with candidates in the middle of a
+        window (partial windows to verify)."""
+        taken = {id(s) for s in busy}
+        return [s for s in idle if id(s) not in taken and s.num_candidates > 0
+                and s.status is Status.RUNNING and not s.needs_lane_prefill()
+                and not self.window_ready(s)]
+
     def _send_partial_windows(self, idle: list[Sequence], rows_left: int,
-                              items: list[LaneItem]) -> None:
+                              items: list[LaneItem], to_the_end: bool = False) -> None:
         """Fill the pass's spare rows (``lane_partial_windows``), up to the size it runs
-        at, with the candidates so far of lane sequences in the middle of a window."""
+        at (``to_the_end``: all of them), with the candidates so far of lane sequences in
+        the middle of a window."""
         used = sum(it.rows for it in items)
-        spare = min(rows_left, self.lane_run_rows(used) - used)
-        busy = {id(it.seq) for it in items}
-        mid = [s for s in idle if id(s) not in busy and s.num_candidates > 0
-               and s.status is Status.RUNNING and not s.needs_lane_prefill()
-               and not self.window_ready(s)]
+        spare = rows_left if to_the_end else min(rows_left, self.lane_run_rows(used) - used)
+        mid = self._mid_window(idle, [it.seq for it in items])
         for s in sorted(mid, key=lambda s: (-s.num_candidates, s.arrival)):
             if spare < 2:  # (a window row for the last committed token, one per candidate)
                 break

@@ -422,6 +422,17 @@ def test_partial_windows_in_spare_lane_rows_keep_the_oracle(model: str, async_: 
                              "partial_windows", async_scheduling=async_)
 
 
+def test_passes_that_partial_windows_fill_keep_the_oracle(model: str) -> None:
+    """With ``lane_partial_fill`` a pass goes out as soon as mid-window candidates fill
+    it, and partial windows fill it to the last row: windows start elsewhere again, and
+    every deterministic output still equals lane_only's with a perturbed fast path.
+    Control: only the run with the option sent a pass for its mid-window candidates."""
+    reqs = ([Req(TARGET, SAMPLED)] + _others(6, det=True, seed=43)
+            + _others(4, det=False, seed=44))
+    _oracle_with_and_without(model, reqs, 4, "lane_partial_fill", (True, False),
+                             "partial_fill_passes", lane_partial_windows=True)
+
+
 @pytest.mark.parametrize(("threaded", "async_"), [(False, False), (True, False), (False, True)],
                          ids=["in-process", "lane-thread", "async-scheduling"])
 def test_decode_rows_riding_in_lane_passes_keep_the_oracle(
