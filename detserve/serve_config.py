@@ -57,6 +57,8 @@ ARG_NAMES = tuple(DEFAULT_ARGS)
 # (probability that a fast-path token is corrupted; the lane must catch every one).
 OPTIONAL_ARGS: Mapping[str, Any] = {"fastpath_perturbation": 0.0, "stream_interval": 1,
                                     "pipeline_lane_prefill": True,
+                                    "lane_partial_windows":
+                                        SchedulerConfig.lane_partial_windows,
                                     # routers reach decoders over their links (gRPC
                                     # streams found in Redis) instead of Ray Serve calls
                                     "decoder_link": True,
@@ -214,7 +216,8 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
     if "prefill_batch_tokens" in args:  # (up to a whole model length of prompt tokens)
         _check_int("prefill_batch_tokens", args["prefill_batch_tokens"], lo=0,
                    hi=args["max_model_len"])
-    for name in ("pipeline_lane_prefill", "decoder_link", "verifier_confine"):
+    for name in ("pipeline_lane_prefill", "lane_partial_windows", "decoder_link",
+                 "verifier_confine"):
         if name in args and not isinstance(args[name], bool):
             raise ValueError(f"{name} must be a boolean")
     for name in ("switch_interval", "lane_bound_fraction", "parked_seq_headroom",

@@ -52,6 +52,10 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pipeline-lane-prefill", action="store_true",
                    help="send a long deterministic prompt's next chunk to the verifier only "
                         "once the previous chunk came back (default: chunks pipeline)")
+    p.add_argument("--no-lane-partial-windows", action="store_true",
+                   help="a lane pass's spare rows stay padding instead of verifying the "
+                        "candidates so far of deterministic sequences mid-window (default: "
+                        "they do)")
     p.add_argument("--no-decoder-link", action="store_true",
                    help="routers reach decoders through Ray Serve handle calls only "
                         "(default: over each decoder's link, a gRPC stream found in Redis)")
@@ -120,6 +124,8 @@ def serve_config_from(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
         overrides["stream_interval"] = a.stream_interval
     if a.no_pipeline_lane_prefill:
         overrides["pipeline_lane_prefill"] = False
+    if a.no_lane_partial_windows:
+        overrides["lane_partial_windows"] = False
     if a.no_decoder_link:
         overrides["decoder_link"] = False
     if a.switch_interval is not None:

@@ -548,7 +548,9 @@ def test_queued_window_decodes_past_itself_and_waits_for_a_fuller_pass() -> None
     tokens a decoded past it stay when the lane commits the whole window. With the old rule
     (``decode_past_queued_windows=False``) a stalls, and its window leaves alone."""
     for on in (True, False):
-        s = _sched(W=4, G=2, lane_max_wait_steps=1, decode_past_queued_windows=on)
+        # (no partial windows: b's candidates would join the pass that a's window leaves in)
+        s = _sched(W=4, G=2, lane_max_wait_steps=1, decode_past_queued_windows=on,
+                   lane_partial_windows=False)
         a, b = _seq(0, 3, det=True, max_tokens=40), _seq(1, 3, det=True, max_tokens=40)
         s.add(a)
         s.add(b)
@@ -569,7 +571,7 @@ def test_queued_window_decodes_past_itself_and_waits_for_a_fuller_pass() -> None
 def test_queued_window_leaves_once_its_sequence_may_decode_no_further() -> None:
     """a (max_tokens 3: a window of one candidate, one token past it) waits for b only
     while it can decode past its window: then its window leaves alone, b still decoding."""
-    s = _sched(W=4, G=2, lane_max_wait_steps=1)
+    s = _sched(W=4, G=2, lane_max_wait_steps=1, lane_partial_windows=False)  # (b's alone)
     a, b = _seq(0, 3, det=True, max_tokens=3), _seq(1, 3, det=True, max_tokens=40)
     s.add(a)
     s.add(b)

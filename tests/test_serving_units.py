@@ -507,24 +507,27 @@ def test_serve_waits_for_a_signal_without_locking_in_the_handler() -> None:
         proc.kill()
 
 
-def test_pipeline_lane_prefill_reaches_the_decoders_engine() -> None:
-    """On by default; ``detserve serve --no-pipeline-lane-prefill`` turns it off in the app
-    args, the decoder's settings and its engine config; anything but a bool is refused."""
+@pytest.mark.parametrize("name", ["pipeline_lane_prefill", "lane_partial_windows"])
+def test_scheduler_switch_reaches_the_decoders_engine(name: str) -> None:
+    """On by default; ``detserve serve --no-pipeline-lane-prefill`` (or
+    ``--no-lane-partial-windows``) turns it off in the app args, the decoder's settings and
+    its engine config; anything but a bool is refused."""
     from detserve.cli import build_parser
     from services.cli import serve_config_from
     from services.decoder.engine_factory import DecoderSettings
 
     parse = build_parser().parse_args
     on = serve_config_from(parse(["serve"]), "redis://127.0.0.1:1/0")["applications"][0]["args"]
-    assert "pipeline_lane_prefill" not in on
-    assert DecoderSettings.from_args(on).engine_config().scheduler.pipeline_lane_prefill
-    off = serve_config_from(parse(["serve", "--no-pipeline-lane-prefill"]),
+    assert name not in on
+    assert getattr(DecoderSettings.from_args(on).engine_config().scheduler, name) is True
+    flag = "--no-" + name.replace("_", "-")
+    off = serve_config_from(parse(["serve", flag]),
                             "redis://127.0.0.1:1/0")["applications"][0]["args"]
-    assert off["pipeline_lane_prefill"] is False
-    assert not DecoderSettings.from_args(off).engine_config().scheduler.pipeline_lane_prefill
+    assert off[name] is False
+    assert getattr(DecoderSettings.from_args(off).engine_config().scheduler, name) is False
     for bad in (0, "no", None):
-        with pytest.raises(ValueError, match="pipeline_lane_prefill"):
-            default_serve_config(pipeline_lane_prefill=bad)
+        with pytest.raises(ValueError, match=name):
+            default_serve_config(**{name: bad})
 
 
 @pytest.mark.parametrize("name", ["lane_bound_fraction", "parked_seq_headroom"])

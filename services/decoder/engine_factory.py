@@ -39,6 +39,7 @@ class DecoderSettings:
     fastpath_perturbation: float = 0.0
     seed: int = 0
     pipeline_lane_prefill: bool = True
+    lane_partial_windows: bool = SchedulerConfig.lane_partial_windows
     lane_bound_fraction: float = SchedulerConfig.lane_bound_fraction
     parked_seq_headroom: float = SchedulerConfig.parked_seq_headroom
     lane_prefill_ahead: int = SchedulerConfig.lane_prefill_ahead
@@ -66,6 +67,7 @@ class DecoderSettings:
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             fastpath_perturbation=self.fastpath_perturbation, seed=self.seed,
             pipeline_lane_prefill=self.pipeline_lane_prefill,
+            lane_partial_windows=self.lane_partial_windows,
             lane_bound_fraction=self.lane_bound_fraction,
             parked_seq_headroom=self.parked_seq_headroom,
             lane_prefill_ahead=self.lane_prefill_ahead,
