@@ -230,7 +230,8 @@ def test_metrics_report_dvr_counters(cluster: Cluster) -> None:
                  "e2e_request_latency_seconds", "num_requests_running", "num_requests_waiting",
                  "prompt_tokens_total", "generation_tokens_total", "rollbacks_total",
                  "recomputed_tokens_total", "verify_passes_total", "lane_padding_rows_total",
-                 "lane_padding_fraction"):
+                 "lane_padding_fraction", "partial_windows_total",
+                 "lane_ahead_admissions_total", "parked_admissions_total"):
         assert f"detserve:{name}" in text, name
     values = _sum_samples(text)
     assert values["detserve:verify_passes_total"] > 0

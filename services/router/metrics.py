@@ -28,6 +28,11 @@ ENGINE_COUNTERS = {
     "lane_rows": "lane rows computed (including padding)",
     "lane_padding_rows": "padding rows in lane passes",
     "lane_prefill_rows": "prompt rows computed in the lane",
+    "partial_windows": "partial windows (candidates of a sequence mid-window) verified "
+                       "in a lane pass's spare rows",
+    "lane_ahead_admissions": "deterministic prompts admitted ahead of the queue into a lane "
+                             "pass's spare rows",
+    "parked_admissions": "sequences admitted into the batch slots of lane-parked sequences",
     "committed_tokens": "tokens committed to finished requests",
     "fast_tokens": "tokens produced by the fast path",
     "fast_passes": "fast-path batches",
