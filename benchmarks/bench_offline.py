@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from benchmarks.stream_profile import cuda_kernels, describe, stream_summary
+from detserve import sampler
 from detserve.config import EngineConfig, SchedulerConfig
 from detserve.engine import LLMEngine
 from detserve.kernels.config import TABLE, lane_variant
@@ -88,6 +89,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
             profile: tuple[int, int] | None = None) -> dict[str, Any]:
     """One engine run. Prompts are random tokens of ``shapes``' lengths, or ``prompts``.
     ``profile`` (a, b): record the GPU kernels of engine steps a..b-1 (``stream_profile``)."""
+    sampler.GUMBEL_CHUNK_ROWS = args.gumbel_chunk_rows
     cfg = EngineConfig.create(args.model, mode, device=args.device, dtype=args.dtype,
                               verify_window=args.verify_window, verify_group=args.verify_group,
                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -134,7 +136,8 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         else:
             prompt = [rng.randrange(3, vocab) for _ in range(n_in)]
         engine.add_request(f"b{i}", None, SamplingParams(
-            max_tokens=n_out, ignore_eos=True, is_deterministic=det, output_kind="final_only"),
+            max_tokens=n_out, ignore_eos=True, is_deterministic=det, output_kind="final_only",
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
             prompt_token_ids=prompt)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     sync()
@@ -440,6 +443,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests run (untimed) in each mode before the timed runs")
     p.add_argument("--sweep", default=None,
                    help="llm42 W x G grid at the largest ratio, e.g. 16,32,64,128x1,4,8,16")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's temperature (0: greedy); sampled requests are "
+                        "seeded by the engine's seed")
+    p.add_argument("--top-k", type=int, default=0, help="every request's top-k (0: off)")
+    p.add_argument("--gumbel-chunk-rows", type=int, default=sampler.GUMBEL_CHUNK_ROWS,
+                   help="CUDA: sampled rows (no top-p, no logprobs) picked this many at a "
+                        "time (sampler.GUMBEL_CHUNK_ROWS); 0: row by row")
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (1: off)")
     p.add_argument("--out", default=None, help="JSON path (markdown written beside it)")
     args = p.parse_args(argv)
     if args.profile_steps and not str(args.device).startswith("cuda"):

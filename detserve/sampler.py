@@ -17,8 +17,8 @@ from detserve.executor.transfer import upload
 from detserve.outputs import TokenLogprob
 from detserve.params import SamplingSpec
 
-__all__ = ["PickedRows", "SamplingSpec", "hashed_uniform", "launch_rows", "sample_row",
-           "sample_rows"]
+__all__ = ["PickedRows", "SamplingSpec", "gumbel_rows", "hashed_uniform", "launch_rows",
+           "sample_row", "sample_rows"]
 
 _M32 = 0xFFFFFFFF
 _Int = TypeVar("_Int", int, Tensor)  # the hash runs on Python integers and int64 tensors
@@ -38,17 +38,27 @@ def _fmix32(h: _Int) -> _Int:
     return h ^ (h >> 16)
 
 
-def hashed_uniform(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> Tensor:
-    """Uniform(0, 1) float64 per token id, a pure function of (seed, position, token id)."""
-    # the per-(seed, position) key in Python integers: the same 64-bit arithmetic as the
-    # tensors below, without a host-to-device copy that would wait for the device
+def _row_key(seed: int, position: int) -> int:
+    """The per-(seed, position) key, in Python integers (the same 64-bit arithmetic as the
+    tensors of ``_uniform``, without a host-to-device copy that would wait for the device)."""
     lo, hi, pos = seed & _M32, (seed >> 32) & _M32, position & _M32
-    base = _fmix32(lo ^ _fmix32(hi ^ _fmix32(pos + 0x9E3779B9)))
+    return _fmix32(lo ^ _fmix32(hi ^ _fmix32(pos + 0x9E3779B9)))
+
+
+def _uniform(key: int | Tensor, vocab: int, device: torch.device | str) -> Tensor:
+    """Uniform(0, 1) float64 per token id of one row (``key`` an int: [V]) or of many
+    (``key`` an int64 [n, 1] column of row keys: [n, V]). Integer arithmetic and one exact
+    conversion per element, so a row's values do not depend on the rows beside it."""
     ids = torch.arange(vocab, dtype=torch.int64, device=device)
-    h = _fmix32(base ^ _mul32(ids, 0x9E3779B1))
+    h = _fmix32(key ^ _mul32(ids, 0x9E3779B1))
     h2 = _fmix32(h ^ 0x27D4EB2F)
     bits = (h << 21) | (h2 >> 11)  # 53 random bits
     return (bits.double() + 0.5) / float(1 << 53)
+
+
+def hashed_uniform(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> Tensor:
+    """Uniform(0, 1) float64 per token id, a pure function of (seed, position, token id)."""
+    return _uniform(_row_key(seed, position), vocab, device)
 
 
 def _filter(logits: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -104,6 +114,14 @@ class PickedRows:
         return out
 
 
+def _row_scores(row: Tensor, spec: SamplingSpec, position: int) -> Tensor:
+    """The Gumbel-perturbed float64 scores [V] whose argmax ``_pick`` samples (temperature
+    > 0): filtered logits over the temperature, plus the hashed noise."""
+    scores = _filter(row, spec.top_k, spec.top_p).double() / spec.temperature
+    u = hashed_uniform(spec.seed, position, row.shape[-1], row.device)
+    return scores - torch.log(-torch.log(u))
+
+
 def _pick(logits: Tensor, spec: SamplingSpec, position: int
           ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
     """One row of fp32 logits [V] -> (0-d int64 token, logprob tensors or None), all on the
@@ -119,9 +137,7 @@ def _pick(logits: Tensor, spec: SamplingSpec, position: int
     if spec.temperature == 0.0:
         token = torch.argmax(row)  # first maximal index on ties
     else:
-        scores = _filter(row, spec.top_k, spec.top_p).double() / spec.temperature
-        u = hashed_uniform(spec.seed, position, row.shape[-1], row.device)
-        token = torch.argmax(scores - torch.log(-torch.log(u)))
+        token = torch.argmax(_row_scores(row, spec, position))
     if spec.logprobs is None:
         return token, None
     lp = torch.log_softmax(logits.float(), dim=-1)
@@ -136,13 +152,66 @@ def sample_row(logits: Tensor, spec: SamplingSpec, position: int) -> tuple[int, 
     return PickedRows(token.view(1), [lp]).result()[0]
 
 
+# CUDA: sampled rows without top-p, logprobs or a min_tokens mask are sampled this many
+# rows at a time (``gumbel_rows``) instead of one by one: the same elementwise kernels over
+# [rows, V] instead of about fifty small launches a row. 0: always one by one
+GUMBEL_CHUNK_ROWS = 64
+
+
+def _gumbel_batchable(spec: SamplingSpec, position: int) -> bool:
+    """Whether ``_pick`` of this row is only elementwise ops, a top-k selection and an
+    argmax (no top-p nucleus, logprobs or stop-token mask), which ``gumbel_rows`` gives
+    exactly for many rows at once."""
+    masked = spec.min_tokens and position - spec.prompt_len < spec.min_tokens and spec.stop_ids
+    return spec.temperature > 0.0 and spec.top_p >= 1.0 and spec.logprobs is None and not masked
+
+
+def gumbel_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
+                chunk: int = GUMBEL_CHUNK_ROWS) -> Tensor:
+    """Seeded temperature (and top-k) sampling of the rows of ``logits`` [n, V], ``chunk``
+    rows at a time: int64 [n] tokens. Every row's token is exactly ``_pick``'s on CUDA: its
+    top-k threshold is the same selected value, the temperature is the same multiply by the
+    host's reciprocal (torch's CUDA division by a host scalar), the noise the same integer
+    hash, and the elementwise logs and the argmax (first maximum) never mix rows. For
+    ``_gumbel_batchable`` rows only (not on CPU, whose vectorized logs may round a row's
+    tail elements otherwise than a lone row's)."""
+    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    step = max(1, chunk)
+    for a in range(0, logits.shape[0], step):
+        b = min(logits.shape[0], a + step)
+        out[a:b] = torch.argmax(_gumbel_scores(logits[a:b], specs[a:b], positions[a:b]),
+                                dim=-1)
+    return out
+
+
+def _gumbel_scores(logits: Tensor, specs: list[SamplingSpec], positions: list[int]) -> Tensor:
+    """``_row_scores`` of every row of ``logits`` [n, V] at once: float64 [n, V]."""
+    dev, vocab = logits.device, logits.shape[1]
+    rows = logits.float()
+    ks = [s.top_k if 0 < s.top_k < vocab else 0 for s in specs]
+    if any(ks):
+        top = torch.topk(rows, max(ks), dim=-1).values  # descending: the k-th at k - 1
+        kth = top.gather(1, upload([max(k - 1, 0) for k in ks], dev)[:, None])
+        kth = kth.masked_fill(upload(torch.tensor([k == 0 for k in ks]), dev,
+                                     torch.bool)[:, None], float("-inf"))
+        rows = rows.masked_fill(rows < kth, float("-inf"))
+    inv = upload(torch.tensor([1.0 / s.temperature for s in specs], dtype=torch.float64),
+                 dev, torch.float64)
+    keys = upload([_row_key(s.seed, p) for s, p in zip(specs, positions, strict=True)], dev)
+    return rows.double() * inv[:, None] - torch.log(-torch.log(_uniform(keys[:, None], vocab,
+                                                                         dev)))
+
+
 def launch_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
                 row_by_row: bool = False) -> PickedRows:
     """Sample many rows without waiting for the device. Greedy rows without logprobs share
-    one batched argmax (exact, so still row-independent) unless ``row_by_row``; the others
-    go row by row."""
+    one batched argmax (exact, so still row-independent) unless ``row_by_row``; so do, on
+    CUDA, sampled rows without top-p, logprobs or a stop mask (``gumbel_rows``, exact too);
+    the others go row by row."""
     simple = [not row_by_row and s.temperature == 0.0 and s.logprobs is None
               and not s.min_tokens for s in specs]
+    gumbel = [not row_by_row and logits.is_cuda and GUMBEL_CHUNK_ROWS > 0
+              and _gumbel_batchable(s, p) for s, p in zip(specs, positions, strict=True)]
     n = len(specs)
     tokens = torch.empty(n, dtype=torch.long, device=logits.device)
     lps: list[tuple[Tensor, Tensor, Tensor] | None] = [None] * n
@@ -153,8 +222,13 @@ def launch_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
         else:
             at = upload(idx, logits.device)
             tokens[at] = torch.argmax(logits[at], dim=-1)
-    for i, ok in enumerate(simple):
-        if not ok:
+    many = [i for i, ok in enumerate(gumbel) if ok]
+    if many:
+        at = upload(many, logits.device)
+        tokens[at] = gumbel_rows(logits[at], [specs[i] for i in many],
+                                 [positions[i] for i in many])
+    for i, (ok, batched) in enumerate(zip(simple, gumbel, strict=True)):
+        if not (ok or batched):
             token, lps[i] = _pick(logits[i], specs[i], positions[i])
             tokens[i] = token
     return PickedRows(tokens, lps)

@@ -44,6 +44,40 @@ def test_dvr_equals_lane_only_on_gpu(model: str, lane_sms: int | None, priority:
     eng.verifier.close()
 
 
+def test_sampled_rows_picked_many_at_a_time_keep_dvr_equal_to_lane_only(
+        model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeded temperature / top-k requests without top-p or logprobs: the fast path and the
+    lane sample their rows many at a time (``sampler.gumbel_rows``). DVR under perturbation
+    equals lane_only; a request alone equals itself in the batch; and the outputs equal
+    those of row-by-row sampling (``GUMBEL_CHUNK_ROWS`` 0). Control: the many-row path ran."""
+    from detserve import sampler
+
+    prompts = random_prompts(12, [3, 17, 70, 9, 130], seed=6)
+    reqs = [Req(p, SamplingParams(max_tokens=40, is_deterministic=i % 3 != 2,
+                                  temperature=(0.7, 1.0, 1.3)[i % 3], top_k=(0, 20)[i % 2],
+                                  seed=100 + i, ignore_eos=True), arrival=i % 5)
+            for i, p in enumerate(prompts)]
+    calls = []
+    batched = sampler.gumbel_rows
+    monkeypatch.setattr(sampler, "gumbel_rows", lambda *a, **k: calls.append(1) or batched(*a, **k))
+    oracle, _, o = run_engine(model, reqs, mode="lane_only", **CUDA)
+    dvr, stats, eng = run_engine(model, reqs, perturbation=0.2, **CUDA)
+    assert calls and stats["rollbacks"] > 0
+    det = [i for i, r in enumerate(reqs) if r.params.is_deterministic]
+    for i in det:
+        assert signature(oracle[i]) == signature(dvr[i]), i
+    alone, _, a = run_engine(model, reqs[:1], **CUDA)
+    assert signature(alone[0]) == signature(oracle[0])
+    monkeypatch.setattr(sampler, "GUMBEL_CHUNK_ROWS", 0)
+    n = len(calls)
+    rows, _, r = run_engine(model, reqs, mode="lane_only", **CUDA)
+    assert len(calls) == n, "row by row"
+    for i in det:
+        assert signature(rows[i]) == signature(oracle[i]), i
+    for e in (o, eng, a, r):
+        e.close()
+
+
 def test_batch_invariant_mode_on_gpu(model: str) -> None:
     reqs = _reqs(det=True)
     alone, _, _ = run_engine(model, reqs[:1], mode="batch_invariant", **CUDA)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
+from detserve import sampler
 from detserve.sampler import SamplingSpec, _fmix32, _mul32, hashed_uniform, launch_rows, sample_row
 
 
@@ -44,3 +46,65 @@ def test_launched_rows_equal_row_by_row() -> None:
         assert picked.result() == expected
     assert expected[4][0] != int(logits[4].argmax())  # min_tokens masked the stop token
     assert expected[2][1] is not None and len(expected[2][1].top) == 3
+
+
+def _gumbel_specs(n: int, vocab: int, seed: int) -> tuple[list[SamplingSpec], list[int]]:
+    """Sampled specs of every kind ``gumbel_rows`` takes: temperatures, top-k (none, some,
+    one, the whole vocabulary), 63-bit seeds, and positions."""
+    rng = random.Random(seed)
+    ks = [0, 1, 40, vocab, 5]
+    specs = [SamplingSpec(temperature=rng.choice([0.3, 0.7, 1.0, 1.3]), top_k=ks[i % len(ks)],
+                          seed=rng.getrandbits(63)) for i in range(n)]
+    return specs, [rng.randrange(1, 4000) for _ in range(n)]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_gumbel_rows_pick_each_rows_token(chunk: int) -> None:
+    """Sampled rows picked many at a time (``gumbel_rows``, any chunk) get the token that
+    row-by-row sampling gives each; a top-k of 1 is the row's argmax. (CPU: tokens; the
+    bitwise scores are checked on CUDA, where launch_rows uses it.)"""
+    torch.manual_seed(1)
+    logits = torch.randn(11, 512) * 3
+    specs, positions = _gumbel_specs(11, 512, seed=chunk)
+    expected = [sample_row(logits[i], s, p)[0] for i, (s, p) in
+                enumerate(zip(specs, positions, strict=True))]
+    got = sampler.gumbel_rows(logits, specs, positions, chunk=chunk)
+    assert got.tolist() == expected
+    assert got[1] == logits[1].argmax()  # top-k 1
+    # control: another seed moves some token (the noise is really there)
+    moved = sampler.gumbel_rows(logits, [SamplingSpec(temperature=s.temperature, top_k=s.top_k,
+                                                      seed=s.seed + 1) for s in specs],
+                                positions, chunk=chunk)
+    assert moved.tolist() != expected
+
+
+def test_only_plain_sampled_rows_are_picked_many_at_a_time() -> None:
+    """Top-p, logprobs and an active min_tokens mask keep a row on the row-by-row path."""
+    ok = sampler._gumbel_batchable
+    assert ok(SamplingSpec(temperature=0.8, top_k=20), 5)
+    assert not ok(SamplingSpec(), 5)  # greedy: the shared argmax
+    assert not ok(SamplingSpec(temperature=0.8, top_p=0.9), 5)
+    assert not ok(SamplingSpec(temperature=0.8, logprobs=0), 5)
+    masked = SamplingSpec(temperature=0.8, min_tokens=3, prompt_len=4, stop_ids=(2,))
+    assert not ok(masked, 5) and ok(masked, 7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [128256, 49152, 1001])
+def test_gumbel_rows_give_the_row_scores_bit_for_bit_on_cuda(vocab: int) -> None:
+    """On CUDA every row's scores from the many-row path equal ``_pick``'s (``_row_scores``)
+    bit for bit, whatever the rows beside it, and ``launch_rows`` (which takes that path)
+    gives row-by-row's tokens."""
+    torch.manual_seed(2)
+    logits = (torch.randn(70, vocab, device="cuda") * 4).float()
+    specs, positions = _gumbel_specs(70, vocab, seed=vocab)
+    many = sampler._gumbel_scores(logits, specs, positions)
+    for i in range(70):
+        one = sampler._row_scores(logits[i].float(), specs[i], positions[i])
+        assert torch.equal(many[i], one), i
+    assert torch.equal(sampler._gumbel_scores(logits[5:9], specs[5:9], positions[5:9]),
+                       many[5:9])
+    expected = [sample_row(logits[i], s, p)[0] for i, (s, p) in
+                enumerate(zip(specs, positions, strict=True))]
+    assert launch_rows(logits, specs, positions).tokens.tolist() == expected
+    assert launch_rows(logits, specs, positions, row_by_row=True).tokens.tolist() == expected

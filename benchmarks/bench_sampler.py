@@ -1,0 +1,103 @@
+"""Seeded sampling of many rows: picked many at a time (``sampler.gumbel_rows``) against
+row by row, as the fast path's steps and the lane's passes sample them.
+
+    python -m benchmarks.bench_sampler --device cuda --rows 1,8,64,128,512 --out sampler.json
+
+For each row count: ``launch_rows`` over that many rows of fp32 logits of ``--vocab``
+columns (temperature 1.0, a top-k on every other row, 63-bit seeds), timed on the host
+(the launch: what the engine's thread spends) and to the tokens on the host (launch +
+device + copy back), medians of ``--iters`` after a warm-up. ``chunk`` 0 is row by row
+(``GUMBEL_CHUNK_ROWS`` 0, the path before). Each configuration's tokens must equal row by
+row's, or the run stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_offline import hardware
+from detserve import sampler
+from detserve.params import SamplingSpec
+
+
+def _specs(n: int) -> tuple[list[SamplingSpec], list[int]]:
+    specs = [SamplingSpec(temperature=1.0, top_k=(0, 50)[i % 2], seed=(i * 0x9E3779B97F4A7C15)
+                          % (1 << 63)) for i in range(n)]
+    return specs, [300 + i for i in range(n)]
+
+
+def _time(logits: torch.Tensor, specs: list[SamplingSpec], positions: list[int], chunk: int,
+          iters: int, sync: bool) -> tuple[float, float, list[int]]:
+    """(median launch ms, median ms to the tokens on the host, the tokens)."""
+    sampler.GUMBEL_CHUNK_ROWS = chunk
+    launch, total = [], []
+    tokens: list[int] = []
+    for i in range(iters + 2):
+        if sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        picked = sampler.launch_rows(logits, specs, positions)
+        t1 = time.perf_counter()
+        tokens = [t for t, _ in picked.result()]
+        t2 = time.perf_counter()
+        if i >= 2:  # (warm-up)
+            launch.append((t1 - t0) * 1e3)
+            total.append((t2 - t0) * 1e3)
+    return statistics.median(launch), statistics.median(total), tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--vocab", type=int, default=128256, help="columns (Llama 3's vocabulary)")
+    p.add_argument("--rows", default="1,8,64,128,512")
+    p.add_argument("--chunks", default="0,64,128",
+                   help="GUMBEL_CHUNK_ROWS values; 0: row by row (the reference)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", default=None, help="JSON path (markdown written beside it)")
+    a = p.parse_args(argv)
+    chunks = [int(c) for c in a.chunks.split(",")]
+    if 0 not in chunks:
+        p.error("--chunks must include 0 (row by row, the reference)")
+    if not a.device.startswith("cuda"):
+        print("note: on CPU launch_rows keeps every sampled row on the row-by-row path")
+    sync = a.device.startswith("cuda")
+    default_chunk = sampler.GUMBEL_CHUNK_ROWS
+    torch.manual_seed(0)
+    results = []
+    for n in (int(r) for r in a.rows.split(",")):
+        logits = torch.randn(n, a.vocab, device=a.device) * 4
+        specs, positions = _specs(n)
+        ref: list[int] | None = None
+        for chunk in sorted(chunks):
+            launch, total, tokens = _time(logits, specs, positions, chunk, a.iters, sync)
+            if chunk == 0:
+                ref = tokens
+            elif tokens != ref:
+                raise SystemExit(f"rows {n}, chunk {chunk}: tokens differ from row by row")
+            results.append({"rows": n, "chunk": chunk, "launch_ms": launch, "total_ms": total})
+            print(f"rows {n:4d}  {'row by row' if chunk == 0 else f'chunk {chunk}':>11}  "
+                  f"launch {launch:8.2f} ms  to tokens {total:8.2f} ms", flush=True)
+    sampler.GUMBEL_CHUNK_ROWS = default_chunk
+    if a.out:
+        meta = {"date": dt.date.today().isoformat(), "hardware": hardware(a.device),
+                "torch": torch.__version__, "args": vars(a)}
+        Path(a.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        lines = [f"# Sampling many rows ({meta['hardware']}, torch {meta['torch']}, "
+                 f"{meta['date']}; vocab {a.vocab})", "",
+                 "| rows | path | launch ms | ms to tokens |", "|---|---|---|---|"]
+        lines += [f"| {r['rows']} | {'row by row' if r['chunk'] == 0 else 'chunk ' + str(r['chunk'])} "
+                  f"| {r['launch_ms']:.2f} | {r['total_ms']:.2f} |" for r in results]
+        Path(a.out).with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
