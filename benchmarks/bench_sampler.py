@@ -1,13 +1,15 @@
-"""Seeded sampling of many rows: picked many at a time (``sampler.gumbel_rows``) against
-row by row, as the fast path's steps and the lane's passes sample them.
+"""Seeded sampling of many rows: picked together (``sampler.gumbel_rows``: one Triton pass,
+or torch's kernels) against row by row, as the fast path's steps and the lane's passes
+sample them.
 
     python -m benchmarks.bench_sampler --device cuda --rows 1,8,64,128,512 --out sampler.json
 
 For each row count: ``launch_rows`` over that many rows of fp32 logits of ``--vocab``
 columns (temperature 1.0, a top-k on every other row, 63-bit seeds), timed on the host
 (the launch: what the engine's thread spends) and to the tokens on the host (launch +
-device + copy back), medians of ``--iters`` after a warm-up. ``chunk`` 0 is row by row
-(``GUMBEL_CHUNK_ROWS`` 0, the path before). Each configuration's tokens must equal row by
+device + copy back), medians of ``--iters`` after a warm-up. Paths: "row" (row by row,
+``GUMBEL_CHUNK_ROWS`` 0, the path before), "torch" (torch's kernels, 64 rows at a time),
+"kernel" (``kernels.gumbel``, the CUDA default). Each path's tokens must equal row by
 row's, or the run stops.
 """
 
@@ -33,10 +35,13 @@ def _specs(n: int) -> tuple[list[SamplingSpec], list[int]]:
     return specs, [300 + i for i in range(n)]
 
 
-def _time(logits: torch.Tensor, specs: list[SamplingSpec], positions: list[int], chunk: int,
+PATHS = {"row": (0, False), "torch": (64, False), "kernel": (64, True)}
+
+
+def _time(logits: torch.Tensor, specs: list[SamplingSpec], positions: list[int], path: str,
           iters: int, sync: bool) -> tuple[float, float, list[int]]:
     """(median launch ms, median ms to the tokens on the host, the tokens)."""
-    sampler.GUMBEL_CHUNK_ROWS = chunk
+    sampler.GUMBEL_CHUNK_ROWS, sampler.GUMBEL_KERNEL = PATHS[path]
     launch, total = [], []
     tokens: list[int] = []
     for i in range(iters + 2):
@@ -58,34 +63,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--vocab", type=int, default=128256, help="columns (Llama 3's vocabulary)")
     p.add_argument("--rows", default="1,8,64,128,512")
-    p.add_argument("--chunks", default="0,64,128",
-                   help="GUMBEL_CHUNK_ROWS values; 0: row by row (the reference)")
+    p.add_argument("--paths", default="row,torch,kernel",
+                   help=f"of {', '.join(PATHS)}; row (row by row) is the reference")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=None, help="JSON path (markdown written beside it)")
     a = p.parse_args(argv)
-    chunks = [int(c) for c in a.chunks.split(",")]
-    if 0 not in chunks:
-        p.error("--chunks must include 0 (row by row, the reference)")
+    paths = a.paths.split(",")
+    if "row" not in paths or not set(paths) <= set(PATHS):
+        p.error(f"--paths: some of {', '.join(PATHS)}, row (the reference) among them")
     if not a.device.startswith("cuda"):
         print("note: on CPU launch_rows keeps every sampled row on the row-by-row path")
     sync = a.device.startswith("cuda")
-    default_chunk = sampler.GUMBEL_CHUNK_ROWS
+    default = sampler.GUMBEL_CHUNK_ROWS, sampler.GUMBEL_KERNEL
     torch.manual_seed(0)
     results = []
     for n in (int(r) for r in a.rows.split(",")):
         logits = torch.randn(n, a.vocab, device=a.device) * 4
         specs, positions = _specs(n)
         ref: list[int] | None = None
-        for chunk in sorted(chunks):
-            launch, total, tokens = _time(logits, specs, positions, chunk, a.iters, sync)
-            if chunk == 0:
+        for path in sorted(paths, key=lambda x: x != "row"):
+            launch, total, tokens = _time(logits, specs, positions, path, a.iters, sync)
+            if path == "row":
                 ref = tokens
             elif tokens != ref:
-                raise SystemExit(f"rows {n}, chunk {chunk}: tokens differ from row by row")
-            results.append({"rows": n, "chunk": chunk, "launch_ms": launch, "total_ms": total})
-            print(f"rows {n:4d}  {'row by row' if chunk == 0 else f'chunk {chunk}':>11}  "
-                  f"launch {launch:8.2f} ms  to tokens {total:8.2f} ms", flush=True)
-    sampler.GUMBEL_CHUNK_ROWS = default_chunk
+                raise SystemExit(f"rows {n}, path {path}: tokens differ from row by row")
+            results.append({"rows": n, "path": path, "launch_ms": launch, "total_ms": total})
+            print(f"rows {n:4d}  {path:>6}  launch {launch:8.2f} ms  to tokens {total:8.2f} ms",
+                  flush=True)
+    sampler.GUMBEL_CHUNK_ROWS, sampler.GUMBEL_KERNEL = default
     if a.out:
         meta = {"date": dt.date.today().isoformat(), "hardware": hardware(a.device),
                 "torch": torch.__version__, "args": vars(a)}
@@ -93,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         lines = [f"# Sampling many rows ({meta['hardware']}, torch {meta['torch']}, "
                  f"{meta['date']}; vocab {a.vocab})", "",
                  "| rows | path | launch ms | ms to tokens |", "|---|---|---|---|"]
-        lines += [f"| {r['rows']} | {'row by row' if r['chunk'] == 0 else 'chunk ' + str(r['chunk'])} "
-                  f"| {r['launch_ms']:.2f} | {r['total_ms']:.2f} |" for r in results]
+        lines += [f"| {r['rows']} | {r['path']} | {r['launch_ms']:.2f} | {r['total_ms']:.2f} |"
+                  for r in results]
         Path(a.out).with_suffix(".md").write_text("\n".join(lines) + "\n")
     return 0
 

@@ -152,10 +152,12 @@ def sample_row(logits: Tensor, spec: SamplingSpec, position: int) -> tuple[int, 
     return PickedRows(token.view(1), [lp]).result()[0]
 
 
-# CUDA: sampled rows without top-p, logprobs or a min_tokens mask are sampled this many
-# rows at a time (``gumbel_rows``) instead of one by one: the same elementwise kernels over
-# [rows, V] instead of about fifty small launches a row. 0: always one by one
+# CUDA: sampled rows without top-p, logprobs or a min_tokens mask are sampled together
+# (``gumbel_rows``; torch's kernels over this many rows at a time) instead of one by one
+# (about fifty small launches a row). 0: always one by one
 GUMBEL_CHUNK_ROWS = 64
+# CUDA: gumbel_rows runs one Triton pass (kernels.gumbel) instead of torch's kernels
+GUMBEL_KERNEL = True
 
 
 def _gumbel_batchable(spec: SamplingSpec, position: int) -> bool:
@@ -168,13 +170,18 @@ def _gumbel_batchable(spec: SamplingSpec, position: int) -> bool:
 
 def gumbel_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
                 chunk: int = GUMBEL_CHUNK_ROWS) -> Tensor:
-    """Seeded temperature (and top-k) sampling of the rows of ``logits`` [n, V], ``chunk``
-    rows at a time: int64 [n] tokens. Every row's token is exactly ``_pick``'s on CUDA: its
-    top-k threshold is the same selected value, the temperature is the same multiply by the
-    host's reciprocal (torch's CUDA division by a host scalar), the noise the same integer
-    hash, and the elementwise logs and the argmax (first maximum) never mix rows. For
-    ``_gumbel_batchable`` rows only (not on CPU, whose vectorized logs may round a row's
-    tail elements otherwise than a lone row's)."""
+    """Seeded temperature (and top-k) sampling of the rows of ``logits`` [n, V]: int64 [n]
+    tokens. Every row's token is exactly ``_pick``'s on CUDA: its top-k threshold is the
+    same selected value, the temperature is the same multiply by the host's reciprocal
+    (torch's CUDA division by a host scalar), the noise the same integer hash, and the
+    logs and the argmax (first maximum) never mix rows. On CUDA with ``GUMBEL_KERNEL`` one
+    Triton pass (``kernels.gumbel``); else torch's kernels, ``chunk`` rows at a time. For
+    ``_gumbel_batchable`` rows only (not on CPU in the engine, whose vectorized logs may
+    round a row's tail elements otherwise than a lone row's)."""
+    if logits.is_cuda and GUMBEL_KERNEL:
+        from detserve.kernels.gumbel import gumbel_argmax
+
+        return gumbel_argmax(logits.contiguous(), *_gumbel_inputs(logits, specs, positions))
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     step = max(1, chunk)
     for a in range(0, logits.shape[0], step):
@@ -184,22 +191,32 @@ def gumbel_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
     return out
 
 
-def _gumbel_scores(logits: Tensor, specs: list[SamplingSpec], positions: list[int]) -> Tensor:
-    """``_row_scores`` of every row of ``logits`` [n, V] at once: float64 [n, V]."""
+def _gumbel_inputs(logits: Tensor, specs: list[SamplingSpec], positions: list[int]
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row of ``logits`` [n, V]: the top-k threshold (fp32, -inf: none; the k-th largest
+    logit, as ``_filter`` selects it), the reciprocal of the temperature (float64, computed
+    on the host as torch's CUDA division by a host scalar does) and the hash key (int64)."""
     dev, vocab = logits.device, logits.shape[1]
-    rows = logits.float()
     ks = [s.top_k if 0 < s.top_k < vocab else 0 for s in specs]
+    kth = torch.full((len(specs),), float("-inf"), dtype=torch.float32, device=dev)
     if any(ks):
-        top = torch.topk(rows, max(ks), dim=-1).values  # descending: the k-th at k - 1
-        kth = top.gather(1, upload([max(k - 1, 0) for k in ks], dev)[:, None])
-        kth = kth.masked_fill(upload(torch.tensor([k == 0 for k in ks]), dev,
-                                     torch.bool)[:, None], float("-inf"))
-        rows = rows.masked_fill(rows < kth, float("-inf"))
+        top = torch.topk(logits.float(), max(ks), dim=-1).values  # descending: k-th at k - 1
+        kth = top.gather(1, upload([max(k - 1, 0) for k in ks], dev)[:, None])[:, 0]
+        kth = kth.masked_fill(upload(torch.tensor([k == 0 for k in ks]), dev, torch.bool),
+                              float("-inf"))
     inv = upload(torch.tensor([1.0 / s.temperature for s in specs], dtype=torch.float64),
                  dev, torch.float64)
     keys = upload([_row_key(s.seed, p) for s, p in zip(specs, positions, strict=True)], dev)
-    return rows.double() * inv[:, None] - torch.log(-torch.log(_uniform(keys[:, None], vocab,
-                                                                         dev)))
+    return kth, inv, keys
+
+
+def _gumbel_scores(logits: Tensor, specs: list[SamplingSpec], positions: list[int]) -> Tensor:
+    """``_row_scores`` of every row of ``logits`` [n, V] at once, in torch: float64 [n, V]."""
+    kth, inv, keys = _gumbel_inputs(logits, specs, positions)
+    rows = logits.float()
+    rows = rows.masked_fill(rows < kth[:, None], float("-inf"))
+    noise = torch.log(-torch.log(_uniform(keys[:, None], logits.shape[1], logits.device)))
+    return rows.double() * inv[:, None] - noise
 
 
 def launch_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
