@@ -17,8 +17,8 @@ from detserve.executor.transfer import upload
 from detserve.outputs import TokenLogprob
 from detserve.params import SamplingSpec
 
-__all__ = ["PickedRows", "SamplingSpec", "gumbel_rows", "hashed_uniform", "launch_rows",
-           "sample_row", "sample_rows"]
+__all__ = ["PickedRows", "SamplingSpec", "gumbel_rows", "gumbel_scores", "hashed_uniform",
+           "launch_rows", "sample_row", "sample_rows"]
 
 _M32 = 0xFFFFFFFF
 _Int = TypeVar("_Int", int, Tensor)  # the hash runs on Python integers and int64 tensors
@@ -212,11 +212,17 @@ def _gumbel_inputs(logits: Tensor, specs: list[SamplingSpec], positions: list[in
 
 def _gumbel_scores(logits: Tensor, specs: list[SamplingSpec], positions: list[int]) -> Tensor:
     """``_row_scores`` of every row of ``logits`` [n, V] at once, in torch: float64 [n, V]."""
-    kth, inv, keys = _gumbel_inputs(logits, specs, positions)
+    return gumbel_scores(logits, *_gumbel_inputs(logits, specs, positions))
+
+
+def gumbel_scores(logits: Tensor, kth: Tensor, inv_temp: Tensor, keys: Tensor) -> Tensor:
+    """The Gumbel scores of ``logits`` [n, V] from ``_gumbel_inputs``' per-row top-k
+    threshold, reciprocal temperature and hash key, in torch's kernels: float64 [n, V]
+    (the form ``kernels.gumbel`` follows)."""
     rows = logits.float()
     rows = rows.masked_fill(rows < kth[:, None], float("-inf"))
     noise = torch.log(-torch.log(_uniform(keys[:, None], logits.shape[1], logits.device)))
-    return rows.double() * inv[:, None] - noise
+    return rows.double() * inv_temp[:, None] - noise
 
 
 def launch_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],

@@ -11,6 +11,7 @@ sampling's, and a row's token the same whatever rows run beside it.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ pytest.importorskip("triton")
 from kernel_suite import interp, interpreter_suite, needs_cuda  # noqa: E402
 
 from detserve import sampler  # noqa: E402
-from detserve.kernels.gumbel import gumbel_argmax  # noqa: E402
+from detserve.kernels.gumbel import gumbel_argmax, gumbel_argmax_ref  # noqa: E402
 from detserve.params import SamplingSpec  # noqa: E402
 
 test_interpreter_suite = interpreter_suite(__file__)
@@ -39,12 +40,11 @@ def case(n: int, vocab: int, device: str, seed: int = 0
     return logits, specs, [rng.randrange(1, 5000) for _ in range(n)]
 
 
-def run(logits: torch.Tensor, specs: list[SamplingSpec], positions: list[int]
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, every score) from the kernel."""
+def run(logits: torch.Tensor, specs: list[SamplingSpec], positions: list[int],
+        fn: Callable[..., torch.Tensor] = gumbel_argmax) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, every score) from the kernel (or ``fn``, its reference)."""
     scores = torch.empty(logits.shape, dtype=torch.float64, device=logits.device)
-    tokens = gumbel_argmax(logits, *sampler._gumbel_inputs(logits, specs, positions),
-                           scores_out=scores)
+    tokens = fn(logits, *sampler._gumbel_inputs(logits, specs, positions), scores_out=scores)
     return tokens, scores
 
 
@@ -53,11 +53,12 @@ def run(logits: torch.Tensor, specs: list[SamplingSpec], positions: list[int]
 def test_close_to_the_torch_form_interp(n: int, vocab: int) -> None:
     logits, specs, positions = case(n, vocab, "cpu", seed=vocab)
     tokens, scores = run(logits, specs, positions)
-    ref = sampler._gumbel_scores(logits, specs, positions)
+    ref_tokens, ref = run(logits, specs, positions, gumbel_argmax_ref)
+    assert torch.equal(ref, sampler._gumbel_scores(logits, specs, positions))
     kept = torch.isfinite(ref)
     assert torch.equal(torch.isfinite(scores), kept)  # the same top-k cut
     torch.testing.assert_close(scores[kept], ref[kept], rtol=1e-14, atol=1e-14)
-    assert tokens.tolist() == ref.argmax(dim=-1).tolist()
+    assert tokens.tolist() == ref_tokens.tolist()
     if n > 1:  # (top-k 1: the argmax)
         assert tokens[1] == logits[1].argmax()
 

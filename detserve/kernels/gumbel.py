@@ -1,7 +1,7 @@
 """Seeded Gumbel sampling of many rows in one pass: ``argmax(logits * (1 / T) - log(-log(u)))``
 with ``u`` the position-hashed uniform of ``detserve.sampler``.
 
-The torch form (``sampler._gumbel_scores``) runs about thirty elementwise kernels over
+The torch form (``gumbel_argmax_ref``: ``sampler.gumbel_scores``) runs about thirty elementwise kernels over
 [rows, V] float64 and int64 temporaries: at a 128,256-token vocabulary a few milliseconds of
 memory traffic per 128 rows. This kernel reads each logit once, computes its noise in
 registers and leaves one (max, index) per block of columns; a last small reduction picks
@@ -27,7 +27,7 @@ from torch import Tensor
 
 from detserve.kernels._utils import cdiv, expect
 
-__all__ = ["gumbel_argmax"]
+__all__ = ["gumbel_argmax", "gumbel_argmax_ref"]
 
 try:  # CUDA's log, the one torch's float64 log calls
     from triton.language.extra import libdevice
@@ -108,3 +108,14 @@ def gumbel_argmax(logits: Tensor, kth: Tensor, inv_temp: Tensor, keys: Tensor,
         enable_fp_fusion=False)
     best = vals.amax(dim=1, keepdim=True)
     return torch.where(vals == best, idxs, vocab).amin(dim=1).long()
+
+
+def gumbel_argmax_ref(logits: Tensor, kth: Tensor, inv_temp: Tensor, keys: Tensor,
+                      scores_out: Tensor | None = None) -> Tensor:
+    """The plain-torch form the kernel follows (``sampler.gumbel_scores``), same contract."""
+    from detserve.sampler import gumbel_scores
+
+    scores = gumbel_scores(logits, kth, inv_temp, keys)
+    if scores_out is not None:
+        scores_out.copy_(scores)
+    return scores.argmax(dim=-1)
