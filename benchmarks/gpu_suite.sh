@@ -12,6 +12,8 @@
 #                                      # $SWEEP, e.g. 16,32,64,128x1,4,8,16, adds a W x G sweep)
 #   benchmarks/gpu_suite.sh target10  # the 10 % target: nondeterministic vs llm42, interleaved x2
 #   benchmarks/gpu_suite.sh target100 # the 100 % target: batch_invariant vs llm42
+#   benchmarks/gpu_suite.sh sampled   # seeded sampling of many rows (bench_sampler), and the
+#                                     # 10 % workload at temperature ${TEMP:-1.0}
 #     (both: $EXTRA goes to bench_offline as more flags, e.g. EXTRA="--lane-max-wait-steps 32")
 #   benchmarks/gpu_suite.sh mixed     # one eager mixed step per variant, profiled (p512, p128)
 #   benchmarks/gpu_suite.sh profile10 # the 10 % workload with steps ${STEPS:-600:800} profiled:
@@ -97,6 +99,12 @@ case "${1:-}" in
     python -m benchmarks.bench_offline --model random:llama3-8b --device cuda --dtype bfloat16 \
       --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
       --warmup-requests 256 "${pick[@]}" ${EXTRA:-} --out "$out/offline-$1.json" 2>&1 | tail -12 ;;
+  sampled)
+    python -m benchmarks.bench_sampler --rows 1,8,64,128,512 --out "$out/sampler.json" 2>&1 | tail -15
+    python -m benchmarks.bench_offline --model random:llama3-8b --device cuda --dtype bfloat16 \
+      --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
+      --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 \
+      --temperature "${TEMP:-1.0}" ${EXTRA:-} --out "$out/offline10-sampled.json" 2>&1 | tail -12 ;;
   mixed)
     for p in 512 128; do
       python -m benchmarks.bench_mixed_step --model random:llama3-8b --prefill-tokens $p --profile \
