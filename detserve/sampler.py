@@ -2,8 +2,10 @@
 
 Sampling draws ``argmax(logits / T + Gumbel(u))`` where ``u`` is a hash of
 (seed, position, token id): the same seed, position and logits give the same token in any
-batch, on any device, with no random-number-generator state. Every function works on one
-row at a time on purpose: a row's result must not depend on what else is being sampled.
+batch, on any device, with no random-number-generator state. A row's result must not
+depend on what else is being sampled: the row-by-row functions work on one row at a time,
+and the many-row paths (the greedy argmax; ``gumbel_rows`` on CUDA) only use operations
+that never mix rows, so each row gets exactly its row-by-row result.
 """
 
 from __future__ import annotations
