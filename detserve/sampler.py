@@ -235,8 +235,8 @@ def launch_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
     the others go row by row."""
     simple = [not row_by_row and s.temperature == 0.0 and s.logprobs is None
               and not s.min_tokens for s in specs]
-    gumbel = [not row_by_row and logits.is_cuda and GUMBEL_CHUNK_ROWS > 0
-              and _gumbel_batchable(s, p) for s, p in zip(specs, positions, strict=True)]
+    many_ok = not row_by_row and logits.is_cuda and GUMBEL_CHUNK_ROWS > 0
+    gumbel = [many_ok and _gumbel_batchable(s, p) for s, p in zip(specs, positions, strict=True)]
     n = len(specs)
     tokens = torch.empty(n, dtype=torch.long, device=logits.device)
     lps: list[tuple[Tensor, Tensor, Tensor] | None] = [None] * n

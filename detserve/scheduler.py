@@ -296,7 +296,7 @@ class Scheduler:
         rows_left = self.cfg.lane_rows - (self._rider_room() if riders else 0)
         queued = self._ahead_queue(rows_left - wanted)
         wanted += sum(s.num_committed for s in queued)
-        partial = self.cfg.lane_partial_windows and self.cfg.lane_partial_fill
+        partial = self.cfg.lane_partial_fill  # (only with lane_partial_windows: validated)
         mid_rows = 0
         if partial:  # (a row for each one's last committed token, one a candidate)
             mid_rows = sum(s.num_candidates + 1 for s in self._mid_window(idle, ready))
