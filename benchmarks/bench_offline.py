@@ -89,7 +89,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
             profile: tuple[int, int] | None = None) -> dict[str, Any]:
     """One engine run. Prompts are random tokens of ``shapes``' lengths, or ``prompts``.
     ``profile`` (a, b): record the GPU kernels of engine steps a..b-1 (``stream_profile``)."""
-    sampler.GUMBEL_CHUNK_ROWS = args.gumbel_chunk_rows
+    sampler.GUMBEL_CHUNK_ROWS, sampler.GUMBEL_KERNEL = args.gumbel_chunk_rows, args.gumbel_kernel
     cfg = EngineConfig.create(args.model, mode, device=args.device, dtype=args.dtype,
                               verify_window=args.verify_window, verify_group=args.verify_group,
                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -450,6 +450,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gumbel-chunk-rows", type=int, default=sampler.GUMBEL_CHUNK_ROWS,
                    help="CUDA: sampled rows (no top-p, no logprobs) picked this many at a "
                         "time (sampler.GUMBEL_CHUNK_ROWS); 0: row by row")
+    p.add_argument("--gumbel-kernel", action=argparse.BooleanOptionalAction,
+                   default=sampler.GUMBEL_KERNEL,
+                   help="CUDA: those rows in one Triton pass (sampler.GUMBEL_KERNEL); "
+                        "--no-gumbel-kernel: torch's kernels, --gumbel-chunk-rows at a time")
     p.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (1: off)")
     p.add_argument("--out", default=None, help="JSON path (markdown written beside it)")
     args = p.parse_args(argv)
