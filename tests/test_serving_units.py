@@ -164,6 +164,78 @@ def _run_loop(stream_interval: int, max_tokens: int) -> list[DecodeChunk]:
     return chunks
 
 
+def _channel_decoder(engine: LLMEngine) -> Any:
+    """A ``Decoder`` replica's channel state around a real engine loop, without Serve."""
+    from services.decoder.channel import deliver_on_event_loops
+    from services.decoder.deployment import Decoder
+
+    decoder = object.__new__(Decoder.func_or_class)  # type: ignore[attr-defined]
+    decoder.replica = "d-0"
+    decoder.loop = EngineLoop(engine, "d-0", deliver=deliver_on_event_loops)
+    decoder._channels = {}
+    decoder._close = lambda: None
+    decoder.loop.start()
+    return decoder
+
+
+def test_a_request_finished_before_its_channel_attaches_still_reaches_the_router() -> None:
+    """The router opens its channel to a replica only once a request's ``generate`` call
+    has named that replica; a short request can be over by then. Its chunks wait for the
+    channel (they were dropped with it once, and the request hung: a CI failure)."""
+    import asyncio
+
+    from services.decoder.messages import ChannelOpen
+
+    decoder = _channel_decoder(
+        LLMEngine.from_args(tiny_model(), "nondeterministic", max_model_len=256))
+
+    async def scenario() -> list[DecodeChunk]:
+        request = DecodeRequest("r", (5, 6, 7), SamplingParams(max_tokens=3, ignore_eos=True))
+        call = decoder.generate(request, "router-1")
+        assert await call.__anext__() == ("d-0",)
+
+        async def rest() -> None:  # ends when the request has: no channel attached yet
+            async for _ in call:
+                pytest.fail("a channel request's call yields nothing after the replica")
+
+        await asyncio.wait_for(rest(), 60)
+        assert "router-1" in decoder._channels  # its chunks are kept
+        channel = decoder.channel(ChannelOpen("router-1", "d-0"))
+        assert await channel.__anext__() == []
+        chunks: list[DecodeChunk] = []
+        while not (chunks and chunks[-1].finished):
+            wires = await asyncio.wait_for(channel.__anext__(), 10)
+            chunks += [DecodeChunk.from_wire(w) for w in wires]
+        await channel.aclose()
+        return chunks
+
+    try:
+        chunks = asyncio.run(scenario())
+    finally:
+        decoder.loop.stop()
+    assert [t for c in chunks for t in c.token_ids] and chunks[-1].num_output_tokens == 3
+    assert decoder._channels == {}  # forgotten once the router detached
+
+
+def test_a_channel_no_router_attaches_to_is_dropped_after_a_while(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.decoder import deployment
+    from services.decoder.channel import Channel
+
+    decoder = object.__new__(deployment.Decoder.func_or_class)  # type: ignore[attr-defined]
+    decoder._channels = {}
+    orphan = decoder._channel("gone")
+    orphan.put(DecodeChunk("r", "d-0", finished=True))
+    live = decoder._channel("live")
+    live.attached = True
+    decoder._forget_channel("gone")
+    assert set(decoder._channels) == {"gone", "live"}  # its chunk still waits
+    monkeypatch.setattr(deployment, "STALE_CHANNEL_S", 0.0)
+    orphan.last_put -= 1.0
+    assert isinstance(decoder._channel("new"), Channel)
+    assert set(decoder._channels) == {"live", "new"}
+
+
 def test_stream_interval_gathers_tokens_without_changing_the_stream() -> None:
     """stream_interval=4: the first token goes out alone, then chunks of 4, the rest with
     the final chunk; ids, logprobs and text equal the every-step stream's."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,9 +34,11 @@ class Channel:
         self.ready = asyncio.Event()
         self.attached = False
         self.done: dict[str, asyncio.Event] = {}  # open requests: set by their last chunk
+        self.last_put = time.monotonic()
 
     def put(self, chunk: DecodeChunk) -> None:
         self.pending.append(chunk)
+        self.last_put = time.monotonic()
         self.ready.set()
         if chunk.finished:
             event = self.done.pop(chunk.request_id, None)

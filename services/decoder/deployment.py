@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 import sys
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,8 @@ from services.decoder.messages import (
 )
 
 log = logging.getLogger(__name__)
+# how long the finished chunks of a router that has not attached its channel wait for it
+STALE_CHANNEL_S = 300.0
 
 
 def _replica_id() -> str:
@@ -134,6 +137,7 @@ class Decoder:
         sent with it, or the router attaching."""
         channel = self._channels.get(channel_id)
         if channel is None:
+            self._drop_stale_channels()
             channel = self._channels[channel_id] = Channel()
         return channel
 
@@ -169,9 +173,22 @@ class Decoder:
             self._forget_channel(open_.channel)
 
     def _forget_channel(self, channel_id: str) -> None:
+        """Drop a channel nobody needs: not attached, no open request, and nothing waiting
+        to go out. A short request can finish before its router attaches (the router
+        opens the channel only once the request's call has named this replica): its
+        chunks wait here for the router, which attaches right after."""
         channel = self._channels.get(channel_id)
-        if channel is not None and not channel.attached and not channel.done:
+        if channel is not None and not channel.attached and not channel.done \
+                and not channel.pending:
             del self._channels[channel_id]
+
+    def _drop_stale_channels(self) -> None:
+        """Chunks kept for a router that never attached (it went away) go after
+        ``STALE_CHANNEL_S``."""
+        horizon = time.monotonic() - STALE_CHANNEL_S
+        for channel_id, channel in list(self._channels.items()):
+            if not channel.attached and not channel.done and channel.last_put < horizon:
+                del self._channels[channel_id]
 
     def ping(self) -> str:
         return self.replica
