@@ -164,3 +164,30 @@ def test_deterministic_request_is_replayed(ctx: ModelContext) -> None:
     assert ("".join(texts), ids) == ("Hello", [1, 2])   # "Hel" was not sent twice
     assert decoder.requests[1].request_id.endswith("-replay1")
     assert service.admission.active == 0
+
+
+@pytest.mark.parametrize("still_open", [True, False])
+def test_a_channel_request_whose_last_chunk_never_comes_fails_instead_of_hanging(
+        monkeypatch: pytest.MonkeyPatch, still_open: bool) -> None:
+    """The request's call ended (its last chunk is on the channel by then), yet the request
+    is still open after the grace: the chunk was lost, and the request fails with
+    ``ChannelLost``; a request already over gets nothing more."""
+    import asyncio
+
+    from services.router import dispatch
+    from services.router.channels import ChannelLost, Item
+
+    monkeypatch.setattr(dispatch, "LAST_CHUNK_GRACE_S", 0.05)
+
+    async def scenario() -> list[Item]:
+        queue: asyncio.Queue[Item] = asyncio.Queue()
+        await dispatch._watch(_Stream([]), queue, "d-0", lambda: still_open)
+        await asyncio.sleep(0.2)
+        return [queue.get_nowait() for _ in range(queue.qsize())]
+
+    items = asyncio.run(scenario())
+    if still_open:
+        assert len(items) == 1 and isinstance(items[0], ChannelLost)
+        assert "d-0" in items[0].message and "last chunk" in items[0].message
+    else:
+        assert items == []

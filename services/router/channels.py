@@ -71,6 +71,10 @@ class ChannelHub:
             self._readers[replica] = asyncio.create_task(self._read(replica),
                                                          context=contextvars.Context())
 
+    def is_open(self, request_id: str, queue: asyncio.Queue[Item]) -> bool:
+        """Is the request that registered ``queue`` still waiting for chunks?"""
+        return self._queues.get(request_id) is queue
+
     def release(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
         self._replica_of.pop(request_id, None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,6 +25,9 @@ from services.router.links import LinkHub
 from services.router.metrics import RouterMetrics, SequenceTimer
 from services.router.prepare import Job
 from services.router.replay import ReplayDiverged, SentState
+
+# how long after a channel request's call ended its last chunk may still be on the way
+LAST_CHUNK_GRACE_S = 60.0
 
 
 class DecoderFailure(Exception):
@@ -176,7 +179,8 @@ class Dispatcher:
             except StopAsyncIteration:
                 raise DecoderFailure("decoder stream ended before the request started") from None
             hub.bind(rid, replica)
-            watcher = asyncio.create_task(_watch(stream, queue, replica))
+            watcher = asyncio.create_task(_watch(stream, queue, replica,
+                                                 lambda: hub.is_open(rid, queue)))
             self._watchers.add(watcher)
             watcher.add_done_callback(self._watchers.discard)
             async for chunk in _queued(queue):
@@ -220,9 +224,13 @@ async def _queued(queue: asyncio.Queue[Item]) -> AsyncIterator[DecodeChunk]:
             return
 
 
-async def _watch(stream: Any, queue: asyncio.Queue[Item], replica: str) -> None:
+async def _watch(stream: Any, queue: asyncio.Queue[Item], replica: str,
+                 is_open: Callable[[], bool]) -> None:
     """The rest of a channel request's ``generate`` call: it ends when the request does; if
-    it fails first (the replica died), the request's queue learns it."""
+    it fails first (the replica died), the request's queue learns it. Once it has ended,
+    the request's last chunk is on the channel: if the request is still open
+    ``LAST_CHUNK_GRACE_S`` later (``is_open``), that chunk was lost, and the request fails
+    instead of waiting forever."""
     try:
         async for _ in stream:
             pass
@@ -230,6 +238,15 @@ async def _watch(stream: Any, queue: asyncio.Queue[Item], replica: str) -> None:
         raise
     except Exception as e:  # RayError: the replica died; after a cancel nobody reads this
         queue.put_nowait(ChannelLost(decoder_failed(e, replica)))
+        return
+
+    def overdue() -> None:
+        if is_open():
+            queue.put_nowait(ChannelLost(
+                f"decoder {replica} finished the request, but its last chunk did not "
+                f"arrive within {LAST_CHUNK_GRACE_S:.0f} s"))
+
+    asyncio.get_running_loop().call_later(LAST_CHUNK_GRACE_S, overdue)
 
 
 def decoder_failed(error: BaseException, replica: str = "") -> str:
