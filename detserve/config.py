@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from detserve.kernels.config import TABLE, lane_variant  # (no triton: table and checks only)
 
@@ -168,6 +168,10 @@ class SchedulerConfig:
     def max_candidates(self) -> int:
         """Fast-path candidates per window: W-1 (the window also holds the last committed token)."""
         return 0 if self.mode == "lane_only" else self.verify_window - 1
+
+
+# the scheduler's options by name (``EngineConfig.create``; the mode is the engine's)
+SCHEDULER_FIELDS = tuple(f.name for f in fields(SchedulerConfig) if f.name != "mode")
 
 
 @dataclass(frozen=True)
@@ -341,42 +345,17 @@ class EngineConfig:
             )
 
     @classmethod
-    def create(cls, model: str, mode: str = "llm42", *, verify_window: int = 64,
-               verify_group: int = 8, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-               max_model_len: int = 2048,
-               lane_max_wait_steps: int = SchedulerConfig.lane_max_wait_steps,
-               overlap_windows: bool = True,
-               lane_bound_fraction: float = SchedulerConfig.lane_bound_fraction,
-               lane_decode_in_mixed_steps: bool = True, pipeline_lane_prefill: bool = True,
-               decode_past_queued_windows: bool = True,
-               prefill_batch_tokens: int | None = None,
-               parked_seq_headroom: float = SchedulerConfig.parked_seq_headroom,
-               lane_prefill_ahead: int = SchedulerConfig.lane_prefill_ahead,
-               lane_prefill_lookahead: int = SchedulerConfig.lane_prefill_lookahead,
-               lane_partial_windows: bool = SchedulerConfig.lane_partial_windows,
-               lane_partial_fill: bool = SchedulerConfig.lane_partial_fill,
-               block_size: int = 16,
+    def create(cls, model: str, mode: str = "llm42", *, block_size: int = 16,
                num_blocks: int | None = None, enable_prefix_caching: bool = True,
                **kw: object) -> EngineConfig:
-        """Flat keyword constructor used by the offline API and the CLI."""
-        sched = SchedulerConfig(mode=mode, max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=max_num_batched_tokens,
-                                max_model_len=max_model_len, verify_window=verify_window,
-                                verify_group=verify_group, lane_max_wait_steps=lane_max_wait_steps,
-                                overlap_windows=overlap_windows,
-                                lane_bound_fraction=lane_bound_fraction,
-                                lane_decode_in_mixed_steps=lane_decode_in_mixed_steps,
-                                pipeline_lane_prefill=pipeline_lane_prefill,
-                                decode_past_queued_windows=decode_past_queued_windows,
-                                prefill_batch_tokens=prefill_batch_tokens,
-                                parked_seq_headroom=parked_seq_headroom,
-                                lane_prefill_ahead=lane_prefill_ahead,
-                                lane_prefill_lookahead=lane_prefill_lookahead,
-                                lane_partial_windows=lane_partial_windows,
-                                lane_partial_fill=lane_partial_fill)
+        """Flat keyword constructor used by the offline API, the CLI, the decoders and the
+        benchmarks: a keyword naming a ``SchedulerConfig`` field goes to the scheduler (its
+        default where absent), the others to ``EngineConfig``."""
+        sched = SchedulerConfig(mode=mode, **{  # type: ignore[arg-type]
+            name: kw.pop(name) for name in SCHEDULER_FIELDS if name in kw})
         if num_blocks is None:
             # enough for a full lane of long sequences plus headroom
-            num_blocks = max(1024, 2 * max_model_len // block_size + 1)
+            num_blocks = max(1024, 2 * sched.max_model_len // block_size + 1)
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                             enable_prefix_caching=enable_prefix_caching)
         return cls(model=model, mode=mode, scheduler=sched, cache=cache, **kw)  # type: ignore[arg-type]

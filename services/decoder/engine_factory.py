@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from detserve.config import EngineConfig, SchedulerConfig
+from detserve.config import SCHEDULER_FIELDS, EngineConfig, SchedulerConfig
 from detserve.engine import LLMEngine
 from detserve.model.loader import load_model
 
@@ -61,18 +61,12 @@ class DecoderSettings:
         return self.num_verifiers > 0 and self.mode in LANE_MODES
 
     def engine_config(self) -> EngineConfig:
+        # every scheduler option these settings carry, by name
+        scheduler = {name: getattr(self, name) for name in SCHEDULER_FIELDS
+                     if name in self.__dataclass_fields__}
         return EngineConfig.create(
             self.model, self.mode, device=self.device, dtype=self.dtype,
-            verify_window=self.verify_window, verify_group=self.verify_group,
-            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-            fastpath_perturbation=self.fastpath_perturbation, seed=self.seed,
-            pipeline_lane_prefill=self.pipeline_lane_prefill,
-            lane_partial_windows=self.lane_partial_windows,
-            lane_bound_fraction=self.lane_bound_fraction,
-            parked_seq_headroom=self.parked_seq_headroom,
-            lane_prefill_ahead=self.lane_prefill_ahead,
-            lane_prefill_lookahead=self.lane_prefill_lookahead,
-            prefill_batch_tokens=self.prefill_batch_tokens)
+            fastpath_perturbation=self.fastpath_perturbation, seed=self.seed, **scheduler)
 
 
 def build_engine(settings: DecoderSettings, decoder_id: str) -> tuple[LLMEngine, Callable[[], None]]:
