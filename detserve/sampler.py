@@ -232,7 +232,8 @@ def launch_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
     """Sample many rows without waiting for the device. Greedy rows without logprobs share
     one batched argmax (exact, so still row-independent) unless ``row_by_row``; so do, on
     CUDA, sampled rows without top-p, logprobs or a stop mask (``gumbel_rows``, exact too);
-    the others go row by row."""
+    the others go row by row. ``row_by_row``: every row does (the reference the many-row
+    paths are tested against)."""
     simple = [not row_by_row and s.temperature == 0.0 and s.logprobs is None
               and not s.min_tokens for s in specs]
     many_ok = not row_by_row and logits.is_cuda and GUMBEL_CHUNK_ROWS > 0

@@ -139,6 +139,31 @@ def test_batch_invariant_mode_is_deterministic(model: str) -> None:
         assert outs[0].is_deterministic
 
 
+def test_batch_invariant_mode_samples_many_rows_as_row_by_row(
+        model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """batch_invariant picks its greedy rows with one batched argmax (exact: first maximum,
+    row by row), as every mode does: its outputs equal those of row-by-row sampling.
+    Control: steps with several greedy rows did go through the batched path."""
+    from detserve.executor import runner
+
+    reqs = [Req(TARGET, GREEDY)] + _others(6, det=True, seed=8) + _others(3, det=False, seed=9)
+    launched: list[int] = []
+    real = runner.launch_rows
+
+    def spy(logits, specs, positions, row_by_row=False):  # type: ignore[no-untyped-def]
+        launched.append(sum(s.temperature == 0.0 and s.logprobs is None for s in specs))
+        return real(logits, specs, positions, row_by_row=row_by_row)
+
+    monkeypatch.setattr(runner, "launch_rows", spy)
+    many, _, _ = run_engine(model, reqs, mode="batch_invariant")
+    assert max(launched) > 1
+    monkeypatch.setattr(runner, "launch_rows",
+                        lambda logits, specs, positions: real(logits, specs, positions,
+                                                              row_by_row=True))
+    rows, _, _ = run_engine(model, reqs, mode="batch_invariant")
+    assert [signature(o) for o in many] == [signature(o) for o in rows]
+
+
 def test_nondeterministic_mode_ignores_flag(model: str) -> None:
     outs, stats, _ = run_engine(model, [Req(TARGET, GREEDY)], mode="nondeterministic")
     assert stats["verify_passes"] == 0

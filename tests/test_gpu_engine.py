@@ -85,6 +85,37 @@ def test_batch_invariant_mode_on_gpu(model: str) -> None:
     assert signature(alone[0]) == signature(full[0])
 
 
+def test_batch_invariant_mode_samples_many_rows_on_gpu(
+        model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """batch_invariant samples as every mode does: greedy rows in one argmax, seeded
+    temperature / top-k rows in one Gumbel pass (``sampler.gumbel_rows``). A request alone
+    equals itself in the batch, and every output equals row-by-row sampling's. Control:
+    the Gumbel pass ran."""
+    from detserve import sampler
+    from detserve.executor import runner
+
+    prompts = random_prompts(10, [3, 17, 70, 9, 130], seed=7)
+    reqs = [Req(p, SamplingParams(max_tokens=40, is_deterministic=True,
+                                  temperature=(0.0, 0.8, 1.2)[i % 3], top_k=(0, 20)[i % 2],
+                                  seed=200 + i, ignore_eos=True), arrival=i % 4)
+            for i, p in enumerate(prompts)]
+    calls = []
+    batched = sampler.gumbel_rows
+    monkeypatch.setattr(sampler, "gumbel_rows", lambda *a, **k: calls.append(1) or batched(*a, **k))
+    full, _, f = run_engine(model, reqs, mode="batch_invariant", **CUDA)
+    assert calls
+    alone, _, a = run_engine(model, reqs[1:2], mode="batch_invariant", **CUDA)
+    assert signature(alone[0]) == signature(full[1])
+    real = runner.launch_rows
+    monkeypatch.setattr(runner, "launch_rows",
+                        lambda logits, specs, positions: real(logits, specs, positions,
+                                                              row_by_row=True))
+    rows, _, r = run_engine(model, reqs, mode="batch_invariant", **CUDA)
+    assert [signature(o) for o in rows] == [signature(o) for o in full]
+    for e in (f, a, r):
+        e.close()
+
+
 def test_nondeterministic_mode_runs_on_gpu(model: str) -> None:
     """Nondeterministic mode has no lane to align with: its decode rows take split-KV
     attention (the faster kernel), llm42's the lane's kernel."""

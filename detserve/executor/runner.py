@@ -407,8 +407,10 @@ class ModelRunner:
                 ops, sum(i < head for i in want), batch_invariant))
         specs = [s for s in sample_specs if s is not None]
         positions = [segments[i].start + len(segments[i].input_ids) for i in want]
-        # batch_invariant: row by row, nothing may depend on the batch
-        picked = launch_rows(logits, specs, positions, row_by_row=batch_invariant)
+        # every mode alike: the many-row paths give each row exactly its row-by-row token
+        # (a batched argmax, first maximum; one Gumbel pass whose programs never mix rows),
+        # so batch_invariant needs no row-by-row sampling, nor do SGLang's and vLLM's
+        picked = launch_rows(logits, specs, positions)
         return LaunchedBatch(len(segments), want, picked)
 
     def _graphed_step(self, segments: list[RowSegment], batch_invariant: bool,
