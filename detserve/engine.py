@@ -214,6 +214,8 @@ class LLMEngine:
                              "(prompt plus at least one generated token)")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError("stop_token_ids out of vocabulary range")
+        if any(t >= vocab for t in params.logit_bias or ()):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         mode = self.config.mode
         uses_lane = mode == "lane_only" or (mode == "llm42" and params.is_deterministic)
         deterministic = uses_lane or mode == "batch_invariant"
@@ -227,7 +229,8 @@ class LLMEngine:
         seq.spec = SamplingSpec(
             temperature=float(params.temperature), top_p=float(params.top_p), top_k=params.top_k,
             seed=seq_seed, logprobs=params.logprobs, min_tokens=params.min_tokens,
-            prompt_len=len(ids), stop_ids=tuple(sorted(self.scheduler.stop_ids(seq))))
+            prompt_len=len(ids), stop_ids=tuple(sorted(self.scheduler.stop_ids(seq))),
+            logit_bias=params.logit_bias_pairs)
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:

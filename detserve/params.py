@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0        # OpenAI's range for a token's bias: [-100, 100]
+MAX_LOGIT_BIAS_TOKENS = 1024  # token ids one request may bias
 OUTPUT_KINDS = ("cumulative", "final_only")
 
 
@@ -29,6 +32,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    # token id -> a value in [-100, 100] added to its logit before sampling (OpenAI's
+    # ``logit_bias``; -100 bans a token, 100 all but forces it). Logprobs stay those of
+    # the model's own distribution
+    logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
     skip_special_tokens: bool = True
     # "cumulative": an output every step that commits tokens (what streaming needs);
     # "final_only": one output when the request finishes (offline generation: no text is
@@ -67,6 +74,13 @@ class SamplingParams:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         if not isinstance(self.is_deterministic, bool):
             raise ValueError("is_deterministic must be a boolean")
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs in token order (what the sampler takes)."""
+        return tuple(sorted((self.logit_bias or {}).items()))
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +99,7 @@ class SamplingSpec:
     min_tokens: int = 0
     prompt_len: int = 0
     stop_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), token ids ascending
 
 
 def _check_int(name: str, value: object, lo: int) -> None:
@@ -99,3 +114,19 @@ def _check_number(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a number, got {value!r}")
     if value != value or value in (float("inf"), float("-inf")):
         raise ValueError(f"{name} must be finite")
+
+
+def _check_logit_bias(bias: object) -> dict[int, float]:
+    if not isinstance(bias, Mapping):
+        raise ValueError("logit_bias must map token ids to numbers")
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS_TOKENS} token ids")
+    out: dict[int, float] = {}
+    for token, value in bias.items():
+        _check_int("logit_bias token id", token, lo=0)
+        _check_number("logit_bias value", value)
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
+                             f"{MAX_LOGIT_BIAS:g}], got {value!r} for token {token}")
+        out[token] = float(value)
+    return out

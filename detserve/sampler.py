@@ -133,6 +133,8 @@ def _pick(logits: Tensor, spec: SamplingSpec, position: int
     Stop tokens are masked while fewer than ``min_tokens`` outputs exist.
     """
     row = logits.float()
+    if spec.logit_bias:
+        row = _biased(row, spec.logit_bias)
     if spec.min_tokens and position - spec.prompt_len < spec.min_tokens and spec.stop_ids:
         row = row.clone()
         row[upload(list(spec.stop_ids), row.device)] = float("-inf")
@@ -146,6 +148,17 @@ def _pick(logits: Tensor, spec: SamplingSpec, position: int
     k = spec.logprobs
     vals, ids = torch.topk(lp, k) if k > 0 else (lp[:0], token.new_zeros(0))
     return token, (lp[token], vals, ids)
+
+
+def _biased(row: Tensor, bias: tuple[tuple[int, float], ...]) -> Tensor:
+    """A copy of one fp32 row with each (token id, bias) added to its logit: one fp32 add
+    an element, so the same bits on every path."""
+    ids = upload([t for t, _ in bias], row.device)
+    values = upload(torch.tensor([b for _, b in bias], dtype=torch.float32), row.device,
+                    torch.float32)
+    out = row.clone()
+    out[ids] = row[ids] + values
+    return out
 
 
 def sample_row(logits: Tensor, spec: SamplingSpec, position: int) -> tuple[int, TokenLogprob | None]:
@@ -167,7 +180,8 @@ def _gumbel_batchable(spec: SamplingSpec, position: int) -> bool:
     argmax (no top-p nucleus, logprobs or stop-token mask), which ``gumbel_rows`` gives
     exactly for many rows at once."""
     masked = spec.min_tokens and position - spec.prompt_len < spec.min_tokens and spec.stop_ids
-    return spec.temperature > 0.0 and spec.top_p >= 1.0 and spec.logprobs is None and not masked
+    return (spec.temperature > 0.0 and spec.top_p >= 1.0 and spec.logprobs is None
+            and not masked and not spec.logit_bias)
 
 
 def gumbel_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
@@ -231,11 +245,11 @@ def launch_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
                 row_by_row: bool = False) -> PickedRows:
     """Sample many rows without waiting for the device. Greedy rows without logprobs share
     one batched argmax (exact, so still row-independent) unless ``row_by_row``; so do, on
-    CUDA, sampled rows without top-p, logprobs or a stop mask (``gumbel_rows``, exact too);
-    the others go row by row. ``row_by_row``: every row does (the reference the many-row
+    CUDA, sampled rows without top-p, logprobs, a stop mask or a logit bias
+    (``gumbel_rows``, exact too); the others go row by row. ``row_by_row``: every row does (the reference the many-row
     paths are tested against)."""
     simple = [not row_by_row and s.temperature == 0.0 and s.logprobs is None
-              and not s.min_tokens for s in specs]
+              and not s.min_tokens and not s.logit_bias for s in specs]
     many_ok = not row_by_row and logits.is_cuda and GUMBEL_CHUNK_ROWS > 0
     gumbel = [many_ok and _gumbel_batchable(s, p) for s, p in zip(specs, positions, strict=True)]
     n = len(specs)

@@ -164,6 +164,31 @@ def test_batch_invariant_mode_samples_many_rows_as_row_by_row(
     assert [signature(o) for o in many] == [signature(o) for o in rows]
 
 
+def test_logit_bias_requests_stay_deterministic(model: str) -> None:
+    """Requests with a logit bias (greedy and sampled, rows the sampler takes one by one)
+    under fast-path perturbation equal the lane_only oracle, alone and in a batch. Controls:
+    the bias does change the output (it bans tokens the unbiased output picks), and the
+    perturbation does change a non-deterministic request with the same bias."""
+    for kind in (dict(logprobs=1), dict(temperature=0.9, seed=5)):
+        plain = SamplingParams(max_tokens=40, is_deterministic=True, ignore_eos=True, **kind)
+        unbiased, _, _ = run_engine(model, [Req(TARGET, plain)], mode="lane_only")
+        banned = set(unbiased[0].token_ids[:3])
+        bias = {**{t: -100.0 for t in banned}, **{t: 4.0 for t in range(40, 60)
+                                                   if t not in banned}}
+        p = SamplingParams(**{**plain.__dict__, "logit_bias": bias})
+        oracle, _, _ = run_engine(model, [Req(TARGET, p)], mode="lane_only")
+        assert not banned & set(oracle[0].token_ids)
+        assert signature(oracle[0]) != signature(unbiased[0])
+        batch = _others(6, det=True, seed=11) + [Req(TARGET, p)] + _others(3, det=False, seed=12)
+        outs, stats, _ = run_engine(model, batch, perturbation=0.25)
+        assert stats["rollbacks"] > 0
+        assert signature(outs[6]) == signature(oracle[0])
+        free = SamplingParams(**{**p.__dict__, "is_deterministic": False})
+        clean, _, _ = run_engine(model, [Req(TARGET, free)])
+        drift, _, _ = run_engine(model, [Req(TARGET, free)], perturbation=0.25)
+        assert signature(drift[0]) != signature(clean[0])
+
+
 def test_nondeterministic_mode_ignores_flag(model: str) -> None:
     outs, stats, _ = run_engine(model, [Req(TARGET, GREEDY)], mode="nondeterministic")
     assert stats["verify_passes"] == 0

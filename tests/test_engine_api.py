@@ -36,6 +36,12 @@ PROMPT = random_prompts(1, [12], seed=5)[0]
     ({"max_tokens": "7"}, "max_tokens"),
     ({"stop": [""]}, "stop"),
     ({"output_kind": "delta"}, "output_kind"),
+    ({"logit_bias": {5: 100.5}}, "logit_bias"),
+    ({"logit_bias": {5: float("inf")}}, "logit_bias"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"logit_bias": [(5, 1.0)]}, "logit_bias"),
+    ({"logit_bias": {i: 1.0 for i in range(1025)}}, "logit_bias"),
 ])
 def test_bad_sampling_params(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -52,6 +58,8 @@ def test_bad_requests_leave_engine_usable(llm: LLM) -> None:
         llm.generate(prompt_token_ids=[[5] * 300], params=p)
     with pytest.raises(ValueError, match="token ids"):
         llm.generate(prompt_token_ids=[[5, 10_000]], params=p)
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(prompt_token_ids=[PROMPT], params=SamplingParams(logit_bias={10_000: 1}))
     with pytest.raises(ValueError, match="arrival_steps"):
         llm.generate(prompt_token_ids=[PROMPT], params=p, arrival_steps=[-1])
     # a batch with one bad member queues nothing that lingers

@@ -54,7 +54,9 @@ REQS = [
                                     is_deterministic=True, logprobs=1, ignore_eos=True)),
     Req(_PROMPTS[3], SamplingParams(max_tokens=25, is_deterministic=False, ignore_eos=True)),
     Req(_PROMPTS[4], SamplingParams(max_tokens=33, is_deterministic=True, logprobs=0,
-                                    ignore_eos=True), arrival=3),
+                                    ignore_eos=True,  # the bias travels to the verifier
+                                    logit_bias={t: -100.0 if t % 3 else 2.5
+                                                for t in range(0, 300, 2)}), arrival=3),
 ]
 DET = [i for i, r in enumerate(REQS) if r.params.is_deterministic]
 
@@ -173,7 +175,8 @@ def drive_against_oracle(engine: LLMEngine, oracle: list[tuple], verifier_addres
 
 def test_codec_roundtrip_is_exact() -> None:
     spec = SamplingSpec(temperature=0.1 + 0.2, top_p=0.9, top_k=5, seed=2**63 - 1, logprobs=None,
-                        min_tokens=2, prompt_len=7, stop_ids=(0, 2))
+                        min_tokens=2, prompt_len=7, stop_ids=(0, 2),
+                        logit_bias=((3, -100.0), (9, 0.1 + 0.2)))
     lane_pass = LanePass(9, 32, (
         LaneSegment("a", "window", 12, (5, 6, 7), (1, 4), (6, 7), (0, 1, 2), spec),
         LaneSegment("b", "prefill", 0, (3,), (2,), (), (), SamplingSpec(logprobs=0))))

@@ -85,6 +85,7 @@ def test_only_plain_sampled_rows_are_picked_many_at_a_time() -> None:
     assert not ok(SamplingSpec(), 5)  # greedy: the shared argmax
     assert not ok(SamplingSpec(temperature=0.8, top_p=0.9), 5)
     assert not ok(SamplingSpec(temperature=0.8, logprobs=0), 5)
+    assert not ok(SamplingSpec(temperature=0.8, logit_bias=((1, 2.0),)), 5)
     masked = SamplingSpec(temperature=0.8, min_tokens=3, prompt_len=4, stop_ids=(2,))
     assert not ok(masked, 5) and ok(masked, 7)
 
@@ -108,3 +109,30 @@ def test_gumbel_rows_give_the_row_scores_bit_for_bit_on_cuda(vocab: int) -> None
                 enumerate(zip(specs, positions, strict=True))]
     assert launch_rows(logits, specs, positions).tokens.tolist() == expected
     assert launch_rows(logits, specs, positions, row_by_row=True).tokens.tolist() == expected
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_logit_bias_bans_and_forces_tokens_and_leaves_logprobs_raw(device: str) -> None:
+    """-100 bans a token, +100 all but forces one, greedy and sampled alike; the logprobs
+    stay the model's own; a biased row in a batch (on CUDA beside rows the many-row paths
+    take) gets its row-by-row token, and the logits are not changed in place."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(3)
+    logits = (torch.randn(6, 50) * 3).to(device)
+    before = logits.clone()
+    top = int(logits[0].argmax())
+    banned = SamplingSpec(logit_bias=((top, -100.0),), logprobs=1)
+    token, lp = sample_row(logits[0], banned, 5)
+    assert token != top and token == int(logits[0].masked_fill(
+        torch.arange(50, device=device) == top, float("-inf")).argmax())
+    raw = torch.log_softmax(logits[0], dim=-1)
+    assert lp is not None and lp.logprob == float(raw[token])
+    forced = [SamplingSpec(temperature=t, seed=9, logit_bias=((7, 100.0),)) for t in (0.0, 1.0)]
+    assert all(sample_row(logits[1], s, p)[0] == 7 for s in forced for p in range(20))
+    specs = [SamplingSpec(), banned, *forced, SamplingSpec(temperature=0.9, seed=4),
+             SamplingSpec(temperature=0.9, seed=4, logit_bias=((2, 5.0),))]
+    picked = launch_rows(logits, specs, [5] * 6).result()
+    assert [t for t, _ in picked] == [sample_row(logits[i], s, 5)[0]
+                                      for i, s in enumerate(specs)]
+    assert torch.equal(logits, before)

@@ -274,6 +274,27 @@ def test_grpc_generate_matches_http(cluster: Cluster, client: openai.OpenAI,
     assert done.usage.completion_tokens == len(ids)
 
 
+def test_logit_bias_over_http_and_grpc_equals_offline(cluster: Cluster, client: openai.OpenAI,
+                                                      model_id: str, offline: LLM) -> None:
+    """OpenAI's ``logit_bias`` (token ids as string keys): a deterministic request that bans
+    the tokens its unbiased output starts with equals the offline engine given the same
+    bias, over HTTP and over gRPC (``map<int64, double>``)."""
+    unbiased = reference(offline, PROMPTS[5], max_tokens=10)
+    bias = {t: -100.0 for t in unbiased.token_ids[:3]}
+    ref = reference(offline, PROMPTS[5], max_tokens=10, logit_bias=bias)
+    assert not set(bias) & set(ref.token_ids) and ref.token_ids != unbiased.token_ids
+    http = client.completions.create(model=model_id, prompt=PROMPTS[5], max_tokens=10,
+                                     temperature=0, logit_bias={str(t): b for t, b in bias.items()},
+                                     extra_body=det_body())
+    assert list(http.choices[0].token_ids) == ref.token_ids
+    with grpc.insecure_channel(cluster.grpc_address) as channel:
+        req = pb.GenerateRequest(prompt=PROMPTS[5], max_tokens=10, temperature=0.0,
+                                 is_deterministic=True, logit_bias=bias)
+        events = list(pb_grpc.CompletionsStub(channel).Generate(req, timeout=120))
+    ids = [t for e in events if e.WhichOneof("event") == "chunk" for t in e.chunk.token_ids]
+    assert ids == ref.token_ids
+
+
 def _decoder_stats() -> dict[str, tuple[int, float]]:
     """(open streams, committed tokens) of every decoder replica (calls pinned to each)."""
     import ray

@@ -24,37 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0e\x64\x65tserve.proto\x12\x08\x64\x65tserve\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb9\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12\'\n\x08messages\x18\x04 \x03(\x0b\x32\x15.detserve.ChatMessage\x12\r\n\x05model\x18\x05 \x01(\t\x12\x17\n\nmax_tokens\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\t \x01(\x03H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\x04\x88\x01\x01\x12\x18\n\x10is_deterministic\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x17\n\nmin_tokens\x18\x0f \x01(\x03H\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\r\n\x0b_min_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"T\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.detserve.TopLogprob\"R\n\x05\x43hunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12(\n\x08logprobs\x18\x03 \x03(\x0b\x32\x16.detserve.TokenLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x03\"\xd9\x01\n\x0b\x44\x65terminism\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0eweights_sha256\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x15\n\rverify_window\x18\x05 \x01(\x03\x12\x14\n\x0cverify_group\x18\x06 \x01(\x03\x12\x12\n\nblock_size\x18\x07 \x01(\x03\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12\x0f\n\x07kernels\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x0f\n\x07tp_size\x18\x0b \x01(\x03\"\x95\x01\n\x08\x43omplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.detserve.Usage\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x18\n\x10is_deterministic\x18\x04 \x01(\x08\x12*\n\x0b\x64\x65terminism\x18\x05 \x01(\x0b\x32\x15.detserve.Determinism\"4\n\x05\x45rror\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\"\x9b\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x0f.detserve.ChunkH\x00\x12&\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x12.detserve.CompleteH\x00\x12 \n\x05\x65rror\x18\x04 \x01(\x0b\x32\x0f.detserve.ErrorH\x00\x42\x07\n\x05\x65vent\"\x0f\n\rHealthRequest\"G\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x16\n\x0e\x64\x65\x63oders_ready\x18\x02 \x01(\x03\x12\x0e\n\x06status\x18\x03 \x01(\t2\x8f\x01\n\x0b\x43ompletions\x12\x43\n\x08Generate\x12\x19.detserve.GenerateRequest\x1a\x1a.detserve.GenerateResponse0\x01\x12;\n\x06Health\x12\x17.detserve.HealthRequest\x1a\x18.detserve.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0e\x64\x65tserve.proto\x12\x08\x64\x65tserve\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa9\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12\'\n\x08messages\x18\x04 \x03(\x0b\x32\x15.detserve.ChatMessage\x12\r\n\x05model\x18\x05 \x01(\t\x12\x17\n\nmax_tokens\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\t \x01(\x03H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\x04\x88\x01\x01\x12\x18\n\x10is_deterministic\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x17\n\nmin_tokens\x18\x0f \x01(\x03H\x06\x88\x01\x01\x12<\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.detserve.GenerateRequest.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\r\n\x0b_min_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"T\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.detserve.TopLogprob\"R\n\x05\x43hunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12(\n\x08logprobs\x18\x03 \x03(\x0b\x32\x16.detserve.TokenLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x03\"\xd9\x01\n\x0b\x44\x65terminism\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0eweights_sha256\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x15\n\rverify_window\x18\x05 \x01(\x03\x12\x14\n\x0cverify_group\x18\x06 \x01(\x03\x12\x12\n\nblock_size\x18\x07 \x01(\x03\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12\x0f\n\x07kernels\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x0f\n\x07tp_size\x18\x0b \x01(\x03\"\x95\x01\n\x08\x43omplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.detserve.Usage\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x18\n\x10is_deterministic\x18\x04 \x01(\x08\x12*\n\x0b\x64\x65terminism\x18\x05 \x01(\x0b\x32\x15.detserve.Determinism\"4\n\x05\x45rror\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\"\x9b\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x0f.detserve.ChunkH\x00\x12&\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x12.detserve.CompleteH\x00\x12 \n\x05\x65rror\x18\x04 \x01(\x0b\x32\x0f.detserve.ErrorH\x00\x42\x07\n\x05\x65vent\"\x0f\n\rHealthRequest\"G\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x16\n\x0e\x64\x65\x63oders_ready\x18\x02 \x01(\x03\x12\x0e\n\x06status\x18\x03 \x01(\t2\x8f\x01\n\x0b\x43ompletions\x12\x43\n\x08Generate\x12\x19.detserve.GenerateRequest\x1a\x1a.detserve.GenerateResponse0\x01\x12;\n\x06Health\x12\x17.detserve.HealthRequest\x1a\x18.detserve.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'detserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=28
   _globals['_CHATMESSAGE']._serialized_end=72
   _globals['_GENERATEREQUEST']._serialized_start=75
-  _globals['_GENERATEREQUEST']._serialized_end=516
-  _globals['_TOPLOGPROB']._serialized_start=518
-  _globals['_TOPLOGPROB']._serialized_end=565
-  _globals['_TOKENLOGPROB']._serialized_start=567
-  _globals['_TOKENLOGPROB']._serialized_end=651
-  _globals['_CHUNK']._serialized_start=653
-  _globals['_CHUNK']._serialized_end=735
-  _globals['_USAGE']._serialized_start=737
-  _globals['_USAGE']._serialized_end=816
-  _globals['_DETERMINISM']._serialized_start=819
-  _globals['_DETERMINISM']._serialized_end=1036
-  _globals['_COMPLETE']._serialized_start=1039
-  _globals['_COMPLETE']._serialized_end=1188
-  _globals['_ERROR']._serialized_start=1190
-  _globals['_ERROR']._serialized_end=1242
-  _globals['_GENERATERESPONSE']._serialized_start=1245
-  _globals['_GENERATERESPONSE']._serialized_end=1400
-  _globals['_HEALTHREQUEST']._serialized_start=1402
-  _globals['_HEALTHREQUEST']._serialized_end=1417
-  _globals['_HEALTHRESPONSE']._serialized_start=1419
-  _globals['_HEALTHRESPONSE']._serialized_end=1490
-  _globals['_COMPLETIONS']._serialized_start=1493
-  _globals['_COMPLETIONS']._serialized_end=1636
+  _globals['_GENERATEREQUEST']._serialized_end=628
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=492
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=540
+  _globals['_TOPLOGPROB']._serialized_start=630
+  _globals['_TOPLOGPROB']._serialized_end=677
+  _globals['_TOKENLOGPROB']._serialized_start=679
+  _globals['_TOKENLOGPROB']._serialized_end=763
+  _globals['_CHUNK']._serialized_start=765
+  _globals['_CHUNK']._serialized_end=847
+  _globals['_USAGE']._serialized_start=849
+  _globals['_USAGE']._serialized_end=928
+  _globals['_DETERMINISM']._serialized_start=931
+  _globals['_DETERMINISM']._serialized_end=1148
+  _globals['_COMPLETE']._serialized_start=1151
+  _globals['_COMPLETE']._serialized_end=1300
+  _globals['_ERROR']._serialized_start=1302
+  _globals['_ERROR']._serialized_end=1354
+  _globals['_GENERATERESPONSE']._serialized_start=1357
+  _globals['_GENERATERESPONSE']._serialized_end=1512
+  _globals['_HEALTHREQUEST']._serialized_start=1514
+  _globals['_HEALTHREQUEST']._serialized_end=1529
+  _globals['_HEALTHRESPONSE']._serialized_start=1531
+  _globals['_HEALTHRESPONSE']._serialized_end=1602
+  _globals['_COMPLETIONS']._serialized_start=1605
+  _globals['_COMPLETIONS']._serialized_end=1748
 # @@protoc_insertion_point(module_scope)

@@ -82,6 +82,8 @@ def _openai_body(req: pb.GenerateRequest, ctx: ModelContext) -> dict[str, Any]:
             body["logprobs"] = req.logprobs
     if req.stop:
         body["stop"] = list(req.stop)
+    if req.logit_bias:
+        body["logit_bias"] = {str(t): b for t, b in req.logit_bias.items()}
     return body
 
 

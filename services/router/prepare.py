@@ -167,11 +167,12 @@ def decode_request(request_id: str, ids: list[int], req: SamplingFields, max_tok
                       f"you requested {len(ids) + max_tokens} ({len(ids)} in the prompt, "
                       f"{max_tokens} for the completion)", param="max_tokens",
                       code="context_length_exceeded")
-    return DecodeRequest(request_id, tuple(ids), sampling_params(req, max_tokens, logprobs, index))
+    params = sampling_params(req, max_tokens, logprobs, index, logit_bias(req, ctx))
+    return DecodeRequest(request_id, tuple(ids), params)
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
-                    index: int) -> SamplingParams:
+                    index: int, bias: dict[int, float] | None = None) -> SamplingParams:
     seed = req.seed
     if index and (seed is not None or req.is_deterministic):
         seed = (seed or 0) + index  # choices differ, and stay reproducible
@@ -182,9 +183,25 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k, seed=seed,
             is_deterministic=req.is_deterministic, stop=_stops(req.stop), logprobs=logprobs,
             ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-            skip_special_tokens=req.skip_special_tokens)
+            logit_bias=bias, skip_special_tokens=req.skip_special_tokens)
     except ValueError as e:
         raise invalid(str(e), param=str(e).split(" ", 1)[0]) from e
+
+
+def logit_bias(req: SamplingFields, ctx: ModelContext) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) with int keys, each in the
+    vocabulary; values are checked by ``SamplingParams``."""
+    if not req.logit_bias:
+        return None
+    vocab = ctx.tokenizer.vocab_size
+    out: dict[int, float] = {}
+    for key, value in req.logit_bias.items():
+        token = key.strip()
+        if not token.isdigit() or not 0 <= int(token) < vocab:
+            raise invalid(f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}",
+                          param="logit_bias")
+        out[int(token)] = value
+    return out
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -65,14 +65,17 @@ def decode_geometry(g: pb.LaneGeometry) -> LaneGeometry:
 def _encode_spec(s: SamplingSpec) -> pb.SamplingSpec:
     return pb.SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                            seed=s.seed, logprobs=s.logprobs, min_tokens=s.min_tokens,
-                           prompt_len=s.prompt_len, stop_ids=list(s.stop_ids))
+                           prompt_len=s.prompt_len, stop_ids=list(s.stop_ids),
+                           bias_ids=[t for t, _ in s.logit_bias],
+                           bias_values=[b for _, b in s.logit_bias])
 
 
 def _decode_spec(s: pb.SamplingSpec) -> SamplingSpec:
     return SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
                         logprobs=s.logprobs if s.HasField("logprobs") else None,
                         min_tokens=s.min_tokens, prompt_len=s.prompt_len,
-                        stop_ids=tuple(s.stop_ids))
+                        stop_ids=tuple(s.stop_ids),
+                        logit_bias=tuple(zip(s.bias_ids, s.bias_values, strict=True)))
 
 
 def encode_pass(p: LanePass) -> pb.LaneRequest:

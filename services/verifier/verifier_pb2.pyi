@@ -48,7 +48,7 @@ class Hello(_message.Message):
     def __init__(self, decoder_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kv_handle: _Optional[str] = ..., weights_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., geometry: _Optional[_Union[LaneGeometry, _Mapping]] = ..., numerics: _Optional[str] = ...) -> None: ...
 
 class SamplingSpec(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs", "min_tokens", "prompt_len", "stop_ids")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs", "min_tokens", "prompt_len", "stop_ids", "bias_ids", "bias_values")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,8 @@ class SamplingSpec(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    BIAS_IDS_FIELD_NUMBER: _ClassVar[int]
+    BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -65,7 +67,9 @@ class SamplingSpec(_message.Message):
     min_tokens: int
     prompt_len: int
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., prompt_len: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    bias_ids: _containers.RepeatedScalarFieldContainer[int]
+    bias_values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., prompt_len: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., bias_ids: _Optional[_Iterable[int]] = ..., bias_values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class LaneSegment(_message.Message):
     __slots__ = ("request_id", "is_window", "start", "input_ids", "block_table", "candidates", "sample_rows", "spec")
