@@ -9,8 +9,12 @@ columns (temperature 1.0, a top-k on every other row, 63-bit seeds), timed on th
 (the launch: what the engine's thread spends) and to the tokens on the host (launch +
 device + copy back), medians of ``--iters`` after a warm-up. Paths: "row" (row by row,
 ``GUMBEL_CHUNK_ROWS`` 0, the path before), "torch" (torch's kernels, 64 rows at a time),
-"kernel" (``kernels.gumbel``, the CUDA default). Each path's tokens must equal row by
-row's, or the run stops.
+"kernel" (``kernels.gumbel``, the CUDA default), "lpk" (also ``LOGPROB_KERNEL``: rows with
+``--logprobs`` take the many-row paths, their logprobs from ``kernels.logprobs``). Each
+path's tokens, and the ids of their top logprobs, must equal row by row's, or the run
+stops. ``--temperature 0`` times greedy rows.
+
+    python -m benchmarks.bench_sampler --device cuda --logprobs 5 --paths row,kernel,lpk
 """
 
 from __future__ import annotations
@@ -29,33 +33,37 @@ from detserve import sampler
 from detserve.params import SamplingSpec
 
 
-def _specs(n: int) -> tuple[list[SamplingSpec], list[int]]:
-    specs = [SamplingSpec(temperature=1.0, top_k=(0, 50)[i % 2], seed=(i * 0x9E3779B97F4A7C15)
-                          % (1 << 63)) for i in range(n)]
+def _specs(n: int, temperature: float, logprobs: int | None
+           ) -> tuple[list[SamplingSpec], list[int]]:
+    specs = [SamplingSpec(temperature=temperature, top_k=(0, 50)[i % 2], logprobs=logprobs,
+                          seed=(i * 0x9E3779B97F4A7C15) % (1 << 63)) for i in range(n)]
     return specs, [300 + i for i in range(n)]
 
 
-PATHS = {"row": (0, False), "torch": (64, False), "kernel": (64, True)}
+# path -> (GUMBEL_CHUNK_ROWS, GUMBEL_KERNEL, LOGPROB_KERNEL)
+PATHS = {"row": (0, False, False), "torch": (64, False, False), "kernel": (64, True, False),
+         "lpk": (64, True, True)}
+Picked = list[tuple[int, list[int] | None]]  # per row: token, ids of its top logprobs
 
 
 def _time(logits: torch.Tensor, specs: list[SamplingSpec], positions: list[int], path: str,
-          iters: int, sync: bool) -> tuple[float, float, list[int]]:
-    """(median launch ms, median ms to the tokens on the host, the tokens)."""
-    sampler.GUMBEL_CHUNK_ROWS, sampler.GUMBEL_KERNEL = PATHS[path]
+          iters: int, sync: bool) -> tuple[float, float, Picked]:
+    """(median launch ms, median ms to the tokens on the host, what was picked)."""
+    sampler.GUMBEL_CHUNK_ROWS, sampler.GUMBEL_KERNEL, sampler.LOGPROB_KERNEL = PATHS[path]
     launch, total = [], []
-    tokens: list[int] = []
+    picked: Picked = []
     for i in range(iters + 2):
         if sync:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        picked = sampler.launch_rows(logits, specs, positions)
+        rows = sampler.launch_rows(logits, specs, positions)
         t1 = time.perf_counter()
-        tokens = [t for t, _ in picked.result()]
+        picked = [(t, None if lp is None else list(lp.top)) for t, lp in rows.result()]
         t2 = time.perf_counter()
         if i >= 2:  # (warm-up)
             launch.append((t1 - t0) * 1e3)
             total.append((t2 - t0) * 1e3)
-    return statistics.median(launch), statistics.median(total), tokens
+    return statistics.median(launch), statistics.median(total), picked
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paths", default="row,torch,kernel",
                    help=f"of {', '.join(PATHS)}; row (row by row) is the reference")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy rows")
+    p.add_argument("--logprobs", type=int, default=None, help="top logprobs every row asks for")
     p.add_argument("--out", default=None, help="JSON path (markdown written beside it)")
     a = p.parse_args(argv)
     paths = a.paths.split(",")
@@ -74,29 +84,31 @@ def main(argv: list[str] | None = None) -> int:
     if not a.device.startswith("cuda"):
         print("note: on CPU launch_rows keeps every sampled row on the row-by-row path")
     sync = a.device.startswith("cuda")
-    default = sampler.GUMBEL_CHUNK_ROWS, sampler.GUMBEL_KERNEL
+    default = sampler.GUMBEL_CHUNK_ROWS, sampler.GUMBEL_KERNEL, sampler.LOGPROB_KERNEL
     torch.manual_seed(0)
     results = []
     for n in (int(r) for r in a.rows.split(",")):
         logits = torch.randn(n, a.vocab, device=a.device) * 4
-        specs, positions = _specs(n)
-        ref: list[int] | None = None
+        specs, positions = _specs(n, a.temperature, a.logprobs)
+        ref: Picked | None = None
         for path in sorted(paths, key=lambda x: x != "row"):
-            launch, total, tokens = _time(logits, specs, positions, path, a.iters, sync)
+            launch, total, picked = _time(logits, specs, positions, path, a.iters, sync)
             if path == "row":
-                ref = tokens
-            elif tokens != ref:
-                raise SystemExit(f"rows {n}, path {path}: tokens differ from row by row")
+                ref = picked
+            elif picked != ref:
+                raise SystemExit(f"rows {n}, path {path}: tokens or top ids differ from row "
+                                 "by row")
             results.append({"rows": n, "path": path, "launch_ms": launch, "total_ms": total})
             print(f"rows {n:4d}  {path:>6}  launch {launch:8.2f} ms  to tokens {total:8.2f} ms",
                   flush=True)
-    sampler.GUMBEL_CHUNK_ROWS, sampler.GUMBEL_KERNEL = default
+    sampler.GUMBEL_CHUNK_ROWS, sampler.GUMBEL_KERNEL, sampler.LOGPROB_KERNEL = default
     if a.out:
         meta = {"date": dt.date.today().isoformat(), "hardware": hardware(a.device),
                 "torch": torch.__version__, "args": vars(a)}
         Path(a.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         lines = [f"# Sampling many rows ({meta['hardware']}, torch {meta['torch']}, "
-                 f"{meta['date']}; vocab {a.vocab})", "",
+                 f"{meta['date']}; vocab {a.vocab}, temperature {a.temperature}, "
+                 f"logprobs {a.logprobs})", "",
                  "| rows | path | launch ms | ms to tokens |", "|---|---|---|---|"]
         lines += [f"| {r['rows']} | {r['path']} | {r['launch_ms']:.2f} | {r['total_ms']:.2f} |"
                   for r in results]

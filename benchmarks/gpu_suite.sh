@@ -15,6 +15,9 @@
 #   benchmarks/gpu_suite.sh sampled   # seeded sampling of many rows (bench_sampler), and the
 #                                     # 10 % workload at temperature ${TEMP:-1.0}
 #     (both: $EXTRA goes to bench_offline as more flags, e.g. EXTRA="--lane-max-wait-steps 32")
+#   benchmarks/gpu_suite.sh logprobs  # logprobs of many rows in one pass (kernels.logprobs,
+#                                     # sampler.LOGPROB_KERNEL, off by default): its GPU tests,
+#                                     # bench_sampler greedy and sampled with 5 logprobs
 #   benchmarks/gpu_suite.sh mixed     # one eager mixed step per variant, profiled (p512, p128)
 #   benchmarks/gpu_suite.sh profile10 # the 10 % workload with steps ${STEPS:-600:800} profiled:
 #                                     # GPU time per stream (lane vs fast path), overlap
@@ -105,6 +108,13 @@ case "${1:-}" in
       --lengths sharegpt --num-requests "${NREQ:-1024}" --max-num-seqs 128 --num-blocks 16384 \
       --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 \
       --temperature "${TEMP:-1.0}" ${EXTRA:-} --out "$out/offline10-sampled.json" 2>&1 | tail -12 ;;
+  logprobs)
+    python -m pytest -q -m gpu tests/test_kernels_logprobs.py tests/test_sampler.py \
+      tests/test_gpu_engine.py -k "logprob" 2>&1 | tee "$out/logprobs-tests.log" | tail -5
+    for t in 0 1.0; do
+      python -m benchmarks.bench_sampler --rows 1,8,64,128,512 --temperature $t --logprobs 5 \
+        --paths row,kernel,lpk --out "$out/sampler-lp5-t$t.json" 2>&1 | tail -15
+    done ;;
   mixed)
     for p in 512 128; do
       python -m benchmarks.bench_mixed_step --model random:llama3-8b --prefill-tokens $p --profile \

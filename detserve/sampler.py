@@ -10,7 +10,7 @@ that never mix rows, so each row gets exactly its row-by-row result.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -80,15 +80,23 @@ def _filter(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return out
 
 
+# rows' logprobs from one pass (``kernels.logprobs``), for the rows the many-row paths pick:
+# (row indices, chosen logprobs [m], top values [m, k], top ids [m, k], each row's k)
+ManyLogprobs = tuple[list[int], Tensor, Tensor, Tensor, list[int]]
+
+
 class PickedRows:
     """Tokens picked on the device, not yet read back: ``tokens`` (int64 [n], one per row,
     usable by later kernels, e.g. as the next step's input ids) and ``result()``, which
-    waits for them and returns (token, logprob or None) per row."""
+    waits for them and returns (token, logprob or None) per row. ``logprobs``: a row's own
+    (chosen logprob, top values, top ids) tensors, or None; ``many``: those of several rows
+    from one pass, which then fill their rows."""
 
-    def __init__(self, tokens: Tensor, logprobs: list[tuple[Tensor, Tensor, Tensor] | None]
-                 ) -> None:
+    def __init__(self, tokens: Tensor, logprobs: list[tuple[Tensor, Tensor, Tensor] | None],
+                 many: ManyLogprobs | None = None) -> None:
         self.tokens = tokens
         self._logprobs = logprobs  # per row: (chosen logprob, top values, top ids) or None
+        self._many = many
         self._host, self._done = tokens, None
         if tokens.is_cuda:
             # copy back now, behind this step's kernels: a copy queued when the result is
@@ -97,6 +105,10 @@ class PickedRows:
             self._logprobs = [None if lp is None else
                               tuple(t.to("cpu", non_blocking=True) for t in lp)  # type: ignore[misc]
                               for lp in logprobs]
+            if many is not None:
+                rows, *tensors, ks = many
+                chosen, vals, ids = (t.to("cpu", non_blocking=True) for t in tensors)
+                self._many = (rows, chosen, vals, ids, ks)
             self._done = torch.cuda.Event()
             self._done.record()
 
@@ -104,16 +116,21 @@ class PickedRows:
         if self._done is not None:
             self._done.synchronize()
         tokens = [int(t) for t in self._host.tolist()]
-        out: list[tuple[int, TokenLogprob | None]] = []
-        for token, lp in zip(tokens, self._logprobs, strict=True):
-            if lp is None:
-                out.append((token, None))
-                continue
-            chosen, vals, ids = lp
-            top = {int(i): float(v) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)}
-            out.append((token, TokenLogprob(token_id=token, logprob=float(chosen.item()),
-                                            top=top)))
-        return out
+        lps: list[TokenLogprob | None] = [
+            None if lp is None else _token_logprob(tokens[i], float(lp[0].item()),
+                                                   lp[2].tolist(), lp[1].tolist())
+            for i, lp in enumerate(self._logprobs)]
+        if self._many is not None:
+            rows, chosen, vals, ids, ks = self._many
+            for j, (i, c, v, t) in enumerate(zip(rows, chosen.tolist(), vals.tolist(),
+                                                 ids.tolist(), strict=True)):
+                lps[i] = _token_logprob(tokens[i], c, t[:ks[j]], v[:ks[j]])
+        return list(zip(tokens, lps, strict=True))
+
+
+def _token_logprob(token: int, chosen: float, ids: list[int], vals: list[float]) -> TokenLogprob:
+    top = {int(i): float(v) for i, v in zip(ids, vals, strict=True)}
+    return TokenLogprob(token_id=token, logprob=chosen, top=top)
 
 
 def _row_scores(row: Tensor, spec: SamplingSpec, position: int) -> Tensor:
@@ -173,15 +190,20 @@ def sample_row(logits: Tensor, spec: SamplingSpec, position: int) -> tuple[int, 
 GUMBEL_CHUNK_ROWS = 64
 # CUDA: gumbel_rows runs one Triton pass (kernels.gumbel) instead of torch's kernels
 GUMBEL_KERNEL = True
+# CUDA: rows asking for logprobs take the many-row paths too, their logprobs from one pass
+# (kernels.logprobs: a row's bits the same in any batch, but the kernel's own, not
+# log_softmax's, so the kernel set's tag says "+lpk"). Off until proven on a GPU
+# (tests/test_kernels_logprobs.py, the GPU tests of tests/test_sampler.py)
+LOGPROB_KERNEL = False
 
 
-def _gumbel_batchable(spec: SamplingSpec, position: int) -> bool:
+def _gumbel_batchable(spec: SamplingSpec, position: int, logprobs_ok: bool = False) -> bool:
     """Whether ``_pick`` of this row is only elementwise ops, a top-k selection and an
-    argmax (no top-p nucleus, logprobs or stop-token mask), which ``gumbel_rows`` gives
-    exactly for many rows at once."""
+    argmax (no top-p nucleus, logprobs unless ``logprobs_ok``, stop-token mask or logit
+    bias), which ``gumbel_rows`` gives exactly for many rows at once."""
     masked = spec.min_tokens and position - spec.prompt_len < spec.min_tokens and spec.stop_ids
-    return (spec.temperature > 0.0 and spec.top_p >= 1.0 and spec.logprobs is None
-            and not masked and not spec.logit_bias)
+    return (spec.temperature > 0.0 and spec.top_p >= 1.0
+            and (spec.logprobs is None or logprobs_ok) and not masked and not spec.logit_bias)
 
 
 def gumbel_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
@@ -248,10 +270,12 @@ def launch_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
     CUDA, sampled rows without top-p, logprobs, a stop mask or a logit bias
     (``gumbel_rows``, exact too); the others go row by row. ``row_by_row``: every row does (the reference the many-row
     paths are tested against)."""
-    simple = [not row_by_row and s.temperature == 0.0 and s.logprobs is None
+    lp_ok = not row_by_row and logits.is_cuda and LOGPROB_KERNEL
+    simple = [not row_by_row and s.temperature == 0.0 and (s.logprobs is None or lp_ok)
               and not s.min_tokens and not s.logit_bias for s in specs]
     many_ok = not row_by_row and logits.is_cuda and GUMBEL_CHUNK_ROWS > 0
-    gumbel = [many_ok and _gumbel_batchable(s, p) for s, p in zip(specs, positions, strict=True)]
+    gumbel = [many_ok and _gumbel_batchable(s, p, lp_ok)
+              for s, p in zip(specs, positions, strict=True)]
     n = len(specs)
     tokens = torch.empty(n, dtype=torch.long, device=logits.device)
     lps: list[tuple[Tensor, Tensor, Tensor] | None] = [None] * n
@@ -271,7 +295,23 @@ def launch_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
         if not (ok or batched):
             token, lps[i] = _pick(logits[i], specs[i], positions[i])
             tokens[i] = token
-    return PickedRows(tokens, lps)
+    return PickedRows(tokens, lps, _many_logprobs(logits, tokens, specs, simple, gumbel))
+
+
+def _many_logprobs(logits: Tensor, tokens: Tensor, specs: list[SamplingSpec],
+                   simple: list[bool], gumbel: list[bool]) -> ManyLogprobs | None:
+    """The logprobs of the rows with logprobs that the many-row paths picked, in one
+    ``kernels.logprobs`` pass (``LOGPROB_KERNEL``), from the model's own logits."""
+    rows = [i for i, s in enumerate(specs)
+            if s.logprobs is not None and (simple[i] or gumbel[i])]
+    if not rows:
+        return None
+    from detserve.kernels.logprobs import row_logprobs
+
+    ks = [cast(int, specs[i].logprobs) for i in rows]
+    at = upload(rows, logits.device)
+    chosen, vals, ids = row_logprobs(logits[at].float().contiguous(), tokens[at], max(ks))
+    return rows, chosen, vals, ids, ks
 
 
 def sample_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int]

@@ -85,6 +85,39 @@ def test_batch_invariant_mode_on_gpu(model: str) -> None:
     assert signature(alone[0]) == signature(full[0])
 
 
+def test_logprob_rows_picked_many_at_a_time_keep_dvr_equal_to_lane_only(
+        model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LOGPROB_KERNEL`` on: greedy and seeded rows asking for logprobs take the many-row
+    paths, their logprobs from one ``kernels.logprobs`` pass. DVR under perturbation equals
+    lane_only (tokens and logprobs); a request alone equals itself in the batch; the kernel
+    set says "+lpk". Control: the pass ran."""
+    from detserve import sampler
+
+    monkeypatch.setattr(sampler, "LOGPROB_KERNEL", True)
+    prompts = random_prompts(10, [3, 17, 70, 9, 130], seed=8)
+    reqs = [Req(p, SamplingParams(max_tokens=40, is_deterministic=i % 4 != 3,
+                                  temperature=(0.0, 0.9)[i % 2], logprobs=(0, 2, 5)[i % 3],
+                                  seed=300 + i, ignore_eos=True), arrival=i % 5)
+            for i, p in enumerate(prompts)]
+    calls = []
+    many = sampler._many_logprobs
+    monkeypatch.setattr(sampler, "_many_logprobs",
+                        lambda *a: (r := many(*a)) is not None and calls.append(1) or r)
+    oracle, _, o = run_engine(model, reqs, mode="lane_only", **CUDA)
+    dvr, stats, eng = run_engine(model, reqs, perturbation=0.2, **CUDA)
+    assert calls and stats["rollbacks"] > 0
+    assert "+lpk" in eng.runner.kernel_set
+    for i, r in enumerate(reqs):
+        if r.params.is_deterministic:
+            assert signature(oracle[i]) == signature(dvr[i]), i
+            tops = [[lp.top for lp in out.logprobs or []] for out in (oracle[i], dvr[i])]
+            assert tops[0] == tops[1] and len(tops[0]) == 40, i
+    alone, _, a = run_engine(model, reqs[:1], **CUDA)
+    assert signature(alone[0]) == signature(oracle[0])
+    for e in (o, eng, a):
+        e.close()
+
+
 def test_batch_invariant_mode_samples_many_rows_on_gpu(
         model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """batch_invariant samples as every mode does: greedy rows in one argmax, seeded

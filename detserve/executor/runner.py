@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import Tensor
 
+from detserve import sampler
 from detserve.executor.attention import (
     RowBatch,
     RowSegment,
@@ -267,6 +268,8 @@ class ModelRunner:
                 self.kernel_set += f"+lanesplit{lane_attention_split}"
             if not lane_dot_sums:  # other bits too
                 self.kernel_set += "+plainsums"
+            if sampler.LOGPROB_KERNEL:  # the logprobs' bits are that pass's own
+                self.kernel_set += "+lpk"
             # (the fusions give the unfused bits, GPU-tested: no tag of their own)
             if lane_gemm_rows and lane_one_calls:
                 multiples = self.lane_sizes()
