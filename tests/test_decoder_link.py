@@ -238,3 +238,56 @@ def test_a_frame_that_cannot_be_sent_ends_the_link(redis_url: str) -> None:
     assert isinstance(lost, ChannelLost) and "write failed" in lost.message, lost
     assert out["attached_after"] == [], "the link stayed attached without a writer"
     assert len(out["good"]) == 5  # type: ignore[arg-type]
+
+
+async def _failing_engine(redis_url: str, model: str) -> dict[str, object]:
+    """A replica (the ``Decoder`` deployment's code, without Serve) whose engine step
+    fails: the open request gets an error chunk, and the replica withdraws its link (out of
+    the registry, closed), so routers stop choosing a replica that would fail everything
+    at once until Ray Serve replaces it. Control: before the failure a request completes."""
+    from services.decoder.deployment import Decoder
+
+    registry = Registry(redis_url, prefix="detserve")
+    engine = _engine(model)
+    decoder = object.__new__(Decoder.func_or_class)  # type: ignore[attr-defined]
+    decoder.replica, decoder._channels, decoder._close = "rep-f", {}, lambda: None
+    decoder._event_loop = asyncio.get_running_loop()
+    decoder.loop = EngineLoop(engine, "rep-f", deliver=deliver_on_event_loops,
+                              on_failure=decoder._engine_failed)
+    decoder.loop.start()
+    decoder.link = await LinkServer(decoder.loop).start("127.0.0.1", bind="127.0.0.1")
+    record = LinkRecord("rep-f", decoder.link.address, decoder.link.token)
+    decoder._link_beat = Heartbeat(registry, record, 3.0).start()
+    hub = LinkHub(redis_url, poll_s=0.05, attach_timeout_s=5.0)
+    hub.start()
+    out: dict[str, object] = {}
+    try:
+        await _until(lambda: hub.attached == ["rep-f"])
+        items = await _drain(hub.submit(_request("ok", 4), "rep-f"))
+        hub.release("ok", abort=False)
+        out["ok"] = items[-1]
+
+        def boom() -> None:
+            raise RuntimeError("injected step failure")
+
+        engine.step = boom  # type: ignore[method-assign]
+        items = await _drain(hub.submit(_request("doomed", 4), "rep-f"))
+        hub.release("doomed", abort=False)
+        out["doomed"] = items[-1]
+        await _until(lambda: hub.attached == [] and not registry.live_links())
+        out["link"] = decoder.link
+        out["pick"] = hub.pick(_request("x", 4))
+    finally:
+        hub.close()
+        await decoder.withdraw_link()
+        decoder.loop.stop()
+    return out
+
+
+def test_a_replica_whose_engine_failed_withdraws_its_link(redis_url: str) -> None:
+    out = asyncio.run(_failing_engine(redis_url, tiny_model()))
+    ok, doomed = out["ok"], out["doomed"]
+    assert isinstance(ok, DecodeChunk) and ok.finished and ok.error is None
+    assert isinstance(doomed, DecodeChunk) and doomed.error_type == "server_error"
+    assert "injected step failure" in (doomed.error or "")
+    assert out["link"] is None and out["pick"] is None

@@ -79,8 +79,10 @@ class Decoder:
             sys.setswitchinterval(self.settings.switch_interval)
         self.replica = _replica_id()
         engine, self._close = build_engine(self.settings, self.replica)
+        self._event_loop = asyncio.get_running_loop()
         self.loop = EngineLoop(engine, self.replica, deliver=deliver_on_event_loops,
-                               stream_interval=self.settings.stream_interval)
+                               stream_interval=self.settings.stream_interval,
+                               on_failure=self._engine_failed)
         self._channels: dict[str, Channel] = {}
         self.loop.start()
         self.link: LinkServer | None = None
@@ -105,6 +107,24 @@ class Decoder:
             await link.stop()
             return
         self.link = link
+
+    def _engine_failed(self) -> None:
+        """On the engine thread, once its step failed: withdraw the link (below)."""
+        asyncio.run_coroutine_threadsafe(self.withdraw_link(), self._event_loop)
+
+    async def withdraw_link(self) -> None:
+        """Take the link out of the registry and close it: a replica whose engine failed
+        answers every request at once with an error, so with the fewest outstanding tokens
+        it would draw the routers' traffic until Ray Serve's health check replaces it.
+        Routers whose link breaks route elsewhere; Ray Serve calls still reach the replica
+        (refused with an error) until then."""
+        beat, self._link_beat = self._link_beat, None
+        if beat is not None:
+            await asyncio.to_thread(beat.stop, True)
+        link, self.link = self.link, None
+        if link is not None:
+            await link.stop(0)
+            log.warning("decoder %s: engine failed, link withdrawn", self.replica)
 
     async def generate(self, request: DecodeRequest, channel: str | None = None
                        ) -> AsyncIterator[tuple[Any, ...]]:

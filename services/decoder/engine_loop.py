@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from detserve.engine import LLMEngine
@@ -70,7 +70,10 @@ class _Stream:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, replica: str, deliver: Deliver = deliver_each,
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1, on_failure: Callable[[], object] | None = None
+                 ) -> None:
+        """``on_failure``: called on the engine thread once a failed step has failed every
+        open stream (the deployment withdraws the replica's link with it)."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.engine = engine
@@ -89,6 +92,7 @@ class EngineLoop:
         # the latest finished requests' timings (``timings``), for benchmarks and debugging
         self._timings: deque[RequestTiming] = deque(maxlen=4096)
         self.healthy = True
+        self._on_failure = on_failure
         self._thread = threading.Thread(target=self._run, name=f"engine-{replica}", daemon=True)
 
     # ---- any thread ----------------------------------------------------------------
@@ -158,6 +162,11 @@ class EngineLoop:
             log.exception("engine step failed on %s", self.replica)
             self.healthy = False
             self._fail_all(f"decoder {self.replica} failed: {type(e).__name__}: {e}")
+            if self._on_failure is not None:
+                try:
+                    self._on_failure()
+                except Exception:
+                    log.exception("on_failure of %s failed", self.replica)
             return
         self._fail_all(f"decoder {self.replica} is shutting down")
 
