@@ -163,7 +163,39 @@ def test_deterministic_request_is_replayed(ctx: ModelContext) -> None:
     ids = [t for e in events if isinstance(e, dict) for t in e["choices"][0]["token_ids"]]
     assert ("".join(texts), ids) == ("Hello", [1, 2])   # "Hel" was not sent twice
     assert decoder.requests[1].request_id.endswith("-replay1")
+    assert decoder.requests[0].avoid == () and decoder.requests[1].avoid == ("fake",)
     assert service.admission.active == 0
+
+
+def test_a_replay_is_routed_away_from_the_replica_that_failed_it() -> None:
+    """``LeastTokensRouter``: a replayed request (``DecodeRequest.avoid``) goes to another
+    replica even when the one that failed it has the fewest outstanding tokens (a replica
+    whose engine failed answers at once), and to it only when no other is up."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.request_router import ReplicaID
+
+    from detserve.params import SamplingParams
+    from services.router.request_router import LeastTokensRouter
+
+    router = object.__new__(LeastTokensRouter)
+    router.initialize_state()
+    replicas: list[Any] = [
+        SimpleNamespace(replica_id=ReplicaID(u, DeploymentID("Decoder", "detserve")))
+        for u in ("broken", "busy")]
+    router._ledger.routed("other", replicas[1].replica_id, 5000)  # busy: 5,000 tokens out
+
+    def chosen(avoid: tuple[str, ...], candidates: list[Any]) -> list[str]:
+        request = DecodeRequest("r", (1, 2, 3), SamplingParams(max_tokens=4), avoid=avoid)
+        pending = SimpleNamespace(args=[request], routing_context=SimpleNamespace())
+        ranks = asyncio.run(router.choose_replicas(candidates, pending))  # type: ignore[arg-type]
+        return [r.replica_id.unique_id for rank in ranks for r in rank]
+
+    assert chosen((), replicas) == ["broken", "busy"]  # least tokens first
+    assert chosen(("broken",), replicas) == ["busy"]
+    assert chosen(("broken",), replicas[:1]) == ["broken"]  # the only one left
 
 
 @pytest.mark.parametrize("still_open", [True, False])

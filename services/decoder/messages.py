@@ -27,6 +27,9 @@ class DecodeRequest:
     # they split a served request's time to first token
     accepted: float = 0.0
     dispatched: float = 0.0
+    # replicas a deterministic replay should not go to: they failed this request (a replica
+    # whose engine failed answers at once, so the least-loaded choice would pick it again)
+    avoid: tuple[str, ...] = ()
 
     @property
     def is_deterministic(self) -> bool:

@@ -31,7 +31,12 @@ LAST_CHUNK_GRACE_S = 60.0
 
 
 class DecoderFailure(Exception):
-    """The sequence cannot complete: its decoder failed (message says why)."""
+    """The sequence cannot complete: its decoder failed (message says why); ``replica``:
+    the replica that failed it, where known."""
+
+    def __init__(self, message: str, replica: str = "") -> None:
+        super().__init__(message)
+        self.replica = replica
 
 
 @dataclass(frozen=True)
@@ -117,9 +122,11 @@ class Dispatcher:
                     return
                 except ReplayDiverged as e:
                     raise DecoderFailure(f"deterministic replay diverged: {e}") from e
-                except DecoderFailure:
+                except DecoderFailure as e:
                     if not request.is_deterministic or attempt >= self.max_replays:
                         raise
+                    if e.replica:  # the replay goes elsewhere (``request_router``)
+                        request = replace(request, avoid=(*request.avoid, e.replica))
                     attempt += 1
                     sent.restart()
                     self._metrics.replays.inc()
@@ -145,7 +152,7 @@ class Dispatcher:
             if chunk.error is not None:
                 if chunk.error_type == "invalid_request":
                     raise invalid(chunk.error)
-                raise DecoderFailure(chunk.error)
+                raise DecoderFailure(chunk.error, chunk.replica)
             yield chunk
 
     async def _decode_link(self, request: DecodeRequest, replica: str
@@ -155,7 +162,7 @@ class Dispatcher:
         queue = links.submit(request, replica)
         done = False
         try:
-            async for chunk in _queued(queue):
+            async for chunk in _queued(queue, replica):
                 done = chunk.finished or chunk.error is not None
                 yield chunk
         except DecoderFailure:
@@ -183,7 +190,7 @@ class Dispatcher:
                                                  lambda: hub.is_open(rid, queue)))
             self._watchers.add(watcher)
             watcher.add_done_callback(self._watchers.discard)
-            async for chunk in _queued(queue):
+            async for chunk in _queued(queue, replica):
                 done = chunk.finished or chunk.error is not None
                 yield chunk
         except DecoderFailure:
@@ -212,13 +219,13 @@ class Dispatcher:
             raise DecoderFailure("decoder stream ended before the request finished")
 
 
-async def _queued(queue: asyncio.Queue[Item]) -> AsyncIterator[DecodeChunk]:
+async def _queued(queue: asyncio.Queue[Item], replica: str) -> AsyncIterator[DecodeChunk]:
     """A request's chunks from its queue up to its last one; a lost channel or link
-    (``ChannelLost``) raises ``DecoderFailure``."""
+    (``ChannelLost``) raises ``DecoderFailure`` (of ``replica``)."""
     while True:
         item = await queue.get()
         if isinstance(item, ChannelLost):
-            raise DecoderFailure(item.message)
+            raise DecoderFailure(item.message, replica)
         yield item
         if item.finished or item.error is not None:
             return

@@ -4,6 +4,8 @@ Configured on the deployment (``RequestRouterConfig(request_router_class=...)``)
 handle to decoders routes this way. Only ``generate`` calls carry a ``DecodeRequest``; a
 ``channel`` call carries a ``ChannelOpen`` and goes to the replica it names, as does any
 call whose first argument is a ``ReplicaPin``; other calls (stats, ping) go to any replica.
+A replayed request (``DecodeRequest.avoid``) goes to a replica other than those that failed
+it, while there is one.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class LeastTokensRouter(RequestRouter):
         req = _decode_request(pending_request)
         if req is None:
             return [candidate_replicas]
+        if req.avoid:  # a replay: not to a replica that failed it, while another is up
+            others = [r for r in candidate_replicas if r.replica_id.unique_id not in req.avoid]
+            candidate_replicas = others or candidate_replicas
         by_id = {r.replica_id: r for r in candidate_replicas}
         ranked = self._ledger.rank(list(by_id), req.affinity)
         return [[by_id[rid]] for rid in ranked]  # type: ignore[index]
