@@ -29,8 +29,7 @@ from typing import Any
 import torch
 
 from benchmarks.stream_profile import cuda_kernels, describe, stream_summary
-from detserve import sampler
-from detserve.config import EngineConfig, SchedulerConfig
+from detserve.config import EngineConfig, SamplerConfig, SchedulerConfig
 from detserve.engine import LLMEngine
 from detserve.kernels.config import TABLE, lane_variant
 from detserve.model.loader import load_model, resolve_dtype
@@ -89,8 +88,10 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
             profile: tuple[int, int] | None = None) -> dict[str, Any]:
     """One engine run. Prompts are random tokens of ``shapes``' lengths, or ``prompts``.
     ``profile`` (a, b): record the GPU kernels of engine steps a..b-1 (``stream_profile``)."""
-    sampler.GUMBEL_CHUNK_ROWS, sampler.GUMBEL_KERNEL = args.gumbel_chunk_rows, args.gumbel_kernel
     cfg = EngineConfig.create(args.model, mode, device=args.device, dtype=args.dtype,
+                              gumbel_chunk_rows=args.gumbel_chunk_rows,
+                              gumbel_kernel=args.gumbel_kernel,
+                              logprob_kernel=args.logprob_kernel,
                               verify_window=args.verify_window, verify_group=args.verify_group,
                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               max_num_batched_tokens=args.max_num_batched_tokens,
@@ -137,7 +138,8 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
             prompt = [rng.randrange(3, vocab) for _ in range(n_in)]
         engine.add_request(f"b{i}", None, SamplingParams(
             max_tokens=n_out, ignore_eos=True, is_deterministic=det, output_kind="final_only",
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            logprobs=args.logprobs),
             prompt_token_ids=prompt)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     sync()
@@ -447,13 +449,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="every request's temperature (0: greedy); sampled requests are "
                         "seeded by the engine's seed")
     p.add_argument("--top-k", type=int, default=0, help="every request's top-k (0: off)")
-    p.add_argument("--gumbel-chunk-rows", type=int, default=sampler.GUMBEL_CHUNK_ROWS,
+    p.add_argument("--gumbel-chunk-rows", type=int, default=SamplerConfig.gumbel_chunk_rows,
                    help="CUDA: sampled rows (no top-p, no logprobs) picked this many at a "
-                        "time (sampler.GUMBEL_CHUNK_ROWS); 0: row by row")
+                        "time (SamplerConfig.gumbel_chunk_rows); 0: row by row")
     p.add_argument("--gumbel-kernel", action=argparse.BooleanOptionalAction,
-                   default=sampler.GUMBEL_KERNEL,
-                   help="CUDA: those rows in one Triton pass (sampler.GUMBEL_KERNEL); "
+                   default=SamplerConfig.gumbel_kernel,
+                   help="CUDA: those rows in one Triton pass (SamplerConfig.gumbel_kernel); "
                         "--no-gumbel-kernel: torch's kernels, --gumbel-chunk-rows at a time")
+    p.add_argument("--logprob-kernel", action=argparse.BooleanOptionalAction,
+                   default=SamplerConfig.logprob_kernel,
+                   help="CUDA: rows with logprobs picked many at a time too, their logprobs "
+                        "from one kernels.logprobs pass (SamplerConfig.logprob_kernel)")
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="every request's number of top logprobs (default: none)")
     p.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (1: off)")
     p.add_argument("--out", default=None, help="JSON path (markdown written beside it)")
     args = p.parse_args(argv)

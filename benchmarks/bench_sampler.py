@@ -7,9 +7,10 @@ sample them.
 For each row count: ``launch_rows`` over that many rows of fp32 logits of ``--vocab``
 columns (temperature 1.0, a top-k on every other row, 63-bit seeds), timed on the host
 (the launch: what the engine's thread spends) and to the tokens on the host (launch +
-device + copy back), medians of ``--iters`` after a warm-up. Paths: "row" (row by row,
-``GUMBEL_CHUNK_ROWS`` 0, the path before), "torch" (torch's kernels, 64 rows at a time),
-"kernel" (``kernels.gumbel``, the CUDA default), "lpk" (also ``LOGPROB_KERNEL``: rows with
+device + copy back), medians of ``--iters`` after a warm-up. Paths (``SamplerConfig``s):
+"row" (row by row, ``gumbel_chunk_rows`` 0, the path before), "torch" (torch's kernels, 64
+rows at a time), "kernel" (``kernels.gumbel``, the CUDA default), "lpk" (also
+``logprob_kernel``: rows with
 ``--logprobs`` take the many-row paths, their logprobs from ``kernels.logprobs``). Each
 path's tokens, and the ids of their top logprobs, must equal row by row's, or the run
 stops. ``--temperature 0`` times greedy rows.
@@ -30,6 +31,7 @@ import torch
 
 from benchmarks.bench_offline import hardware
 from detserve import sampler
+from detserve.config import SamplerConfig
 from detserve.params import SamplingSpec
 
 
@@ -40,23 +42,21 @@ def _specs(n: int, temperature: float, logprobs: int | None
     return specs, [300 + i for i in range(n)]
 
 
-# path -> (GUMBEL_CHUNK_ROWS, GUMBEL_KERNEL, LOGPROB_KERNEL)
-PATHS = {"row": (0, False, False), "torch": (64, False, False), "kernel": (64, True, False),
-         "lpk": (64, True, True)}
+PATHS = {"row": SamplerConfig(0, False), "torch": SamplerConfig(64, False),
+         "kernel": SamplerConfig(64, True), "lpk": SamplerConfig(64, True, True)}
 Picked = list[tuple[int, list[int] | None]]  # per row: token, ids of its top logprobs
 
 
 def _time(logits: torch.Tensor, specs: list[SamplingSpec], positions: list[int], path: str,
           iters: int, sync: bool) -> tuple[float, float, Picked]:
     """(median launch ms, median ms to the tokens on the host, what was picked)."""
-    sampler.GUMBEL_CHUNK_ROWS, sampler.GUMBEL_KERNEL, sampler.LOGPROB_KERNEL = PATHS[path]
     launch, total = [], []
     picked: Picked = []
     for i in range(iters + 2):
         if sync:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        rows = sampler.launch_rows(logits, specs, positions)
+        rows = sampler.launch_rows(logits, specs, positions, cfg=PATHS[path])
         t1 = time.perf_counter()
         picked = [(t, None if lp is None else list(lp.top)) for t, lp in rows.result()]
         t2 = time.perf_counter()
@@ -84,7 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     if not a.device.startswith("cuda"):
         print("note: on CPU launch_rows keeps every sampled row on the row-by-row path")
     sync = a.device.startswith("cuda")
-    default = sampler.GUMBEL_CHUNK_ROWS, sampler.GUMBEL_KERNEL, sampler.LOGPROB_KERNEL
     torch.manual_seed(0)
     results = []
     for n in (int(r) for r in a.rows.split(",")):
@@ -101,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"rows": n, "path": path, "launch_ms": launch, "total_ms": total})
             print(f"rows {n:4d}  {path:>6}  launch {launch:8.2f} ms  to tokens {total:8.2f} ms",
                   flush=True)
-    sampler.GUMBEL_CHUNK_ROWS, sampler.GUMBEL_KERNEL, sampler.LOGPROB_KERNEL = default
     if a.out:
         meta = {"date": dt.date.today().isoformat(), "hardware": hardware(a.device),
                 "torch": torch.__version__, "args": vars(a)}

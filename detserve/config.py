@@ -30,6 +30,29 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class SamplerConfig:
+    """How ``launch_rows`` picks many rows on CUDA (CPU always goes row by row, but for the
+    greedy argmax). Only ``logprob_kernel`` changes bits (kernel set tag "+lpk"; a verifier
+    gets it from the decoder with the lane's geometry); the others give row-by-row bits."""
+
+    # sampled rows without top-p, logprobs, a stop mask or a logit bias are picked together
+    # (``gumbel_rows``; torch's kernels over this many rows at a time) instead of one by one
+    # (about fifty small launches a row). 0: always one by one
+    gumbel_chunk_rows: int = 64
+    # gumbel_rows runs one Triton pass (kernels.gumbel) instead of torch's kernels
+    gumbel_kernel: bool = True
+    # rows asking for logprobs take the many-row paths too, their logprobs from one pass
+    # (kernels.logprobs: a row's bits the same in any batch, but the kernel's own, not
+    # log_softmax's). Off until proven on a GPU (tests/test_kernels_logprobs.py and the
+    # GPU tests of tests/test_gpu_engine.py; ``benchmarks/gpu_suite.sh logprobs``)
+    logprob_kernel: bool = False
+
+    def __post_init__(self) -> None:
+        if self.gumbel_chunk_rows < 0:
+            raise ValueError("gumbel_chunk_rows must be >= 0 (0: row by row)")
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Bookkeeping limits plus the lane geometry.
 
@@ -290,13 +313,25 @@ class EngineConfig:
     # instead of a torch add first. The same bits (GPU-tested like the above), so the same
     # kernel set; on by default (with the fused SiLU: 6.31 ms against 6.52)
     fused_add_rmsnorm: bool = True
+    # CUDA: how many rows are sampled at once (``SamplerConfig``): sampled rows
+    # ``gumbel_chunk_rows`` at a time (0: row by row), in one Triton pass
+    # (``gumbel_kernel``), and rows with logprobs too, with their logprobs from one pass
+    # (``logprob_kernel``; off: not yet run on a GPU, and another kernel set, "+lpk")
+    gumbel_chunk_rows: int = 64
+    gumbel_kernel: bool = True
+    logprob_kernel: bool = False
     # plan and queue each step's fast batch before reading the previous step's tokens, so
     # the host's work between steps overlaps the device's (None: on for CUDA, off on CPU)
     async_scheduling: bool | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
+    @property
+    def sampling(self) -> SamplerConfig:
+        return SamplerConfig(self.gumbel_chunk_rows, self.gumbel_kernel, self.logprob_kernel)
+
     def __post_init__(self) -> None:
+        self.sampling  # noqa: B018 (SamplerConfig validates its fields)
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
         if self.scheduler.mode != self.mode:

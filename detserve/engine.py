@@ -117,7 +117,8 @@ class LLMEngine:
                                   lane_dot_sums=config.lane_dot_sums,
                                   fused_silu_mul=config.fused_silu_mul,
                                   fused_add_rmsnorm=config.fused_add_rmsnorm,
-                                  decode_pads=self.alignment.pads if self.alignment else None)
+                                  decode_pads=self.alignment.pads if self.alignment else None,
+                                  sampling=config.sampling)
         if cuda:
             self.runner.kernel_set += blas_tag(config)
         self.scheduler.lane_run_rows = self.runner.lane_run_rows

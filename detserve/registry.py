@@ -58,6 +58,9 @@ class LaneGeometry:
     lane_plain_sums: bool = False
     fused_silu_mul: bool = True
     fused_add_rmsnorm: bool = True
+    # the lane's rows with logprobs take them from one kernels.logprobs pass
+    # (SamplerConfig.logprob_kernel: other bits, kernel set "+lpk")
+    logprob_kernel: bool = False
 
     def __post_init__(self) -> None:
         if min(self.lane_rows, self.window, self.batch_invariant_rows, self.block_size) <= 0:

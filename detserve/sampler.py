@@ -15,11 +15,12 @@ from typing import TypeVar, cast
 import torch
 from torch import Tensor
 
+from detserve.config import SamplerConfig
 from detserve.executor.transfer import upload
 from detserve.outputs import TokenLogprob
 from detserve.params import SamplingSpec
 
-__all__ = ["PickedRows", "SamplingSpec", "gumbel_rows", "gumbel_scores", "hashed_uniform",
+__all__ = ["PickedRows", "SamplerConfig", "SamplingSpec", "gumbel_rows", "gumbel_scores", "hashed_uniform",
            "launch_rows", "sample_row", "sample_rows"]
 
 _M32 = 0xFFFFFFFF
@@ -184,17 +185,7 @@ def sample_row(logits: Tensor, spec: SamplingSpec, position: int) -> tuple[int, 
     return PickedRows(token.view(1), [lp]).result()[0]
 
 
-# CUDA: sampled rows without top-p, logprobs or a min_tokens mask are sampled together
-# (``gumbel_rows``; torch's kernels over this many rows at a time) instead of one by one
-# (about fifty small launches a row). 0: always one by one
-GUMBEL_CHUNK_ROWS = 64
-# CUDA: gumbel_rows runs one Triton pass (kernels.gumbel) instead of torch's kernels
-GUMBEL_KERNEL = True
-# CUDA: rows asking for logprobs take the many-row paths too, their logprobs from one pass
-# (kernels.logprobs: a row's bits the same in any batch, but the kernel's own, not
-# log_softmax's, so the kernel set's tag says "+lpk"). Off until proven on a GPU
-# (tests/test_kernels_logprobs.py, the GPU tests of tests/test_sampler.py)
-LOGPROB_KERNEL = False
+DEFAULT_SAMPLER = SamplerConfig()
 
 
 def _gumbel_batchable(spec: SamplingSpec, position: int, logprobs_ok: bool = False) -> bool:
@@ -207,16 +198,17 @@ def _gumbel_batchable(spec: SamplingSpec, position: int, logprobs_ok: bool = Fal
 
 
 def gumbel_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
-                chunk: int = GUMBEL_CHUNK_ROWS) -> Tensor:
+                chunk: int = DEFAULT_SAMPLER.gumbel_chunk_rows,
+                kernel: bool = DEFAULT_SAMPLER.gumbel_kernel) -> Tensor:
     """Seeded temperature (and top-k) sampling of the rows of ``logits`` [n, V]: int64 [n]
     tokens. Every row's token is exactly ``_pick``'s on CUDA: its top-k threshold is the
     same selected value, the temperature is the same multiply by the host's reciprocal
     (torch's CUDA division by a host scalar), the noise the same integer hash, and the
-    logs and the argmax (first maximum) never mix rows. On CUDA with ``GUMBEL_KERNEL`` one
+    logs and the argmax (first maximum) never mix rows. On CUDA with ``kernel`` one
     Triton pass (``kernels.gumbel``); else torch's kernels, ``chunk`` rows at a time. For
     ``_gumbel_batchable`` rows only (not on CPU in the engine, whose vectorized logs may
     round a row's tail elements otherwise than a lone row's)."""
-    if logits.is_cuda and GUMBEL_KERNEL:
+    if logits.is_cuda and kernel:
         from detserve.kernels.gumbel import gumbel_argmax
 
         return gumbel_argmax(logits.contiguous(), *_gumbel_inputs(logits, specs, positions))
@@ -264,16 +256,16 @@ def gumbel_scores(logits: Tensor, kth: Tensor, inv_temp: Tensor, keys: Tensor) -
 
 
 def launch_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
-                row_by_row: bool = False) -> PickedRows:
+                row_by_row: bool = False, cfg: SamplerConfig = DEFAULT_SAMPLER) -> PickedRows:
     """Sample many rows without waiting for the device. Greedy rows without logprobs share
     one batched argmax (exact, so still row-independent) unless ``row_by_row``; so do, on
     CUDA, sampled rows without top-p, logprobs, a stop mask or a logit bias
     (``gumbel_rows``, exact too); the others go row by row. ``row_by_row``: every row does (the reference the many-row
     paths are tested against)."""
-    lp_ok = not row_by_row and logits.is_cuda and LOGPROB_KERNEL
+    lp_ok = not row_by_row and logits.is_cuda and cfg.logprob_kernel
     simple = [not row_by_row and s.temperature == 0.0 and (s.logprobs is None or lp_ok)
               and not s.min_tokens and not s.logit_bias for s in specs]
-    many_ok = not row_by_row and logits.is_cuda and GUMBEL_CHUNK_ROWS > 0
+    many_ok = not row_by_row and logits.is_cuda and cfg.gumbel_chunk_rows > 0
     gumbel = [many_ok and _gumbel_batchable(s, p, lp_ok)
               for s, p in zip(specs, positions, strict=True)]
     n = len(specs)
@@ -290,7 +282,8 @@ def launch_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
     if many:
         at = upload(many, logits.device)
         tokens[at] = gumbel_rows(logits[at], [specs[i] for i in many],
-                                 [positions[i] for i in many])
+                                 [positions[i] for i in many], cfg.gumbel_chunk_rows,
+                                 cfg.gumbel_kernel)
     for i, (ok, batched) in enumerate(zip(simple, gumbel, strict=True)):
         if not (ok or batched):
             token, lps[i] = _pick(logits[i], specs[i], positions[i])
@@ -301,7 +294,8 @@ def launch_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
 def _many_logprobs(logits: Tensor, tokens: Tensor, specs: list[SamplingSpec],
                    simple: list[bool], gumbel: list[bool]) -> ManyLogprobs | None:
     """The logprobs of the rows with logprobs that the many-row paths picked, in one
-    ``kernels.logprobs`` pass (``LOGPROB_KERNEL``), from the model's own logits."""
+    ``kernels.logprobs`` pass (``SamplerConfig.logprob_kernel``), from the model's own
+    logits."""
     rows = [i for i, s in enumerate(specs)
             if s.logprobs is not None and (simple[i] or gumbel[i])]
     if not rows:

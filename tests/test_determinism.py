@@ -150,16 +150,16 @@ def test_batch_invariant_mode_samples_many_rows_as_row_by_row(
     launched: list[int] = []
     real = runner.launch_rows
 
-    def spy(logits, specs, positions, row_by_row=False):  # type: ignore[no-untyped-def]
+    def spy(logits, specs, positions, **kw):  # type: ignore[no-untyped-def]
         launched.append(sum(s.temperature == 0.0 and s.logprobs is None for s in specs))
-        return real(logits, specs, positions, row_by_row=row_by_row)
+        return real(logits, specs, positions, **kw)
 
     monkeypatch.setattr(runner, "launch_rows", spy)
     many, _, _ = run_engine(model, reqs, mode="batch_invariant")
     assert max(launched) > 1
     monkeypatch.setattr(runner, "launch_rows",
-                        lambda logits, specs, positions: real(logits, specs, positions,
-                                                              row_by_row=True))
+                        lambda logits, specs, positions, **kw: real(logits, specs, positions,
+                                                                    row_by_row=True, **kw))
     rows, _, _ = run_engine(model, reqs, mode="batch_invariant")
     assert [signature(o) for o in many] == [signature(o) for o in rows]
 

@@ -103,22 +103,28 @@ def test_numerics_options_travel_in_the_geometry() -> None:
     from services.verifier import codec
 
     eng = LLMEngine.from_args("random:tiny", "llm42", fused_silu_mul=False, lane_dot_sums=False,
-                              fused_add_rmsnorm=False)
+                              fused_add_rmsnorm=False, logprob_kernel=True)
     g = codec.lane_geometry(eng.runner)
     eng.close()
     assert g.lane_plain_sums and not (g.fused_silu_mul or g.fused_add_rmsnorm)
+    assert g.logprob_kernel and eng.runner.sampling.logprob_kernel
     assert (g.lane_rows, g.window) == (eng.runner.lane_rows, eng.runner.window)
     rec = dataclasses.replace(_record(), geometry=g)
     assert codec.decode_geometry(codec.encode_hello(rec).hello.geometry) == g
     assert LaneGeometry(**json.loads(json.dumps(dataclasses.asdict(g)))) == g
     old = {k: v for k, v in dataclasses.asdict(g).items()
-           if k not in ("lane_plain_sums", "fused_silu_mul", "fused_add_rmsnorm")}
+           if k not in ("lane_plain_sums", "fused_silu_mul", "fused_add_rmsnorm",
+                        "logprob_kernel")}
     assert LaneGeometry(**old) == dataclasses.replace(g, lane_plain_sums=False,
-                                                      fused_silu_mul=True, fused_add_rmsnorm=True)
+                                                      fused_silu_mul=True, fused_add_rmsnorm=True,
+                                                      logprob_kernel=False)
     default = LLMEngine.from_args("random:tiny", "llm42")
     d = codec.lane_geometry(default.runner)
     default.close()
     assert d.fused_silu_mul and d.fused_add_rmsnorm and not d.lane_plain_sums
+    assert not d.logprob_kernel
+    with pytest.raises(ValueError, match="gumbel_chunk_rows"):
+        LLMEngine.from_args("random:tiny", "llm42", gumbel_chunk_rows=-1)
 
 
 def _record() -> DecoderRecord:

@@ -49,7 +49,7 @@ def test_sampled_rows_picked_many_at_a_time_keep_dvr_equal_to_lane_only(
     """Seeded temperature / top-k requests without top-p or logprobs: the fast path and the
     lane sample their rows many at a time (``sampler.gumbel_rows``). DVR under perturbation
     equals lane_only; a request alone equals itself in the batch; and the outputs equal
-    those of row-by-row sampling (``GUMBEL_CHUNK_ROWS`` 0). Control: the many-row path ran."""
+    those of row-by-row sampling (``gumbel_chunk_rows`` 0). Control: the many-row path ran."""
     from detserve import sampler
 
     prompts = random_prompts(12, [3, 17, 70, 9, 130], seed=6)
@@ -68,9 +68,8 @@ def test_sampled_rows_picked_many_at_a_time_keep_dvr_equal_to_lane_only(
         assert signature(oracle[i]) == signature(dvr[i]), i
     alone, _, a = run_engine(model, reqs[:1], **CUDA)
     assert signature(alone[0]) == signature(oracle[0])
-    monkeypatch.setattr(sampler, "GUMBEL_CHUNK_ROWS", 0)
     n = len(calls)
-    rows, _, r = run_engine(model, reqs, mode="lane_only", **CUDA)
+    rows, _, r = run_engine(model, reqs, mode="lane_only", gumbel_chunk_rows=0, **CUDA)
     assert len(calls) == n, "row by row"
     for i in det:
         assert signature(rows[i]) == signature(oracle[i]), i
@@ -87,13 +86,12 @@ def test_batch_invariant_mode_on_gpu(model: str) -> None:
 
 def test_logprob_rows_picked_many_at_a_time_keep_dvr_equal_to_lane_only(
         model: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``LOGPROB_KERNEL`` on: greedy and seeded rows asking for logprobs take the many-row
+    """``logprob_kernel`` on: greedy and seeded rows asking for logprobs take the many-row
     paths, their logprobs from one ``kernels.logprobs`` pass. DVR under perturbation equals
     lane_only (tokens and logprobs); a request alone equals itself in the batch; the kernel
     set says "+lpk". Control: the pass ran."""
     from detserve import sampler
 
-    monkeypatch.setattr(sampler, "LOGPROB_KERNEL", True)
     prompts = random_prompts(10, [3, 17, 70, 9, 130], seed=8)
     reqs = [Req(p, SamplingParams(max_tokens=40, is_deterministic=i % 4 != 3,
                                   temperature=(0.0, 0.9)[i % 2], logprobs=(0, 2, 5)[i % 3],
@@ -103,8 +101,8 @@ def test_logprob_rows_picked_many_at_a_time_keep_dvr_equal_to_lane_only(
     many = sampler._many_logprobs
     monkeypatch.setattr(sampler, "_many_logprobs",
                         lambda *a: (r := many(*a)) is not None and calls.append(1) or r)
-    oracle, _, o = run_engine(model, reqs, mode="lane_only", **CUDA)
-    dvr, stats, eng = run_engine(model, reqs, perturbation=0.2, **CUDA)
+    oracle, _, o = run_engine(model, reqs, mode="lane_only", logprob_kernel=True, **CUDA)
+    dvr, stats, eng = run_engine(model, reqs, perturbation=0.2, logprob_kernel=True, **CUDA)
     assert calls and stats["rollbacks"] > 0
     assert "+lpk" in eng.runner.kernel_set
     for i, r in enumerate(reqs):
@@ -112,7 +110,7 @@ def test_logprob_rows_picked_many_at_a_time_keep_dvr_equal_to_lane_only(
             assert signature(oracle[i]) == signature(dvr[i]), i
             tops = [[lp.top for lp in out.logprobs or []] for out in (oracle[i], dvr[i])]
             assert tops[0] == tops[1] and len(tops[0]) == 40, i
-    alone, _, a = run_engine(model, reqs[:1], **CUDA)
+    alone, _, a = run_engine(model, reqs[:1], logprob_kernel=True, **CUDA)
     assert signature(alone[0]) == signature(oracle[0])
     for e in (o, eng, a):
         e.close()
@@ -141,8 +139,8 @@ def test_batch_invariant_mode_samples_many_rows_on_gpu(
     assert signature(alone[0]) == signature(full[1])
     real = runner.launch_rows
     monkeypatch.setattr(runner, "launch_rows",
-                        lambda logits, specs, positions: real(logits, specs, positions,
-                                                              row_by_row=True))
+                        lambda logits, specs, positions, **kw: real(logits, specs, positions,
+                                                                    row_by_row=True, **kw))
     rows, _, r = run_engine(model, reqs, mode="batch_invariant", **CUDA)
     assert [signature(o) for o in rows] == [signature(o) for o in full]
     for e in (f, a, r):

@@ -71,7 +71,7 @@ def test_rows_match_torch_and_stand_alone_on_cuda(n: int, vocab: int, k: int) ->
 def _many_vs_row_by_row(device: str) -> None:
     """Rows whose tokens the many-row paths picked get their logprobs from one pass
     (``sampler._many_logprobs``, what ``launch_rows`` does on CUDA with
-    ``LOGPROB_KERNEL``): the same top ids as row by row, close values, and a row's bits
+    ``SamplerConfig.logprob_kernel``): the same top ids as row by row, close values, and a row's bits
     the same alone."""
     from detserve import sampler
     from detserve.params import SamplingSpec

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import Tensor
 
-from detserve import sampler
 from detserve.executor.attention import (
     RowBatch,
     RowSegment,
@@ -35,7 +34,7 @@ from detserve.kernels.config import TABLE, lane_variant
 from detserve.lane import LaneDecision, LanePass, LaneResult, decide
 from detserve.model.llama import LlamaModel, Ops
 from detserve.outputs import TokenLogprob
-from detserve.sampler import PickedRows, SamplingSpec, launch_rows
+from detserve.sampler import DEFAULT_SAMPLER, PickedRows, SamplerConfig, SamplingSpec, launch_rows
 
 if TYPE_CHECKING:
     from detserve.executor.graphs import DecodeGraphs, LaneGraph, StepGraphs
@@ -220,12 +219,14 @@ class ModelRunner:
                  decode_pads: Mapping[tuple[int, int], Mapping[int, int]] | None = None,
                  lane_attention_split: int = 0, aligned_decode_lane: str = "",
                  lane_full_tiles: bool = True, lane_dot_sums: bool = True,
-                 fused_silu_mul: bool = True, fused_add_rmsnorm: bool = True) -> None:
+                 fused_silu_mul: bool = True, fused_add_rmsnorm: bool = True,
+                 sampling: SamplerConfig = DEFAULT_SAMPLER) -> None:
         self.model = model
         self.pool = pool
         self.device = model.embed_tokens.device
         self.cuda = self.device.type == "cuda"
         self.lane_rows = lane_rows
+        self.sampling = sampling  # how launch_rows picks many rows (every pass alike)
         # CUDA only (the CPU path keeps torch's ops)
         self.fused_silu_mul, self.fused_add_rmsnorm = fused_silu_mul, fused_add_rmsnorm
         self.fast_ops: Ops = TorchOps()
@@ -268,7 +269,7 @@ class ModelRunner:
                 self.kernel_set += f"+lanesplit{lane_attention_split}"
             if not lane_dot_sums:  # other bits too
                 self.kernel_set += "+plainsums"
-            if sampler.LOGPROB_KERNEL:  # the logprobs' bits are that pass's own
+            if sampling.logprob_kernel:  # the logprobs' bits are that pass's own
                 self.kernel_set += "+lpk"
             # (the fusions give the unfused bits, GPU-tested: no tag of their own)
             if lane_gemm_rows and lane_one_calls:
@@ -413,7 +414,7 @@ class ModelRunner:
         # every mode alike: the many-row paths give each row exactly its row-by-row token
         # (a batched argmax, first maximum; one Gumbel pass whose programs never mix rows),
         # so batch_invariant needs no row-by-row sampling, nor do SGLang's and vLLM's
-        picked = launch_rows(logits, specs, positions)
+        picked = launch_rows(logits, specs, positions, cfg=self.sampling)
         return LaunchedBatch(len(segments), want, picked)
 
     def _graphed_step(self, segments: list[RowSegment], batch_invariant: bool,
@@ -487,10 +488,10 @@ class ModelRunner:
             picked = launch_rows(logits[:n_lane],
                                  [s.spec for s in lane_pass.segments for _ in s.sample_rows],
                                  [s.start + r + 1 for s in lane_pass.segments
-                                  for r in s.sample_rows])
+                                  for r in s.sample_rows], cfg=self.sampling)
         if logits is not None and want:
             rider_picked = launch_rows(logits[n_lane:],
                                        [cast(SamplingSpec, rider_specs[k]) for k in want],
-                                       [riders[k].start + 1 for k in want])
+                                       [riders[k].start + 1 for k in want], cfg=self.sampling)
         return (LaneLaunch(lane_pass, picked, t0),
                 LaunchedBatch(len(riders), want, rider_picked))

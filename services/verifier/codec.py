@@ -43,7 +43,8 @@ def encode_hello(record: DecoderRecord) -> pb.LaneRequest:
                                  lane_attention_split=g.lane_attention_split,
                                  lane_plain_sums=g.lane_plain_sums,
                                  unfused_silu_mul=not g.fused_silu_mul,
-                                 unfused_add_rmsnorm=not g.fused_add_rmsnorm)))
+                                 unfused_add_rmsnorm=not g.fused_add_rmsnorm,
+                                 logprob_kernel=g.logprob_kernel)))
 
 
 def lane_geometry(runner: ModelRunner) -> LaneGeometry:
@@ -52,13 +53,14 @@ def lane_geometry(runner: ModelRunner) -> LaneGeometry:
                         runner.lane_gemm_rows, runner.lane_attn.split,
                         lane_plain_sums=not runner.lane_attn.dot_sums,
                         fused_silu_mul=runner.fused_silu_mul,
-                        fused_add_rmsnorm=runner.fused_add_rmsnorm)
+                        fused_add_rmsnorm=runner.fused_add_rmsnorm,
+                        logprob_kernel=runner.sampling.logprob_kernel)
 
 
 def decode_geometry(g: pb.LaneGeometry) -> LaneGeometry:
     return LaneGeometry(g.lane_rows, g.window, g.batch_invariant_rows, g.block_size,
                         g.lane_gemm_rows, g.lane_attention_split, g.lane_plain_sums,
-                        not g.unfused_silu_mul, not g.unfused_add_rmsnorm)
+                        not g.unfused_silu_mul, not g.unfused_add_rmsnorm, g.logprob_kernel)
 
 
 # ---- passes -------------------------------------------------------------------------

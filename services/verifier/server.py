@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from detserve.config import SamplerConfig
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import ModelRunner
 from detserve.kv_handle import KVHandle, open_kv
@@ -164,7 +165,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                              lane_attention_split=g.lane_attention_split,
                              lane_dot_sums=not g.lane_plain_sums,
                              fused_silu_mul=g.fused_silu_mul,
-                             fused_add_rmsnorm=g.fused_add_rmsnorm)
+                             fused_add_rmsnorm=g.fused_add_rmsnorm,
+                             sampling=SamplerConfig(logprob_kernel=g.logprob_kernel))
         numerics = codec.numerics_profile(runner)
         if hello.numerics != numerics:
             raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,

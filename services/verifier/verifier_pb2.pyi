@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LaneGeometry(_message.Message):
-    __slots__ = ("lane_rows", "window", "batch_invariant_rows", "block_size", "lane_gemm_rows", "lane_attention_split", "lane_plain_sums", "unfused_silu_mul", "unfused_add_rmsnorm")
+    __slots__ = ("lane_rows", "window", "batch_invariant_rows", "block_size", "lane_gemm_rows", "lane_attention_split", "lane_plain_sums", "unfused_silu_mul", "unfused_add_rmsnorm", "logprob_kernel")
     LANE_ROWS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     BATCH_INVARIANT_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class LaneGeometry(_message.Message):
     LANE_PLAIN_SUMS_FIELD_NUMBER: _ClassVar[int]
     UNFUSED_SILU_MUL_FIELD_NUMBER: _ClassVar[int]
     UNFUSED_ADD_RMSNORM_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_KERNEL_FIELD_NUMBER: _ClassVar[int]
     lane_rows: int
     window: int
     batch_invariant_rows: int
@@ -27,7 +28,8 @@ class LaneGeometry(_message.Message):
     lane_plain_sums: bool
     unfused_silu_mul: bool
     unfused_add_rmsnorm: bool
-    def __init__(self, lane_rows: _Optional[int] = ..., window: _Optional[int] = ..., batch_invariant_rows: _Optional[int] = ..., block_size: _Optional[int] = ..., lane_gemm_rows: _Optional[int] = ..., lane_attention_split: _Optional[int] = ..., lane_plain_sums: _Optional[bool] = ..., unfused_silu_mul: _Optional[bool] = ..., unfused_add_rmsnorm: _Optional[bool] = ...) -> None: ...
+    logprob_kernel: bool
+    def __init__(self, lane_rows: _Optional[int] = ..., window: _Optional[int] = ..., batch_invariant_rows: _Optional[int] = ..., block_size: _Optional[int] = ..., lane_gemm_rows: _Optional[int] = ..., lane_attention_split: _Optional[int] = ..., lane_plain_sums: _Optional[bool] = ..., unfused_silu_mul: _Optional[bool] = ..., unfused_add_rmsnorm: _Optional[bool] = ..., logprob_kernel: _Optional[bool] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("decoder_id", "epoch", "kv_handle", "weights_hash", "dtype", "geometry", "numerics")
