@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 from engine_utils import Req, random_prompts, run_engine, signature, tiny_model
@@ -44,22 +45,37 @@ def test_dvr_equals_lane_only_on_gpu(model: str, lane_sms: int | None, priority:
     eng.verifier.close()
 
 
+def _sampled_reqs(n: int, seed: int, temperatures: tuple[float, ...],
+                  det: Callable[[int], bool], arrivals: int, seed0: int) -> list[Req]:
+    """Seeded requests of mixed temperatures, with and without a top-k."""
+    prompts = random_prompts(n, [3, 17, 70, 9, 130], seed=seed)
+    return [Req(p, SamplingParams(max_tokens=40, is_deterministic=det(i),
+                                  temperature=temperatures[i % len(temperatures)],
+                                  top_k=(0, 20)[i % 2], seed=seed0 + i, ignore_eos=True),
+                arrival=i % arrivals)
+            for i, p in enumerate(prompts)]
+
+
+def _count_gumbel_passes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one each time ``sampler.gumbel_rows`` runs."""
+    from detserve import sampler
+
+    calls: list[int] = []
+    batched = sampler.gumbel_rows
+    monkeypatch.setattr(sampler, "gumbel_rows", lambda *a, **k: calls.append(1) or batched(*a, **k))
+    return calls
+
+
 def test_sampled_rows_picked_many_at_a_time_keep_dvr_equal_to_lane_only(
         model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Seeded temperature / top-k requests without top-p or logprobs: the fast path and the
     lane sample their rows many at a time (``sampler.gumbel_rows``). DVR under perturbation
     equals lane_only; a request alone equals itself in the batch; and the outputs equal
     those of row-by-row sampling (``gumbel_chunk_rows`` 0). Control: the many-row path ran."""
-    from detserve import sampler
 
-    prompts = random_prompts(12, [3, 17, 70, 9, 130], seed=6)
-    reqs = [Req(p, SamplingParams(max_tokens=40, is_deterministic=i % 3 != 2,
-                                  temperature=(0.7, 1.0, 1.3)[i % 3], top_k=(0, 20)[i % 2],
-                                  seed=100 + i, ignore_eos=True), arrival=i % 5)
-            for i, p in enumerate(prompts)]
-    calls = []
-    batched = sampler.gumbel_rows
-    monkeypatch.setattr(sampler, "gumbel_rows", lambda *a, **k: calls.append(1) or batched(*a, **k))
+    reqs = _sampled_reqs(12, 6, (0.7, 1.0, 1.3), det=lambda i: i % 3 != 2, arrivals=5,
+                         seed0=100)
+    calls = _count_gumbel_passes(monkeypatch)
     oracle, _, o = run_engine(model, reqs, mode="lane_only", **CUDA)
     dvr, stats, eng = run_engine(model, reqs, perturbation=0.2, **CUDA)
     assert calls and stats["rollbacks"] > 0
@@ -122,17 +138,11 @@ def test_batch_invariant_mode_samples_many_rows_on_gpu(
     temperature / top-k rows in one Gumbel pass (``sampler.gumbel_rows``). A request alone
     equals itself in the batch, and every output equals row-by-row sampling's. Control:
     the Gumbel pass ran."""
-    from detserve import sampler
     from detserve.executor import runner
 
-    prompts = random_prompts(10, [3, 17, 70, 9, 130], seed=7)
-    reqs = [Req(p, SamplingParams(max_tokens=40, is_deterministic=True,
-                                  temperature=(0.0, 0.8, 1.2)[i % 3], top_k=(0, 20)[i % 2],
-                                  seed=200 + i, ignore_eos=True), arrival=i % 4)
-            for i, p in enumerate(prompts)]
-    calls = []
-    batched = sampler.gumbel_rows
-    monkeypatch.setattr(sampler, "gumbel_rows", lambda *a, **k: calls.append(1) or batched(*a, **k))
+    reqs = _sampled_reqs(10, 7, (0.0, 0.8, 1.2), det=lambda i: True, arrivals=4,
+                         seed0=200)
+    calls = _count_gumbel_passes(monkeypatch)
     full, _, f = run_engine(model, reqs, mode="batch_invariant", **CUDA)
     assert calls
     alone, _, a = run_engine(model, reqs[1:2], mode="batch_invariant", **CUDA)
