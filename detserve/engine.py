@@ -27,7 +27,7 @@ from detserve.config import EngineConfig
 from detserve.executor.attention import RowSegment
 from detserve.executor.gemm_classes import Alignment, auto_alignment
 from detserve.executor.kv_pool import KVPool
-from detserve.executor.runner import LaneLaunch, LaunchedBatch, ModelRunner
+from detserve.executor.runner import LaneLaunch, LaunchedBatch, ModelRunner, PenaltyRow
 from detserve.executor.transfer import upload
 from detserve.lane import LanePass, LaneResult, LaneSegment
 from detserve.model.llama import LlamaModel
@@ -231,7 +231,8 @@ class LLMEngine:
             temperature=float(params.temperature), top_p=float(params.top_p), top_k=params.top_k,
             seed=seq_seed, logprobs=params.logprobs, min_tokens=params.min_tokens,
             prompt_len=len(ids), stop_ids=tuple(sorted(self.scheduler.stop_ids(seq))),
-            logit_bias=params.logit_bias_pairs)
+            logit_bias=params.logit_bias_pairs, presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty)
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
@@ -380,7 +381,8 @@ class LLMEngine:
         align = any(i.seq.uses_lane and i.end - i.start == 1 for i in items)
         batch = self.runner.launch_batch(segs, specs,
                                          batch_invariant=self.config.mode == "batch_invariant",
-                                         align_decode=align, feed=feed)
+                                         align_decode=align, feed=feed,
+                                         penalties=_penalty_rows(items))
         return self._record_launch(items, batch)
 
     def _riders_fit(self, out: SchedulerOutput) -> bool:
@@ -402,7 +404,8 @@ class LLMEngine:
                   for i in items]
         lane_pass = self._lane_pass(out.lane)
         lane, batch = self.runner.launch_lane(
-            lane_pass, riders, [i.seq.spec if i.sample else None for i in items])
+            lane_pass, riders, [i.seq.spec if i.sample else None for i in items],
+            _penalty_rows(items))
         self.counters["rider_passes"] += 1
         self.counters["rider_rows"] += len(items)
         launch = self._record_launch(items, batch)
@@ -495,9 +498,11 @@ class LLMEngine:
             if it.kind == "window":  # planned while its last candidate was a placeholder
                 it = items[n] = replace(it, candidates=tuple(seq.token_ids[it.start + 1:it.end]))
                 assert PLACEHOLDER not in it.candidates, "window sent before its tokens were read"
+            history = (tuple(seq.token_ids[seq.num_prompt:it.start])
+                       if seq.spec.penalized else ())
             segs.append(LaneSegment(seq.request_id, it.kind, it.start,
                                     tuple(seq.token_ids[it.start:it.end]), tuple(seq.block_table),
-                                    it.candidates, tuple(it.sample_rows), seq.spec))
+                                    it.candidates, tuple(it.sample_rows), seq.spec, history))
         lane_pass = LanePass(next(self._pass_ids), self.config.scheduler.lane_rows, tuple(segs))
         self._inflight[lane_pass.pass_id] = {it.seq.request_id: it for it in items}
         c = self.counters
@@ -687,3 +692,21 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+
+def _penalty_rows(items: list[FastItem]) -> list[PenaltyRow | None]:
+    """Per fast item, for a sampled row with penalties: the generated tokens before its last
+    input token (all read back by now), and whether that input is a generated one (it may
+    still be a placeholder, fed on the device). Empty when no row has penalties."""
+    if not any(i.sample and i.seq.spec.penalized for i in items):
+        return []
+    out: list[PenaltyRow | None] = []
+    for i in items:
+        if not (i.sample and i.seq.spec.penalized):
+            out.append(None)
+            continue
+        prompt, last = i.seq.num_prompt, i.end - 1
+        history = tuple(i.seq.token_ids[prompt:last])
+        assert PLACEHOLDER not in history, "a penalized row's history not yet read back"
+        out.append((history, last >= prompt))
+    return out

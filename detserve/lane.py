@@ -24,6 +24,14 @@ class LaneSegment:
     candidates: tuple[int, ...]       # window: fast-path tokens for positions start+1 ..
     sample_rows: tuple[int, ...]      # row offsets whose next token the lane samples
     spec: SamplingSpec
+    # penalized specs only: the generated tokens before ``start`` (a sampled row's
+    # penalties count them and the generated ones among this segment's inputs up to it)
+    history: tuple[int, ...] = ()
+
+    def output_history(self, row: int) -> list[int]:
+        """The generated tokens before the position row ``row`` samples."""
+        first = max(0, self.spec.prompt_len - self.start)  # the first generated input
+        return [*self.history, *self.input_ids[first:row + 1]]
 
     def __post_init__(self) -> None:
         if self.kind not in ("prefill", "window"):

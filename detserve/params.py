@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0        # OpenAI's range for a token's bias: [-100, 100]
 MAX_LOGIT_BIAS_TOKENS = 1024  # token ids one request may bias
+MAX_PENALTY = 2.0             # OpenAI's range for presence and frequency penalties: [-2, 2]
 OUTPUT_KINDS = ("cumulative", "final_only")
 
 
@@ -36,6 +37,11 @@ class SamplingParams:
     # ``logit_bias``; -100 bans a token, 100 all but forces it). Logprobs stay those of
     # the model's own distribution
     logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
+    # OpenAI's penalties, in [-2, 2]: each token already generated (not the prompt's) has
+    # its logit lowered by ``presence_penalty`` once and ``frequency_penalty`` per time it
+    # occurred, before sampling. Logprobs stay the model's own
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
     # "cumulative": an output every step that commits tokens (what streaming needs);
     # "final_only": one output when the request finishes (offline generation: no text is
@@ -76,6 +82,13 @@ class SamplingParams:
             raise ValueError("is_deterministic must be a boolean")
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                                 f"got {value!r}")
+            object.__setattr__(self, name, float(value))
 
     @property
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
@@ -100,6 +113,13 @@ class SamplingSpec:
     prompt_len: int = 0
     stop_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), token ids ascending
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a row's logits depend on the tokens generated before it."""
+        return bool(self.presence_penalty or self.frequency_penalty)
 
 
 def _check_int(name: str, value: object, lo: int) -> None:

@@ -10,6 +10,7 @@ that never mix rows, so each row gets exactly its row-by-row result.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TypeVar, cast
 
 import torch
@@ -142,17 +143,21 @@ def _row_scores(row: Tensor, spec: SamplingSpec, position: int) -> Tensor:
     return scores - torch.log(-torch.log(u))
 
 
-def _pick(logits: Tensor, spec: SamplingSpec, position: int
+def _pick(logits: Tensor, spec: SamplingSpec, position: int, counts: Tensor | None = None
           ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
     """One row of fp32 logits [V] -> (0-d int64 token, logprob tensors or None), all on the
     logits' device: nothing waits for the device here.
 
     Logprobs are those of the model's raw distribution (before temperature/filtering).
-    Stop tokens are masked while fewer than ``min_tokens`` outputs exist.
+    The logit bias is added, then (``counts``: int64 [V], how often each token was
+    generated before this position) the penalties subtracted. Stop tokens are masked while
+    fewer than ``min_tokens`` outputs exist.
     """
     row = logits.float()
     if spec.logit_bias:
         row = _biased(row, spec.logit_bias)
+    if counts is not None and spec.penalized:
+        row = _penalized(row, counts, spec)
     if spec.min_tokens and position - spec.prompt_len < spec.min_tokens and spec.stop_ids:
         row = row.clone()
         row[upload(list(spec.stop_ids), row.device)] = float("-inf")
@@ -179,9 +184,31 @@ def _biased(row: Tensor, bias: tuple[tuple[int, float], ...]) -> Tensor:
     return out
 
 
-def sample_row(logits: Tensor, spec: SamplingSpec, position: int) -> tuple[int, TokenLogprob | None]:
+def _penalized(row: Tensor, counts: Tensor, spec: SamplingSpec) -> Tensor:
+    """``row`` less each token's penalty: ``count * frequency + (count > 0) * presence``,
+    in fp32 elementwise (the counts are exact integers, so the same bits on every path)."""
+    penalty = counts.float() * spec.frequency_penalty + \
+        (counts > 0).float() * spec.presence_penalty
+    return row - penalty
+
+
+def token_counts(history: Sequence[int], vocab: int, device: torch.device | str,
+                 extra: Tensor | None = None) -> Tensor:
+    """int64 [vocab]: how often each token of ``history`` (and ``extra``, a 0-d token on
+    the device, not yet read back) occurs. Integer adds: the same counts in any order."""
+    counts = torch.zeros(vocab, dtype=torch.int64, device=device)
+    if history:
+        ids = upload(list(history), device)
+        counts.index_add_(0, ids, torch.ones_like(ids))
+    if extra is not None:
+        counts.index_add_(0, extra.view(1), torch.ones(1, dtype=torch.int64, device=device))
+    return counts
+
+
+def sample_row(logits: Tensor, spec: SamplingSpec, position: int,
+               counts: Tensor | None = None) -> tuple[int, TokenLogprob | None]:
     """Pick the token at ``position`` from one row of fp32 logits [V] (see ``_pick``)."""
-    token, lp = _pick(logits, spec, position)
+    token, lp = _pick(logits, spec, position, counts)
     return PickedRows(token.view(1), [lp]).result()[0]
 
 
@@ -194,7 +221,8 @@ def _gumbel_batchable(spec: SamplingSpec, position: int, logprobs_ok: bool = Fal
     bias), which ``gumbel_rows`` gives exactly for many rows at once."""
     masked = spec.min_tokens and position - spec.prompt_len < spec.min_tokens and spec.stop_ids
     return (spec.temperature > 0.0 and spec.top_p >= 1.0
-            and (spec.logprobs is None or logprobs_ok) and not masked and not spec.logit_bias)
+            and (spec.logprobs is None or logprobs_ok) and not masked and not spec.logit_bias
+            and not spec.penalized)
 
 
 def gumbel_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
@@ -256,15 +284,17 @@ def gumbel_scores(logits: Tensor, kth: Tensor, inv_temp: Tensor, keys: Tensor) -
 
 
 def launch_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
-                row_by_row: bool = False, cfg: SamplerConfig = DEFAULT_SAMPLER) -> PickedRows:
+                row_by_row: bool = False, cfg: SamplerConfig = DEFAULT_SAMPLER,
+                counts: Sequence[Tensor | None] = ()) -> PickedRows:
     """Sample many rows without waiting for the device. Greedy rows without logprobs share
     one batched argmax (exact, so still row-independent) unless ``row_by_row``; so do, on
-    CUDA, sampled rows without top-p, logprobs, a stop mask or a logit bias
-    (``gumbel_rows``, exact too); the others go row by row. ``row_by_row``: every row does (the reference the many-row
+    CUDA, sampled rows without top-p, logprobs, a stop mask, a logit bias or penalties
+    (``gumbel_rows``, exact too); the others go row by row. ``counts`` (per row, or empty):
+    the token counts a penalized row's penalties read (``token_counts``). ``row_by_row``: every row does (the reference the many-row
     paths are tested against)."""
     lp_ok = not row_by_row and logits.is_cuda and cfg.logprob_kernel
     simple = [not row_by_row and s.temperature == 0.0 and (s.logprobs is None or lp_ok)
-              and not s.min_tokens and not s.logit_bias for s in specs]
+              and not s.min_tokens and not s.logit_bias and not s.penalized for s in specs]
     many_ok = not row_by_row and logits.is_cuda and cfg.gumbel_chunk_rows > 0
     gumbel = [many_ok and _gumbel_batchable(s, p, lp_ok)
               for s, p in zip(specs, positions, strict=True)]
@@ -284,9 +314,12 @@ def launch_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
         tokens[at] = gumbel_rows(logits[at], [specs[i] for i in many],
                                  [positions[i] for i in many], cfg.gumbel_chunk_rows,
                                  cfg.gumbel_kernel)
+    if any(s.penalized and (not counts or counts[i] is None) for i, s in enumerate(specs)):
+        raise ValueError("a row with penalties needs the counts of the tokens before it")
     for i, (ok, batched) in enumerate(zip(simple, gumbel, strict=True)):
         if not (ok or batched):
-            token, lps[i] = _pick(logits[i], specs[i], positions[i])
+            token, lps[i] = _pick(logits[i], specs[i], positions[i],
+                                  counts[i] if counts else None)
             tokens[i] = token
     return PickedRows(tokens, lps, _many_logprobs(logits, tokens, specs, simple, gumbel))
 

@@ -9,6 +9,7 @@ the same perturbations do change non-deterministic requests, so the test can fai
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_utils import Req, random_prompts, run_engine, signature, tiny_model
 
 from detserve.params import SamplingParams
@@ -187,6 +188,87 @@ def test_logit_bias_requests_stay_deterministic(model: str) -> None:
         clean, _, _ = run_engine(model, [Req(TARGET, free)])
         drift, _, _ = run_engine(model, [Req(TARGET, free)], perturbation=0.25)
         assert signature(drift[0]) != signature(clean[0])
+
+
+def _penalized_logits(model: str, prompt: list[int], out: list[int],
+                      p: SamplingParams) -> list[torch.Tensor]:
+    """For each position of ``out``: the logits after ``prompt + out[:t]`` from a dense
+    reference forward (``model.testing``), less OpenAI's penalties of ``out[:t]``."""
+    from detserve.model.loader import load_model
+    from detserve.model.testing import DenseAttention, ReferenceOps
+
+    llama = load_model(model)[0]
+    ops, rows = ReferenceOps(), []
+    for t in range(len(out)):
+        ids = prompt + out[:t]
+        attn = DenseAttention(llama.config, len(ids))
+        positions = torch.arange(len(ids))
+        attn.set_positions(positions)
+        logits = llama.logits(llama(torch.tensor(ids), positions, attn, ops), ops)[-1]
+        counts = torch.bincount(torch.tensor(out[:t], dtype=torch.long),
+                                minlength=logits.shape[-1]).float()
+        rows.append(logits - (counts * p.frequency_penalty + (counts > 0) * p.presence_penalty))
+    return rows
+
+
+# a generated token gains 1.0 once, less 0.3 per time it occurred: repeats, then moves on
+PENALTIES = {"presence_penalty": -1.0, "frequency_penalty": 0.3}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_penalized_requests_stay_deterministic(model: str, async_scheduling: bool) -> None:
+    """Presence and frequency penalties read every token generated before a position: the
+    fast path (its last token fed on the device under asynchronous scheduling) and the lane
+    (a window's candidates, the tokens before it sent along) must count alike. Under
+    perturbation a penalized deterministic request equals the lane_only oracle, alone and
+    in a batch with others penalized or not. Controls: the penalties change the output and
+    make it repeat tokens (they reward them here: the tiny random model seldom repeats a
+    token by itself, so a positive penalty would seldom bite); the perturbation changes the
+    same request when non-deterministic."""
+    kw = dict(async_scheduling=async_scheduling)
+    for kind in (dict(logprobs=1), dict(temperature=0.9, seed=5)):
+        plain = SamplingParams(max_tokens=40, is_deterministic=True, ignore_eos=True, **kind)
+        p = SamplingParams(**{**plain.__dict__, **PENALTIES})
+        unpenalized, _, _ = run_engine(model, [Req(TARGET, plain)], mode="lane_only", **kw)
+        oracle, _, _ = run_engine(model, [Req(TARGET, p)], mode="lane_only", **kw)
+        assert signature(oracle[0]) != signature(unpenalized[0])
+        assert len(set(oracle[0].token_ids)) < len(set(unpenalized[0].token_ids))
+        others = _penalized_others()
+        batch = others[:4] + [Req(TARGET, p, arrival=2)] + others[4:]
+        outs, stats, _ = run_engine(model, batch, perturbation=0.25, **kw)
+        assert stats["rollbacks"] > 0
+        assert signature(outs[4]) == signature(oracle[0])
+        free = SamplingParams(**{**p.__dict__, "is_deterministic": False})
+        clean, _, _ = run_engine(model, [Req(TARGET, free)], **kw)
+        drift, _, _ = run_engine(model, [Req(TARGET, free)], perturbation=0.25, **kw)
+        assert signature(drift[0]) != signature(clean[0])
+
+
+def _penalized_others() -> list[Req]:
+    """Others of every kind: penalized or not, deterministic or not."""
+    return [Req(r.prompt, SamplingParams(**{**r.params.__dict__,
+                                            "presence_penalty": (0.0, 0.8, -0.5)[i % 3],
+                                            "frequency_penalty": (0.0, 0.3)[i % 2],
+                                            "is_deterministic": i % 2 == 0}), r.arrival)
+            for i, r in enumerate(_others(8, det=True, seed=13))]
+
+
+@pytest.mark.parametrize("mode", ["nondeterministic", "llm42"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_penalties_follow_openais_formula(model: str, mode: str, async_scheduling: bool) -> None:
+    """Each greedy token of a penalized request (the fast path's, its last token fed on the
+    device when asynchronous, or the lane's) is the
+    first maximum of that position's logits less ``count * frequency + (count > 0) *
+    presence`` over the tokens generated before it (a dense reference forward; a near tie
+    within 1e-4 may go either way). Control: the penalties do move some choice."""
+    p = SamplingParams(max_tokens=16, is_deterministic=True, ignore_eos=True, **PENALTIES)
+    out = run_engine(model, [Req(TARGET, p)], mode=mode,
+                     async_scheduling=async_scheduling)[0][0].token_ids
+    rows = _penalized_logits(model, TARGET, out, p)
+    for t, row in enumerate(rows):
+        assert float(row[out[t]]) >= float(row.max()) - 1e-4, t
+    raw = _penalized_logits(model, TARGET, out, SamplingParams())
+    assert any(int(r.argmax()) != out[t] for t, r in enumerate(raw))
 
 
 def test_nondeterministic_mode_ignores_flag(model: str) -> None:

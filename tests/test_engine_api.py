@@ -42,6 +42,9 @@ PROMPT = random_prompts(1, [12], seed=5)[0]
     ({"logit_bias": {"5": 1.0}}, "logit_bias"),
     ({"logit_bias": [(5, 1.0)]}, "logit_bias"),
     ({"logit_bias": {i: 1.0 for i in range(1025)}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"frequency_penalty": "1"}, "frequency_penalty"),
 ])
 def test_bad_sampling_params(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

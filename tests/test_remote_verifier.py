@@ -51,7 +51,10 @@ REQS = [
     Req(_PROMPTS[1], SamplingParams(max_tokens=30, is_deterministic=False, temperature=0.7,
                                     seed=1, ignore_eos=True), arrival=1),
     Req(_PROMPTS[2], SamplingParams(max_tokens=36, temperature=0.8, top_p=0.9, seed=1234,
-                                    is_deterministic=True, logprobs=1, ignore_eos=True)),
+                                    is_deterministic=True, logprobs=1, ignore_eos=True,
+                                    # penalties: the spec and the tokens before a window
+                                    # travel to the verifier
+                                    presence_penalty=-1.0, frequency_penalty=0.3)),
     Req(_PROMPTS[3], SamplingParams(max_tokens=25, is_deterministic=False, ignore_eos=True)),
     Req(_PROMPTS[4], SamplingParams(max_tokens=33, is_deterministic=True, logprobs=0,
                                     ignore_eos=True,  # the bias travels to the verifier
@@ -176,9 +179,10 @@ def drive_against_oracle(engine: LLMEngine, oracle: list[tuple], verifier_addres
 def test_codec_roundtrip_is_exact() -> None:
     spec = SamplingSpec(temperature=0.1 + 0.2, top_p=0.9, top_k=5, seed=2**63 - 1, logprobs=None,
                         min_tokens=2, prompt_len=7, stop_ids=(0, 2),
-                        logit_bias=((3, -100.0), (9, 0.1 + 0.2)))
+                        logit_bias=((3, -100.0), (9, 0.1 + 0.2)), presence_penalty=-0.7,
+                        frequency_penalty=0.1 + 0.2)
     lane_pass = LanePass(9, 32, (
-        LaneSegment("a", "window", 12, (5, 6, 7), (1, 4), (6, 7), (0, 1, 2), spec),
+        LaneSegment("a", "window", 12, (5, 6, 7), (1, 4), (6, 7), (0, 1, 2), spec, (4, 4, 9)),
         LaneSegment("b", "prefill", 0, (3,), (2,), (), (), SamplingSpec(logprobs=0))))
     assert codec.decode_pass(codec.encode_pass(lane_pass).lane_pass) == lane_pass
     lp = TokenLogprob(6, -0.123456789012345, {6: -0.12, 3: -2.5, 9: -1e-300})

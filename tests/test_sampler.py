@@ -136,3 +136,23 @@ def test_logit_bias_bans_and_forces_tokens_and_leaves_logprobs_raw(device: str) 
     assert [t for t, _ in picked] == [sample_row(logits[i], s, 5)[0]
                                       for i, s in enumerate(specs)]
     assert torch.equal(logits, before)
+
+
+def test_penalties_lower_generated_tokens_by_presence_and_frequency() -> None:
+    """``token_counts`` counts a history (and a token still on the device); a penalized
+    row's logits lose ``count * frequency + (count > 0) * presence``; a penalized row with
+    no counts is refused (the engine always passes them)."""
+    from detserve.sampler import token_counts
+
+    logits = torch.tensor([[2.0, 1.9, 1.8, 0.0]])
+    counts = token_counts([0, 0, 2], 4, "cpu", extra=torch.tensor(0))
+    assert counts.tolist() == [3, 0, 1, 0]
+    spec = SamplingSpec(presence_penalty=0.05, frequency_penalty=0.1)
+    # token 0: 2.0 - 0.3 - 0.05; token 1: 1.9; token 2: 1.8 - 0.1 - 0.05
+    assert sample_row(logits[0], spec, 9, counts)[0] == 1
+    assert sample_row(logits[0], SamplingSpec(), 9, counts)[0] == 0
+    rewarded = SamplingSpec(presence_penalty=-0.5)
+    assert sample_row(torch.tensor([1.0, 1.2, 1.1, 0.0]), rewarded, 9, counts)[0] == 2
+    assert launch_rows(logits, [spec], [9], counts=[counts]).result()[0][0] == 1
+    with pytest.raises(ValueError, match="penalties"):
+        launch_rows(logits, [spec], [9])

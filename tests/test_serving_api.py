@@ -295,6 +295,25 @@ def test_logit_bias_over_http_and_grpc_equals_offline(cluster: Cluster, client: 
     assert ids == ref.token_ids
 
 
+def test_penalties_over_http_and_grpc_equal_offline(cluster: Cluster, client: openai.OpenAI,
+                                                    model_id: str, offline: LLM) -> None:
+    """OpenAI's presence and frequency penalties: a deterministic request with them equals
+    the offline engine given the same penalties, over HTTP and over gRPC; without them the
+    output differs (control)."""
+    pen = {"presence_penalty": -1.0, "frequency_penalty": 0.3}  # rewards repeats: they show
+    ref = reference(offline, PROMPTS[4], max_tokens=14, **pen)
+    assert ref.token_ids != reference(offline, PROMPTS[4], max_tokens=14).token_ids
+    http = client.completions.create(model=model_id, prompt=PROMPTS[4], max_tokens=14,
+                                     temperature=0, extra_body=det_body(), **pen)
+    assert list(http.choices[0].token_ids) == ref.token_ids
+    with grpc.insecure_channel(cluster.grpc_address) as channel:
+        req = pb.GenerateRequest(prompt=PROMPTS[4], max_tokens=14, temperature=0.0,
+                                 is_deterministic=True, **pen)
+        events = list(pb_grpc.CompletionsStub(channel).Generate(req, timeout=120))
+    ids = [t for e in events if e.WhichOneof("event") == "chunk" for t in e.chunk.token_ids]
+    assert ids == ref.token_ids
+
+
 def _decoder_stats() -> dict[str, tuple[int, float]]:
     """(open streams, committed tokens) of every decoder replica (calls pinned to each)."""
     import ray

@@ -82,7 +82,9 @@ BAD_INPUTS: list[tuple[str, str, Any, int]] = [
     ("is_deterministic wrong type", C, _cmpl(is_deterministic="yes"), 400),
     ("stream wrong type", C, _cmpl(stream="true"), 400),
     ("stream_options without stream", C, _cmpl(stream_options={"include_usage": True}), 400),
-    ("unsupported penalty", C, _cmpl(presence_penalty=1.0), 400),
+    ("unsupported echo", C, _cmpl(echo=True), 400),
+    ("presence_penalty out of range", C, _cmpl(presence_penalty=2.5), 400),
+    ("frequency_penalty wrong type", C, _cmpl(frequency_penalty="high"), 400),
     ("logit_bias key not a token id", C, _cmpl(logit_bias={"abc": 1.0}), 400),
     ("logit_bias token out of vocab", C, _cmpl(logit_bias={str(10**9): 1.0}), 400),
     ("logit_bias value out of range", C, _cmpl(logit_bias={"5": 101.0}), 400),
@@ -125,6 +127,7 @@ BAD_GRPC: list[tuple[str, dict[str, Any]]] = [
     ("logprobs too large", {"prompt": "hi", "logprobs": 100}),
     ("logit_bias out of range", {"prompt": "hi", "logit_bias": {5: -250.0}}),
     ("logit_bias token out of vocab", {"prompt": "hi", "logit_bias": {10**9: 1.0}}),
+    ("frequency_penalty out of range", {"prompt": "hi", "frequency_penalty": -3.0}),
     ("invalid role", {"messages": [pb.ChatMessage(role="wizard", content="x")]}),
     ("request_id too long", {"prompt": "hi", "request_id": "r" * 500}),
 ]

@@ -34,7 +34,14 @@ from detserve.kernels.config import TABLE, lane_variant
 from detserve.lane import LaneDecision, LanePass, LaneResult, decide
 from detserve.model.llama import LlamaModel, Ops
 from detserve.outputs import TokenLogprob
-from detserve.sampler import DEFAULT_SAMPLER, PickedRows, SamplerConfig, SamplingSpec, launch_rows
+from detserve.sampler import (
+    DEFAULT_SAMPLER,
+    PickedRows,
+    SamplerConfig,
+    SamplingSpec,
+    launch_rows,
+    token_counts,
+)
 
 if TYPE_CHECKING:
     from detserve.executor.graphs import DecodeGraphs, LaneGraph, StepGraphs
@@ -49,6 +56,9 @@ class GraphCaptureError(RuntimeError):
 # a launch's sampled tokens on the device and [(segment of the new launch, row of those
 # tokens)]: where a segment's input token comes from (``ModelRunner.launch_batch``)
 Feed = tuple[Tensor, list[tuple[int, int]]]
+# a penalized row's history (``sampler.token_counts``): the generated tokens before its
+# segment's last input token, and whether that input is itself a generated token
+PenaltyRow = tuple[tuple[int, ...], bool]
 
 
 class LaunchedBatch:
@@ -371,12 +381,14 @@ class ModelRunner:
     @torch.inference_mode()
     def launch_batch(self, segments: list[RowSegment], sample_specs: list[SamplingSpec | None],
                      batch_invariant: bool = False, align_decode: bool = True,
-                     feed: Feed | None = None) -> LaunchedBatch:
+                     feed: Feed | None = None,
+                     penalties: Sequence[PenaltyRow | None] = ()) -> LaunchedBatch:
         """``run_batch`` without waiting for the device: the forward and the sampling are
         queued and the result is read later (``LaunchedBatch.result``), so the host can
         plan and queue the next step meanwhile. ``feed`` (tokens on the device, [(segment,
         row of tokens)]) gives those segments' single input token from an earlier launch
-        whose tokens have not been read back (their ``input_ids`` hold a placeholder)."""
+        whose tokens have not been read back (their ``input_ids`` hold a placeholder).
+        ``penalties`` (per segment, or empty): the history of each penalized segment."""
         want = [i for i, s in enumerate(sample_specs) if s is not None]
         ops = self.bi_ops if batch_invariant else self.fast_ops
         graphs = self.decode_graphs
@@ -414,8 +426,34 @@ class ModelRunner:
         # every mode alike: the many-row paths give each row exactly its row-by-row token
         # (a batched argmax, first maximum; one Gumbel pass whose programs never mix rows),
         # so batch_invariant needs no row-by-row sampling, nor do SGLang's and vLLM's
-        picked = launch_rows(logits, specs, positions, cfg=self.sampling)
+        counts = self._step_counts(segments, want, penalties, feed, logits.shape[-1])
+        picked = launch_rows(logits, specs, positions, cfg=self.sampling, counts=counts)
         return LaunchedBatch(len(segments), want, picked)
+
+    def _step_counts(self, segments: list[RowSegment], want: list[int],
+                     penalties: Sequence[PenaltyRow | None], feed: Feed | None, vocab: int
+                     ) -> list[Tensor | None]:
+        """The token counts of the penalized rows among ``want`` (``sampler.token_counts``):
+        their history, and their last input token when it is a generated one, taken from
+        ``feed`` on the device when it has not been read back."""
+        if not any(penalties):
+            return []
+        fed = dict(feed[1]) if feed is not None else {}
+        out: list[Tensor | None] = []
+        for i in want:
+            pen = penalties[i]
+            if pen is None:
+                out.append(None)
+                continue
+            history, last_generated = pen
+            extra = None
+            if last_generated and i in fed:
+                assert feed is not None
+                extra = feed[0][fed[i]]
+            elif last_generated:
+                history = (*history, segments[i].input_ids[-1])
+            out.append(token_counts(history, vocab, self.device, extra))
+        return out
 
     def _graphed_step(self, segments: list[RowSegment], batch_invariant: bool,
                       head: int | None, feed: Feed | None) -> Tensor | None:
@@ -446,7 +484,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_lane(self, lane_pass: LanePass, riders: Sequence[RowSegment] = (),
-                    rider_specs: Sequence[SamplingSpec | None] = ()
+                    rider_specs: Sequence[SamplingSpec | None] = (),
+                    rider_penalties: Sequence[PenaltyRow | None] = ()
                     ) -> tuple[LaneLaunch, LaunchedBatch]:
         """Queue a lane pass on the current stream without waiting for it.
 
@@ -485,13 +524,21 @@ class ModelRunner:
                                     self.lane_logit_ops) if rows else None)
         picked = rider_picked = None
         if logits is not None and n_lane:
+            vocab = logits.shape[-1]
+            counts = ([token_counts(s.output_history(r), vocab, self.device)
+                       if s.spec.penalized else None
+                       for s in lane_pass.segments for r in s.sample_rows]
+                      if any(s.spec.penalized for s in lane_pass.segments) else [])
             picked = launch_rows(logits[:n_lane],
                                  [s.spec for s in lane_pass.segments for _ in s.sample_rows],
                                  [s.start + r + 1 for s in lane_pass.segments
-                                  for r in s.sample_rows], cfg=self.sampling)
+                                  for r in s.sample_rows], cfg=self.sampling, counts=counts)
         if logits is not None and want:
             rider_picked = launch_rows(logits[n_lane:],
                                        [cast(SamplingSpec, rider_specs[k]) for k in want],
-                                       [riders[k].start + 1 for k in want], cfg=self.sampling)
+                                       [riders[k].start + 1 for k in want], cfg=self.sampling,
+                                       counts=self._step_counts(list(riders), want,
+                                                                rider_penalties, None,
+                                                                logits.shape[-1]))
         return (LaneLaunch(lane_pass, picked, t0),
                 LaunchedBatch(len(riders), want, rider_picked))

@@ -34,7 +34,8 @@ __all__ = ["add_CompletionsServicer_to_server", "job_from_proto", "status_code"]
 # proxy and the Router both import this module) so the pickle resolves to these classes.
 sys.modules.setdefault(pb.DESCRIPTOR.name.removesuffix(".proto") + "_pb2", pb)
 
-_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens")
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens",
+             "presence_penalty", "frequency_penalty")
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
            413: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
            503: grpc.StatusCode.UNAVAILABLE}

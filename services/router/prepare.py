@@ -183,7 +183,9 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k, seed=seed,
             is_deterministic=req.is_deterministic, stop=_stops(req.stop), logprobs=logprobs,
             ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-            logit_bias=bias, skip_special_tokens=req.skip_special_tokens)
+            logit_bias=bias, presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            skip_special_tokens=req.skip_special_tokens)
     except ValueError as e:
         raise invalid(str(e), param=str(e).split(" ", 1)[0]) from e
 

@@ -2,7 +2,7 @@
 
 Extra fields: ``is_deterministic`` (bit-exact reproducible output), vLLM's ``top_k``,
 ``min_tokens``, ``ignore_eos`` and ``skip_special_tokens``. Unknown fields are ignored, as
-OpenAI does; known-but-unsupported features (penalties, tools, echo, ...) are
+OpenAI does; known-but-unsupported features (tools, echo, best_of, ...) are
 refused with a 400 naming the field rather than silently ignored.
 """
 
@@ -49,8 +49,7 @@ class SamplingFields(_Strict):
 
     def unsupported(self) -> list[str]:
         """Fields set to something this server does not implement."""
-        return [name for name in ("presence_penalty", "frequency_penalty")
-                if getattr(self, name) not in (None, 0, 0.0)]
+        return []
 
 
 class CompletionRequest(SamplingFields):

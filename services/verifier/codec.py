@@ -69,7 +69,9 @@ def _encode_spec(s: SamplingSpec) -> pb.SamplingSpec:
                            seed=s.seed, logprobs=s.logprobs, min_tokens=s.min_tokens,
                            prompt_len=s.prompt_len, stop_ids=list(s.stop_ids),
                            bias_ids=[t for t, _ in s.logit_bias],
-                           bias_values=[b for _, b in s.logit_bias])
+                           bias_values=[b for _, b in s.logit_bias],
+                           presence_penalty=s.presence_penalty,
+                           frequency_penalty=s.frequency_penalty)
 
 
 def _decode_spec(s: pb.SamplingSpec) -> SamplingSpec:
@@ -77,14 +79,16 @@ def _decode_spec(s: pb.SamplingSpec) -> SamplingSpec:
                         logprobs=s.logprobs if s.HasField("logprobs") else None,
                         min_tokens=s.min_tokens, prompt_len=s.prompt_len,
                         stop_ids=tuple(s.stop_ids),
-                        logit_bias=tuple(zip(s.bias_ids, s.bias_values, strict=True)))
+                        logit_bias=tuple(zip(s.bias_ids, s.bias_values, strict=True)),
+                        presence_penalty=s.presence_penalty,
+                        frequency_penalty=s.frequency_penalty)
 
 
 def encode_pass(p: LanePass) -> pb.LaneRequest:
     segs = [pb.LaneSegment(request_id=s.request_id, is_window=s.kind == "window", start=s.start,
                            input_ids=s.input_ids, block_table=s.block_table,
                            candidates=s.candidates, sample_rows=s.sample_rows,
-                           spec=_encode_spec(s.spec))
+                           spec=_encode_spec(s.spec), history=s.history)
             for s in p.segments]
     return pb.LaneRequest(lane_pass=pb.LanePass(pass_id=p.pass_id, rows=p.rows, segments=segs))
 
@@ -92,7 +96,7 @@ def encode_pass(p: LanePass) -> pb.LaneRequest:
 def decode_pass(p: pb.LanePass) -> LanePass:
     segs = tuple(LaneSegment(s.request_id, "window" if s.is_window else "prefill", s.start,
                              tuple(s.input_ids), tuple(s.block_table), tuple(s.candidates),
-                             tuple(s.sample_rows), _decode_spec(s.spec))
+                             tuple(s.sample_rows), _decode_spec(s.spec), tuple(s.history))
                  for s in p.segments)
     return LanePass(p.pass_id, p.rows, segs)
 

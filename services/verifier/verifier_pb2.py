@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0everifier.proto\x12\x11\x64\x65tserve.verifier\"\x81\x02\n\x0cLaneGeometry\x12\x11\n\tlane_rows\x18\x01 \x01(\x05\x12\x0e\n\x06window\x18\x02 \x01(\x05\x12\x1c\n\x14\x62\x61tch_invariant_rows\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x16\n\x0elane_gemm_rows\x18\x05 \x01(\x05\x12\x1c\n\x14lane_attention_split\x18\x06 \x01(\x05\x12\x17\n\x0flane_plain_sums\x18\x07 \x01(\x08\x12\x18\n\x10unfused_silu_mul\x18\x08 \x01(\x08\x12\x1b\n\x13unfused_add_rmsnorm\x18\t \x01(\x08\x12\x16\n\x0elogprob_kernel\x18\n \x01(\x08\"\xa7\x01\n\x05Hello\x12\x12\n\ndecoder_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x11\n\tkv_handle\x18\x03 \x01(\t\x12\x14\n\x0cweights_hash\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x31\n\x08geometry\x18\x06 \x01(\x0b\x32\x1f.detserve.verifier.LaneGeometry\x12\x10\n\x08numerics\x18\x07 \x01(\t\"\xd4\x01\n\x0cSamplingSpec\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x15\n\x08logprobs\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x06 \x01(\x05\x12\x12\n\nprompt_len\x18\x07 \x01(\x05\x12\x10\n\x08stop_ids\x18\x08 \x03(\x05\x12\x10\n\x08\x62ias_ids\x18\t \x03(\x05\x12\x13\n\x0b\x62ias_values\x18\n \x03(\x01\x42\x0b\n\t_logprobs\"\xc3\x01\n\x0bLaneSegment\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tis_window\x18\x02 \x01(\x08\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x11\n\tinput_ids\x18\x04 \x03(\x05\x12\x13\n\x0b\x62lock_table\x18\x05 \x03(\x05\x12\x12\n\ncandidates\x18\x06 \x03(\x05\x12\x13\n\x0bsample_rows\x18\x07 \x03(\x05\x12-\n\x04spec\x18\x08 \x01(\x0b\x32\x1f.detserve.verifier.SamplingSpec\"[\n\x08LanePass\x12\x0f\n\x07pass_id\x18\x01 \x01(\x04\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\x30\n\x08segments\x18\x03 \x03(\x0b\x32\x1e.detserve.verifier.LaneSegment\"r\n\x0bLaneRequest\x12)\n\x05hello\x18\x01 \x01(\x0b\x32\x18.detserve.verifier.HelloH\x00\x12\x30\n\tlane_pass\x18\x02 \x01(\x0b\x32\x1b.detserve.verifier.LanePassH\x00\x42\x06\n\x04kind\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"i\n\x07Logprob\x12\x0f\n\x07present\x18\x01 \x01(\x08\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12*\n\x03top\x18\x04 \x03(\x0b\x32\x1d.detserve.verifier.TopLogprob\"\x94\x01\n\x0cLaneDecision\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tis_window\x18\x02 \x01(\x08\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\x05\x12\x0e\n\x06tokens\x18\x05 \x03(\x05\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.detserve.verifier.Logprob\"z\n\nLaneResult\x12\x0f\n\x07pass_id\x18\x01 \x01(\x04\x12\x32\n\tdecisions\x18\x02 \x03(\x0b\x32\x1f.detserve.verifier.LaneDecision\x12\x14\n\x0cpadding_rows\x18\x03 \x01(\x05\x12\x11\n\telapsed_s\x18\x04 \x01(\x01\"\x1c\n\x05Ready\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\"-\n\tPassError\x12\x0f\n\x07pass_id\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa1\x01\n\tLaneReply\x12)\n\x05ready\x18\x01 \x01(\x0b\x32\x18.detserve.verifier.ReadyH\x00\x12\x32\n\tdecisions\x18\x02 \x01(\x0b\x32\x1d.detserve.verifier.LaneResultH\x00\x12-\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1c.detserve.verifier.PassErrorH\x00\x42\x06\n\x04kind\"\x0f\n\rHealthRequest\"j\n\x0bHealthReply\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x13\n\x0bverifier_id\x18\x02 \x01(\t\x12\x14\n\x0cweights_hash\x18\x03 \x01(\t\x12\x0f\n\x07streams\x18\x04 \x01(\x05\x12\x0e\n\x06passes\x18\x05 \x01(\x04\x32\xa2\x01\n\x08Verifier\x12J\n\x06Verify\x12\x1e.detserve.verifier.LaneRequest\x1a\x1c.detserve.verifier.LaneReply(\x01\x30\x01\x12J\n\x06Health\x12 .detserve.verifier.HealthRequest\x1a\x1e.detserve.verifier.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0everifier.proto\x12\x11\x64\x65tserve.verifier\"\x81\x02\n\x0cLaneGeometry\x12\x11\n\tlane_rows\x18\x01 \x01(\x05\x12\x0e\n\x06window\x18\x02 \x01(\x05\x12\x1c\n\x14\x62\x61tch_invariant_rows\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x16\n\x0elane_gemm_rows\x18\x05 \x01(\x05\x12\x1c\n\x14lane_attention_split\x18\x06 \x01(\x05\x12\x17\n\x0flane_plain_sums\x18\x07 \x01(\x08\x12\x18\n\x10unfused_silu_mul\x18\x08 \x01(\x08\x12\x1b\n\x13unfused_add_rmsnorm\x18\t \x01(\x08\x12\x16\n\x0elogprob_kernel\x18\n \x01(\x08\"\xa7\x01\n\x05Hello\x12\x12\n\ndecoder_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x11\n\tkv_handle\x18\x03 \x01(\t\x12\x14\n\x0cweights_hash\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x31\n\x08geometry\x18\x06 \x01(\x0b\x32\x1f.detserve.verifier.LaneGeometry\x12\x10\n\x08numerics\x18\x07 \x01(\t\"\x89\x02\n\x0cSamplingSpec\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x15\n\x08logprobs\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x06 \x01(\x05\x12\x12\n\nprompt_len\x18\x07 \x01(\x05\x12\x10\n\x08stop_ids\x18\x08 \x03(\x05\x12\x10\n\x08\x62ias_ids\x18\t \x03(\x05\x12\x13\n\x0b\x62ias_values\x18\n \x03(\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x42\x0b\n\t_logprobs\"\xd4\x01\n\x0bLaneSegment\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tis_window\x18\x02 \x01(\x08\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x11\n\tinput_ids\x18\x04 \x03(\x05\x12\x13\n\x0b\x62lock_table\x18\x05 \x03(\x05\x12\x12\n\ncandidates\x18\x06 \x03(\x05\x12\x13\n\x0bsample_rows\x18\x07 \x03(\x05\x12-\n\x04spec\x18\x08 \x01(\x0b\x32\x1f.detserve.verifier.SamplingSpec\x12\x0f\n\x07history\x18\t \x03(\x05\"[\n\x08LanePass\x12\x0f\n\x07pass_id\x18\x01 \x01(\x04\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\x30\n\x08segments\x18\x03 \x03(\x0b\x32\x1e.detserve.verifier.LaneSegment\"r\n\x0bLaneRequest\x12)\n\x05hello\x18\x01 \x01(\x0b\x32\x18.detserve.verifier.HelloH\x00\x12\x30\n\tlane_pass\x18\x02 \x01(\x0b\x32\x1b.detserve.verifier.LanePassH\x00\x42\x06\n\x04kind\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"i\n\x07Logprob\x12\x0f\n\x07present\x18\x01 \x01(\x08\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12*\n\x03top\x18\x04 \x03(\x0b\x32\x1d.detserve.verifier.TopLogprob\"\x94\x01\n\x0cLaneDecision\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tis_window\x18\x02 \x01(\x08\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\x05\x12\x0e\n\x06tokens\x18\x05 \x03(\x05\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.detserve.verifier.Logprob\"z\n\nLaneResult\x12\x0f\n\x07pass_id\x18\x01 \x01(\x04\x12\x32\n\tdecisions\x18\x02 \x03(\x0b\x32\x1f.detserve.verifier.LaneDecision\x12\x14\n\x0cpadding_rows\x18\x03 \x01(\x05\x12\x11\n\telapsed_s\x18\x04 \x01(\x01\"\x1c\n\x05Ready\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\"-\n\tPassError\x12\x0f\n\x07pass_id\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa1\x01\n\tLaneReply\x12)\n\x05ready\x18\x01 \x01(\x0b\x32\x18.detserve.verifier.ReadyH\x00\x12\x32\n\tdecisions\x18\x02 \x01(\x0b\x32\x1d.detserve.verifier.LaneResultH\x00\x12-\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1c.detserve.verifier.PassErrorH\x00\x42\x06\n\x04kind\"\x0f\n\rHealthRequest\"j\n\x0bHealthReply\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x13\n\x0bverifier_id\x18\x02 \x01(\t\x12\x14\n\x0cweights_hash\x18\x03 \x01(\t\x12\x0f\n\x07streams\x18\x04 \x01(\x05\x12\x0e\n\x06passes\x18\x05 \x01(\x04\x32\xa2\x01\n\x08Verifier\x12J\n\x06Verify\x12\x1e.detserve.verifier.LaneRequest\x1a\x1c.detserve.verifier.LaneReply(\x01\x30\x01\x12J\n\x06Health\x12 .detserve.verifier.HealthRequest\x1a\x1e.detserve.verifier.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,31 +36,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HELLO']._serialized_start=298
   _globals['_HELLO']._serialized_end=465
   _globals['_SAMPLINGSPEC']._serialized_start=468
-  _globals['_SAMPLINGSPEC']._serialized_end=680
-  _globals['_LANESEGMENT']._serialized_start=683
-  _globals['_LANESEGMENT']._serialized_end=878
-  _globals['_LANEPASS']._serialized_start=880
-  _globals['_LANEPASS']._serialized_end=971
-  _globals['_LANEREQUEST']._serialized_start=973
-  _globals['_LANEREQUEST']._serialized_end=1087
-  _globals['_TOPLOGPROB']._serialized_start=1089
-  _globals['_TOPLOGPROB']._serialized_end=1136
-  _globals['_LOGPROB']._serialized_start=1138
-  _globals['_LOGPROB']._serialized_end=1243
-  _globals['_LANEDECISION']._serialized_start=1246
-  _globals['_LANEDECISION']._serialized_end=1394
-  _globals['_LANERESULT']._serialized_start=1396
-  _globals['_LANERESULT']._serialized_end=1518
-  _globals['_READY']._serialized_start=1520
-  _globals['_READY']._serialized_end=1548
-  _globals['_PASSERROR']._serialized_start=1550
-  _globals['_PASSERROR']._serialized_end=1595
-  _globals['_LANEREPLY']._serialized_start=1598
-  _globals['_LANEREPLY']._serialized_end=1759
-  _globals['_HEALTHREQUEST']._serialized_start=1761
-  _globals['_HEALTHREQUEST']._serialized_end=1776
-  _globals['_HEALTHREPLY']._serialized_start=1778
-  _globals['_HEALTHREPLY']._serialized_end=1884
-  _globals['_VERIFIER']._serialized_start=1887
-  _globals['_VERIFIER']._serialized_end=2049
+  _globals['_SAMPLINGSPEC']._serialized_end=733
+  _globals['_LANESEGMENT']._serialized_start=736
+  _globals['_LANESEGMENT']._serialized_end=948
+  _globals['_LANEPASS']._serialized_start=950
+  _globals['_LANEPASS']._serialized_end=1041
+  _globals['_LANEREQUEST']._serialized_start=1043
+  _globals['_LANEREQUEST']._serialized_end=1157
+  _globals['_TOPLOGPROB']._serialized_start=1159
+  _globals['_TOPLOGPROB']._serialized_end=1206
+  _globals['_LOGPROB']._serialized_start=1208
+  _globals['_LOGPROB']._serialized_end=1313
+  _globals['_LANEDECISION']._serialized_start=1316
+  _globals['_LANEDECISION']._serialized_end=1464
+  _globals['_LANERESULT']._serialized_start=1466
+  _globals['_LANERESULT']._serialized_end=1588
+  _globals['_READY']._serialized_start=1590
+  _globals['_READY']._serialized_end=1618
+  _globals['_PASSERROR']._serialized_start=1620
+  _globals['_PASSERROR']._serialized_end=1665
+  _globals['_LANEREPLY']._serialized_start=1668
+  _globals['_LANEREPLY']._serialized_end=1829
+  _globals['_HEALTHREQUEST']._serialized_start=1831
+  _globals['_HEALTHREQUEST']._serialized_end=1846
+  _globals['_HEALTHREPLY']._serialized_start=1848
+  _globals['_HEALTHREPLY']._serialized_end=1954
+  _globals['_VERIFIER']._serialized_start=1957
+  _globals['_VERIFIER']._serialized_end=2119
 # @@protoc_insertion_point(module_scope)

@@ -50,7 +50,7 @@ class Hello(_message.Message):
     def __init__(self, decoder_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kv_handle: _Optional[str] = ..., weights_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., geometry: _Optional[_Union[LaneGeometry, _Mapping]] = ..., numerics: _Optional[str] = ...) -> None: ...
 
 class SamplingSpec(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs", "min_tokens", "prompt_len", "stop_ids", "bias_ids", "bias_values")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs", "min_tokens", "prompt_len", "stop_ids", "bias_ids", "bias_values", "presence_penalty", "frequency_penalty")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,8 @@ class SamplingSpec(_message.Message):
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
     BIAS_IDS_FIELD_NUMBER: _ClassVar[int]
     BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -71,10 +73,12 @@ class SamplingSpec(_message.Message):
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
     bias_ids: _containers.RepeatedScalarFieldContainer[int]
     bias_values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., prompt_len: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., bias_ids: _Optional[_Iterable[int]] = ..., bias_values: _Optional[_Iterable[float]] = ...) -> None: ...
+    presence_penalty: float
+    frequency_penalty: float
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., prompt_len: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., bias_ids: _Optional[_Iterable[int]] = ..., bias_values: _Optional[_Iterable[float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ...) -> None: ...
 
 class LaneSegment(_message.Message):
-    __slots__ = ("request_id", "is_window", "start", "input_ids", "block_table", "candidates", "sample_rows", "spec")
+    __slots__ = ("request_id", "is_window", "start", "input_ids", "block_table", "candidates", "sample_rows", "spec", "history")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IS_WINDOW_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +87,7 @@ class LaneSegment(_message.Message):
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_ROWS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     is_window: bool
     start: int
@@ -91,7 +96,8 @@ class LaneSegment(_message.Message):
     candidates: _containers.RepeatedScalarFieldContainer[int]
     sample_rows: _containers.RepeatedScalarFieldContainer[int]
     spec: SamplingSpec
-    def __init__(self, request_id: _Optional[str] = ..., is_window: _Optional[bool] = ..., start: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., block_table: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[int]] = ..., sample_rows: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[SamplingSpec, _Mapping]] = ...) -> None: ...
+    history: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., is_window: _Optional[bool] = ..., start: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., block_table: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[int]] = ..., sample_rows: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[SamplingSpec, _Mapping]] = ..., history: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LanePass(_message.Message):
     __slots__ = ("pass_id", "rows", "segments")
