@@ -57,7 +57,22 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--deterministic", action="store_true", help="ask for bit-exact output")
     p.add_argument("--logprobs", type=int, default=None)
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS",
+                   type=_bias_pair, help="add BIAS (in [-100, 100]) to a token's logit "
+                                         "(repeatable)")
     p.add_argument("--json", action="store_true", help="print JSON lines")
+
+
+def _bias_pair(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS, got {text!r}") from None
 
 
 @subcommand("generate", "generate text offline with the engine", _generate_args)
@@ -67,7 +82,10 @@ def _generate(a: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
                             top_k=a.top_k, seed=a.request_seed,
-                            is_deterministic=a.deterministic, logprobs=a.logprobs)
+                            is_deterministic=a.deterministic, logprobs=a.logprobs,
+                            presence_penalty=a.presence_penalty,
+                            frequency_penalty=a.frequency_penalty,
+                            logit_bias=dict(a.logit_bias) or None)
     llm = LLM(a.model, **engine_kwargs(a))  # type: ignore[arg-type]
     if a.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in a.prompt], params)

@@ -278,3 +278,22 @@ def test_output_kinds(model: str, mode: str, det: bool) -> None:
         assert last.token_ids == steps[-1].token_ids and last.text == steps[-1].text
         assert last.logprobs == steps[-1].logprobs
         assert last.stats.first_token_time is not None
+
+
+def test_generate_command_takes_penalties_and_logit_bias(capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    """``detserve generate`` passes --logit-bias / --presence-penalty / --frequency-penalty
+    to the request, and refuses bad values with a message and exit code 2."""
+    import json
+
+    from detserve.cli import main
+
+    args = ["generate", "--model", "random:tiny", "--prompt", "a b c", "--max-tokens", "5",
+            "--json"]
+    assert main([*args, "--logit-bias", "7=100", "--presence-penalty", "-1"]) == 0
+    rec = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert rec["token_ids"] == [7] * 5
+    assert main([*args, "--frequency-penalty", "2.5"]) == 2
+    assert "frequency_penalty must be in [-2, 2]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*args, "--logit-bias", "seven=1"])
