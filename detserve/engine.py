@@ -27,7 +27,13 @@ from detserve.config import EngineConfig
 from detserve.executor.attention import RowSegment
 from detserve.executor.gemm_classes import Alignment, auto_alignment
 from detserve.executor.kv_pool import KVPool
-from detserve.executor.runner import LaneLaunch, LaunchedBatch, ModelRunner, PenaltyRow
+from detserve.executor.runner import (
+    LaneLaunch,
+    LaunchedBatch,
+    ModelRunner,
+    PenaltyRow,
+    PromptRows,
+)
 from detserve.executor.transfer import upload
 from detserve.lane import LanePass, LaneResult, LaneSegment
 from detserve.model.llama import LlamaModel
@@ -382,7 +388,8 @@ class LLMEngine:
         batch = self.runner.launch_batch(segs, specs,
                                          batch_invariant=self.config.mode == "batch_invariant",
                                          align_decode=align, feed=feed,
-                                         penalties=_penalty_rows(items))
+                                         penalties=_penalty_rows(items),
+                                         prompt_rows=_prompt_rows(items))
         return self._record_launch(items, batch)
 
     def _riders_fit(self, out: SchedulerOutput) -> bool:
@@ -466,6 +473,10 @@ class LLMEngine:
         if launch is self._launch:
             self._launch = None
         results = launch.batch.result()
+        for n, lps in launch.batch.prompt_result().items():
+            item = launch.items[n]
+            if not item.seq.finished:
+                item.seq.add_prompt_logprobs(item.start, lps)
         vocab = self.model.config.vocab_size
         for item, res in zip(launch.items, results, strict=True):
             if res is None:
@@ -500,9 +511,11 @@ class LLMEngine:
                 assert PLACEHOLDER not in it.candidates, "window sent before its tokens were read"
             history = (tuple(seq.token_ids[seq.num_prompt:it.start])
                        if seq.spec.penalized else ())
+            targets = seq.prompt_targets(it.start, it.end) if it.kind == "prefill" else ()
             segs.append(LaneSegment(seq.request_id, it.kind, it.start,
                                     tuple(seq.token_ids[it.start:it.end]), tuple(seq.block_table),
-                                    it.candidates, tuple(it.sample_rows), seq.spec, history))
+                                    it.candidates, tuple(it.sample_rows), seq.spec, history,
+                                    seq.params.prompt_logprobs if targets else None, targets))
         lane_pass = LanePass(next(self._pass_ids), self.config.scheduler.lane_rows, tuple(segs))
         self._inflight[lane_pass.pass_id] = {it.seq.request_id: it for it in items}
         c = self.counters
@@ -529,6 +542,8 @@ class LLMEngine:
             if (launch is not None and it.kind == "window" and it.end < seq.num_tokens
                     and seq.token_ids[it.end] == PLACEHOLDER):
                 self._settle(launch)  # whether the run past the window goes on depends on it
+            if d.prompt_logprobs:
+                seq.add_prompt_logprobs(d.start, d.prompt_logprobs)
             rejected = self.scheduler.on_lane_result(it, list(d.tokens))
             seq.logprobs.extend(lp for lp in d.logprobs if lp is not None)
             if rejected:
@@ -604,7 +619,9 @@ class LLMEngine:
             token_ids=list(seq.committed_output), text=text, finished=seq.finished,
             finish_reason=seq.finish_reason if seq.finished else None,
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            is_deterministic=seq.deterministic, num_new_tokens=num_new, stats=seq.stats)
+            is_deterministic=seq.deterministic, num_new_tokens=num_new, stats=seq.stats,
+            prompt_logprobs=(list(seq.prompt_logprobs)
+                             if seq.params.prompt_logprobs is not None else None))
 
     # ---- introspection --------------------------------------------------------------
     def stats(self) -> dict[str, float]:
@@ -710,3 +727,14 @@ def _penalty_rows(items: list[FastItem]) -> list[PenaltyRow | None]:
         assert PLACEHOLDER not in history, "a penalized row's history not yet read back"
         out.append((history, last >= prompt))
     return out
+
+
+def _prompt_rows(items: list[FastItem]) -> list[PromptRows | None]:
+    """Per fast item whose prompt logprobs are asked for and whose rows predict prompt
+    tokens: (top alternatives, those tokens). Empty when no item has any."""
+    out: list[PromptRows | None] = []
+    for i in items:
+        targets = i.seq.prompt_targets(i.start, i.end)
+        k = i.seq.params.prompt_logprobs
+        out.append((k, targets) if targets and k is not None else None)
+    return out if any(out) else []

@@ -27,6 +27,10 @@ class LaneSegment:
     # penalized specs only: the generated tokens before ``start`` (a sampled row's
     # penalties count them and the generated ones among this segment's inputs up to it)
     history: tuple[int, ...] = ()
+    # prompt logprobs asked for (top alternatives): the prompt tokens this segment's first
+    # rows predict; the lane answers their logprobs with its own bits
+    prompt_logprobs: int | None = None
+    prompt_targets: tuple[int, ...] = ()
 
     def output_history(self, row: int) -> list[int]:
         """The generated tokens before the position row ``row`` samples."""
@@ -68,6 +72,7 @@ class LaneDecision:
     accepted: int
     tokens: tuple[int, ...]
     logprobs: tuple[TokenLogprob | None, ...]
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # of the segment's ``prompt_targets``
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,8 @@ class RequestOutput:
     is_deterministic: bool
     num_new_tokens: int = 0            # committed in the step that produced this output
     stats: RequestStats = field(default_factory=RequestStats)
+    # ``prompt_logprobs`` asked for: one per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def new_token_ids(self) -> list[int]:

@@ -32,6 +32,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's: the logprob of each prompt token after the first (and this many top
+    # alternatives), as the model predicts it from the tokens before it (loglikelihood
+    # scoring, OpenAI's ``echo`` with ``logprobs``). Deterministic requests get them from
+    # the lane, bit-exact like their output; their prompt then skips the prefix cache
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     # token id -> a value in [-100, 100] added to its logit before sampling (OpenAI's
     # ``logit_bias``; -100 bans a token, 100 all but forces it). Logprobs stay those of
@@ -70,10 +75,12 @@ class SamplingParams:
             _check_int("seed", self.seed, lo=0)
             if self.seed >= 2**63:
                 raise ValueError("seed must be < 2**63")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, lo=0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, lo=0)
+                if value > MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be <= {MAX_LOGPROBS}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
         if self.output_kind not in OUTPUT_KINDS:
@@ -109,6 +116,11 @@ class SamplingSpec:
     top_k: int = 0
     seed: int = 0
     logprobs: int | None = None
+    # vLLM's: the logprob of each prompt token after the first (and this many top
+    # alternatives), as the model predicts it from the tokens before it (loglikelihood
+    # scoring, OpenAI's ``echo`` with ``logprobs``). Deterministic requests get them from
+    # the lane, bit-exact like their output; their prompt then skips the prefix cache
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     prompt_len: int = 0
     stop_ids: tuple[int, ...] = ()

@@ -21,7 +21,7 @@ from detserve.executor.transfer import upload
 from detserve.outputs import TokenLogprob
 from detserve.params import SamplingSpec
 
-__all__ = ["PickedRows", "SamplerConfig", "SamplingSpec", "gumbel_rows", "gumbel_scores", "hashed_uniform",
+__all__ = ["PickedRows", "PromptLogprobs", "SamplerConfig", "SamplingSpec", "gumbel_rows", "gumbel_scores", "hashed_uniform",
            "launch_rows", "sample_row", "sample_rows"]
 
 _M32 = 0xFFFFFFFF
@@ -128,6 +128,41 @@ class PickedRows:
                                                  ids.tolist(), strict=True)):
                 lps[i] = _token_logprob(tokens[i], c, t[:ks[j]], v[:ks[j]])
         return list(zip(tokens, lps, strict=True))
+
+
+class PromptLogprobs:
+    """The logprobs of prompt tokens (``targets``) from the logits of the rows that predict
+    them (fp32 [m, V]), with ``k`` top alternatives, launched on the device and read later
+    (``result``). ``exact``: each row alone (``log_softmax`` and ``topk`` of one row, as
+    ``_pick`` does), so a row's values do not depend on the rows beside it; else all rows
+    in one call (non-deterministic requests)."""
+
+    def __init__(self, logits: Tensor, targets: Sequence[int], k: int, exact: bool) -> None:
+        self.targets = list(targets)
+        ids = upload(self.targets, logits.device)
+        if exact:
+            rows = [torch.log_softmax(logits[i].float(), dim=-1) for i in range(len(targets))]
+            chosen = torch.stack([lp[ids[i]] for i, lp in enumerate(rows)])
+            tops = [torch.topk(lp, k) for lp in rows]
+            vals = torch.stack([t.values for t in tops])
+            top_ids = torch.stack([t.indices for t in tops])
+        else:
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            chosen = lp.gather(1, ids[:, None])[:, 0]
+            vals, top_ids = torch.topk(lp, k, dim=-1)
+        self._tensors: tuple[Tensor, ...] = (chosen, vals, top_ids)
+        self._done = None
+        if logits.is_cuda:
+            self._tensors = tuple(t.to("cpu", non_blocking=True) for t in self._tensors)
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def result(self) -> list[TokenLogprob]:
+        if self._done is not None:
+            self._done.synchronize()
+        chosen, vals, ids = (t.tolist() for t in self._tensors)
+        return [_token_logprob(t, c, i, v)
+                for t, c, i, v in zip(self.targets, chosen, ids, vals, strict=True)]
 
 
 def _token_logprob(token: int, chosen: float, ids: list[int], vals: list[float]) -> TokenLogprob:

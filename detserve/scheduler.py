@@ -197,6 +197,8 @@ class Scheduler:
         sequences only; the last committed token is always recomputed). Returns blocks."""
         if not (self.prefix_caching and seq.uses_lane) or seq.block_table:
             return 0
+        if seq.params.prompt_logprobs is not None:  # every prompt row must be computed
+            return 0
         full = (seq.num_committed - 1) // self.blocks.block_size
         digests = self.blocks.chain_digests(seq.token_ids, full)
         seq.block_table = self.blocks.match(digests)

@@ -20,6 +20,7 @@ what is released.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from detserve.outputs import RequestStats, TokenLogprob
@@ -54,6 +55,8 @@ class Sequence:
     lane_step: int = 0                 # the step that sent that window
     ready_step: int | None = None      # step at which its lane work became ready
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # prompt_logprobs asked for: one per prompt position computed so far (None: the first)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
     candidate_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
@@ -68,6 +71,21 @@ class Sequence:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
             self.num_committed = len(self.prompt_token_ids)
+
+    def prompt_targets(self, start: int, end: int) -> tuple[int, ...]:
+        """With ``prompt_logprobs``: the prompt tokens that rows ``start .. end - 1`` (in
+        order, from the first) predict; empty when none, or not asked for."""
+        if self.params.prompt_logprobs is None:
+            return ()
+        return tuple(self.prompt_token_ids[start + 1:min(end, self.num_prompt - 1) + 1])
+
+    def add_prompt_logprobs(self, start: int, logprobs: Iterable[TokenLogprob]) -> None:
+        """The logprobs of the prompt tokens at ``start + 1 ...`` (from ``prompt_targets``);
+        those of positions already known (computed again after a preemption) are dropped."""
+        for pos, lp in enumerate(logprobs, start + 1):
+            if pos == len(self.prompt_logprobs):
+                self.prompt_logprobs.append(lp)
+            assert pos <= len(self.prompt_logprobs), "prompt logprobs out of order"
 
     @property
     def in_lane(self) -> bool:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from engine_utils import Req, random_prompts, run_engine, signature, tiny_model
 
+from detserve.outputs import RequestOutput
 from detserve.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=40, is_deterministic=True, logprobs=2, ignore_eos=True)
@@ -269,6 +270,53 @@ def test_penalties_follow_openais_formula(model: str, mode: str, async_schedulin
         assert float(row[out[t]]) >= float(row.max()) - 1e-4, t
     raw = _penalized_logits(model, TARGET, out, SamplingParams())
     assert any(int(r.argmax()) != out[t] for t, r in enumerate(raw))
+
+
+def _prompt_signature(out: RequestOutput) -> list[tuple[int, float, tuple]]:
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    return [(lp.token_id, lp.logprob, tuple(lp.top.items()))
+            for lp in out.prompt_logprobs[1:] if lp is not None]
+
+
+def test_prompt_logprobs_are_deterministic(model: str) -> None:
+    """``prompt_logprobs`` of a deterministic request come from the lane: under fast-path
+    perturbation, in a batch, with chunked prefill and an earlier request sharing its
+    prefix (whose cached blocks it must not reuse), they equal the lane_only oracle bit for
+    bit, one per prompt token, with their top alternatives; and they are the model's (a
+    dense reference). Control: the fast path computes other bits for the same prompt, so
+    the equality is the lane's doing."""
+    from detserve.model.loader import load_model
+    from detserve.model.testing import DenseAttention, ReferenceOps
+
+    p = SamplingParams(max_tokens=20, is_deterministic=True, prompt_logprobs=3, logprobs=1,
+                       ignore_eos=True)
+    oracle = run_engine(model, [Req(TARGET, p)], mode="lane_only",
+                        max_num_batched_tokens=16)[0][0]
+    expected = _prompt_signature(oracle)
+    assert len(expected) == len(TARGET) - 1
+    assert [t for t, _, _ in expected] == TARGET[1:]
+    sharer = Req(TARGET[:17] + [5, 6, 7], SamplingParams(max_tokens=8, is_deterministic=True))
+    later = Req(TARGET[:17] + [9, 9], SamplingParams(max_tokens=8, is_deterministic=True),
+                arrival=8)  # reuses the sharer's cached block: the cache was there
+    batch = [sharer, *_others(8, det=True, seed=21), Req(TARGET, p, arrival=6),
+             *_others(3, det=False, seed=22), later]
+    outs, stats, _ = run_engine(model, batch, perturbation=0.25, max_num_batched_tokens=16)
+    assert stats["rollbacks"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    assert _prompt_signature(outs[9]) == expected
+    assert signature(outs[9]) == signature(oracle)
+    fast = run_engine(model, [Req(TARGET, SamplingParams(**{**p.__dict__,
+                                                            "is_deterministic": False}))],
+                      mode="nondeterministic")[0][0]
+    assert _prompt_signature(fast) != expected
+    llama = load_model(model)[0]
+    ops, attn = ReferenceOps(), DenseAttention(llama.config, len(TARGET))
+    positions = torch.arange(len(TARGET))
+    attn.set_positions(positions)
+    ref = torch.log_softmax(llama.logits(llama(torch.tensor(TARGET), positions, attn, ops),
+                                         ops), dim=-1)
+    for i, (token, logprob, top) in enumerate(expected, 1):
+        assert logprob == pytest.approx(float(ref[i - 1, token]), abs=1e-5)
+        assert [t for t, _ in top] == ref[i - 1].topk(3).indices.tolist()
 
 
 def test_nondeterministic_mode_ignores_flag(model: str) -> None:

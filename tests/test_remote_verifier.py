@@ -47,6 +47,7 @@ W, G, NUM_BLOCKS = 8, 4, 128
 _PROMPTS = random_prompts(5, [21, 9, 40, 5, 17], seed=42)
 REQS = [
     Req(_PROMPTS[0], SamplingParams(max_tokens=40, is_deterministic=True, logprobs=2,
+                                    prompt_logprobs=2,  # the verifier answers them
                                     ignore_eos=True)),
     Req(_PROMPTS[1], SamplingParams(max_tokens=30, is_deterministic=False, temperature=0.7,
                                     seed=1, ignore_eos=True), arrival=1),
@@ -183,11 +184,14 @@ def test_codec_roundtrip_is_exact() -> None:
                         frequency_penalty=0.1 + 0.2)
     lane_pass = LanePass(9, 32, (
         LaneSegment("a", "window", 12, (5, 6, 7), (1, 4), (6, 7), (0, 1, 2), spec, (4, 4, 9)),
-        LaneSegment("b", "prefill", 0, (3,), (2,), (), (), SamplingSpec(logprobs=0))))
+        LaneSegment("b", "prefill", 0, (3,), (2,), (), (), SamplingSpec(logprobs=0)),
+        LaneSegment("c", "prefill", 4, (3, 8), (2,), (), (), SamplingSpec(), (), 0, (8, 1))))
     assert codec.decode_pass(codec.encode_pass(lane_pass).lane_pass) == lane_pass
     lp = TokenLogprob(6, -0.123456789012345, {6: -0.12, 3: -2.5, 9: -1e-300})
+    plp = TokenLogprob(8, -3.25, {})
     result = LaneResult(9, (LaneDecision("a", "window", 12, 1, (6, 8), (lp, None)),
-                            LaneDecision("b", "prefill", 0, 0, (), ())), 28, 0.25)
+                            LaneDecision("b", "prefill", 0, 0, (), ()),
+                            LaneDecision("c", "prefill", 4, 0, (), (), (plp, lp))), 28, 0.25)
     back = codec.decode_result(codec.encode_result(result).decisions)
     assert back == result
     first = back.decisions[0].logprobs[0]
@@ -204,6 +208,10 @@ def test_remote_lane_equals_oracle(model: str, redis_url: str, oracle: list[tupl
     try:
         outs, stats, health = drive_against_oracle(engine, oracle, procs[0].address)
         assert stats["perturbed_tokens"] > 0 and stats["rollbacks"] > 0
+        local = run_engine(model, REQS[:1], mode="lane_only", window=W, group=G,
+                           num_blocks=NUM_BLOCKS)[0][0]
+        assert local.prompt_logprobs is not None and len(local.prompt_logprobs) == 21
+        assert outs[0].prompt_logprobs == local.prompt_logprobs  # the verifier's, bit for bit
         assert all(o.finished and len(o.token_ids) == REQS[i].params.max_tokens
                    for i, o in enumerate(outs))
         assert health.serving

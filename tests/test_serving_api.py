@@ -314,6 +314,39 @@ def test_penalties_over_http_and_grpc_equal_offline(cluster: Cluster, client: op
     assert ids == ref.token_ids
 
 
+def test_echo_with_logprobs_scores_the_prompt_deterministically(
+        cluster: Cluster, client: openai.OpenAI, model_id: str, offline: LLM) -> None:
+    """Loglikelihood scoring as evaluation harnesses do it (``echo``, ``logprobs``,
+    ``max_tokens`` 1): the text starts with the prompt, the logprobs list every prompt token
+    (the first without a logprob) then the output's, and a deterministic request's prompt
+    logprobs equal the offline engine's bit for bit, streamed or not."""
+    prompt = PROMPTS[2]
+    ref = reference(offline, prompt, max_tokens=1, logprobs=1, prompt_logprobs=1)
+    assert ref.prompt_logprobs is not None
+    n = len(ref.prompt_token_ids)
+    expected = [None] + [lp.logprob for lp in ref.prompt_logprobs[1:] if lp is not None]
+    resp = client.completions.create(model=model_id, prompt=prompt, max_tokens=1,
+                                     temperature=0, logprobs=1, echo=True,
+                                     extra_body=det_body())
+    choice = resp.choices[0]
+    assert choice.text.startswith(prompt) and choice.logprobs is not None
+    lps = choice.logprobs
+    assert len(lps.tokens) == n + 1 and lps.top_logprobs[0] is None  # type: ignore[index]
+    assert lps.token_logprobs[:n] == expected  # type: ignore[index]
+    assert lps.token_logprobs[n] == ref.logprobs[0].logprob  # type: ignore[index]
+    stream = list(client.completions.create(model=model_id, prompt=prompt, max_tokens=1,
+                                            temperature=0, logprobs=1, echo=True, stream=True,
+                                            extra_body=det_body()))
+    first = next(c for c in stream if c.choices)
+    assert first.choices[0].text.startswith(prompt)
+    streamed = [v for c in stream for ch in c.choices if ch.logprobs
+                for v in ch.logprobs.token_logprobs or []]
+    assert streamed == lps.token_logprobs
+    plain = client.completions.create(model=model_id, prompt=prompt, max_tokens=3,
+                                      temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+
+
 def _decoder_stats() -> dict[str, tuple[int, float]]:
     """(open streams, committed tokens) of every decoder replica (calls pinned to each)."""
     import ray

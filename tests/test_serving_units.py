@@ -262,6 +262,8 @@ def test_chunks_cross_to_the_router_as_plain_data() -> None:
                           num_output_tokens=2, determinism={"fingerprint": "abc", "W": 16},
                           engine_stats={"steps": 3.0}),
               DecodeChunk("r-2", "d-0", finished=True, error="boom", error_type="server_error"),
+              DecodeChunk("r-4", "d-0", text="a", token_ids=(2,),
+                          prompt_logprobs=(None, TokenLogprob(9, -1.5, {9: -1.5, 4: -2.0}))),
               DecodeChunk("r-3", "d-0", text="x", token_ids=(1,))]
     for chunk in chunks:
         wire = msgpack.unpackb(msgpack.packb(chunk.to_wire()))
@@ -407,7 +409,8 @@ def test_completion_choices_cover_prompts_times_n(ctx: ModelContext) -> None:
 @pytest.mark.parametrize("fields, param", [
     ({"max_tokens": 64}, "max_tokens"),          # prompt + max_tokens > context
     ({"prompt": [[1], [2]], "n": 3}, "n"),       # more choices than allowed
-    ({"echo": True}, "echo"),
+    ({"suffix": "!"}, "suffix"),
+    ({"echo": True, "logprobs": 21}, "logprobs"),
     ({"prompt": []}, "prompt"),
     ({"top_k": -2}, "top_k"),
 ])
@@ -699,3 +702,18 @@ def test_serve_mps_flag_starts_a_daemon_only_where_it_can(monkeypatch: pytest.Mo
         monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))  # a running daemon's
         _start_mps(stack, "cuda")
         assert "already running" in capsys.readouterr().out
+
+
+def test_echo_prepares_prompt_logprobs_and_the_prompt_text(ctx: ModelContext) -> None:
+    """``echo``: each choice's prompt text to send first (the string as given, or token ids
+    decoded), and with ``logprobs`` the prompt's logprobs asked of the engine."""
+    limits = ServingLimits(max_model_len=64, max_choices=4, max_n=4, max_prompts=2)
+    job = prepare_completion(_completion(prompt=["ab", "cd"], n=2, echo=True, logprobs=2),
+                             ctx, limits)
+    assert job.echo == ("ab", "ab", "cd", "cd")
+    assert {c.params.prompt_logprobs for c in job.choices} == {2}
+    ids = prepare_completion(_completion(prompt=[5, 6], echo=True), ctx, limits)
+    assert ids.echo == (ctx.tokenizer.decode([5, 6]),)
+    plain = prepare_completion(_completion(echo=True), ctx, limits)
+    assert plain.echo and plain.choices[0].params.prompt_logprobs is None
+    assert prepare_completion(_completion(), ctx, limits).echo == ()

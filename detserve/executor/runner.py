@@ -37,6 +37,7 @@ from detserve.outputs import TokenLogprob
 from detserve.sampler import (
     DEFAULT_SAMPLER,
     PickedRows,
+    PromptLogprobs,
     SamplerConfig,
     SamplingSpec,
     launch_rows,
@@ -59,12 +60,19 @@ Feed = tuple[Tensor, list[tuple[int, int]]]
 # a penalized row's history (``sampler.token_counts``): the generated tokens before its
 # segment's last input token, and whether that input is itself a generated token
 PenaltyRow = tuple[tuple[int, ...], bool]
+# a segment whose prompt logprobs are asked for: (top alternatives, the prompt tokens its
+# first rows predict)
+PromptRows = tuple[int, tuple[int, ...]]
 
 
 class LaunchedBatch:
-    """A fast-path forward queued on the device; ``result()`` waits for its tokens."""
+    """A fast-path forward queued on the device; ``result()`` waits for its tokens,
+    ``prompt_result()`` for the prompt logprobs of the segments that asked for them."""
+
+    prompt: dict[int, PromptLogprobs]
 
     def __init__(self, num_segments: int, want: list[int], picked: PickedRows | None) -> None:
+        self.prompt = {}
         self.want = want  # segments that sample, in the order of ``tokens``' rows
         self.picked = picked
         self._n = num_segments
@@ -73,6 +81,10 @@ class LaunchedBatch:
     def tokens(self) -> Tensor | None:
         """The sampled tokens on the device (row j: segment ``want[j]``), or None."""
         return self.picked.tokens if self.picked is not None else None
+
+    def prompt_result(self) -> dict[int, list[TokenLogprob]]:
+        """Segment -> the logprobs of the prompt tokens its rows predict, from the first."""
+        return {i: p.result() for i, p in self.prompt.items()}
 
     def result(self) -> list[tuple[int, TokenLogprob | None] | None]:
         """One (token, logprob) or None per segment."""
@@ -86,14 +98,17 @@ class LaunchedBatch:
 class LaneLaunch:
     """A lane pass queued on the device; ``finish()`` waits for its tokens and decides."""
 
-    def __init__(self, lane_pass: LanePass, picked: PickedRows | None, t0: float) -> None:
+    def __init__(self, lane_pass: LanePass, picked: PickedRows | None, t0: float,
+                 prompt: dict[int, PromptLogprobs] | None = None) -> None:
         self.lane_pass, self.picked, self._t0 = lane_pass, picked, t0
+        self.prompt = prompt or {}  # segment -> its prompt logprobs
 
     def finish(self) -> LaneResult:
         picked = self.picked.result() if self.picked is not None else []
+        prompt = {i: tuple(p.result()) for i, p in self.prompt.items()}
         decisions = []
         j = 0
-        for seg in self.lane_pass.segments:
+        for s, seg in enumerate(self.lane_pass.segments):
             n = len(seg.sample_rows)
             tokens = [t for t, _ in picked[j:j + n]]
             lps = [lp for _, lp in picked[j:j + n]]
@@ -104,7 +119,7 @@ class LaneLaunch:
             else:
                 acc = 0
             decisions.append(LaneDecision(seg.request_id, seg.kind, seg.start, acc,
-                                          tuple(tokens), tuple(lps)))
+                                          tuple(tokens), tuple(lps), prompt.get(s, ())))
         return LaneResult(self.lane_pass.pass_id, tuple(decisions),
                           self.lane_pass.padding_rows, time.perf_counter() - self._t0)
 
@@ -382,17 +397,22 @@ class ModelRunner:
     def launch_batch(self, segments: list[RowSegment], sample_specs: list[SamplingSpec | None],
                      batch_invariant: bool = False, align_decode: bool = True,
                      feed: Feed | None = None,
-                     penalties: Sequence[PenaltyRow | None] = ()) -> LaunchedBatch:
+                     penalties: Sequence[PenaltyRow | None] = (),
+                     prompt_rows: Sequence[PromptRows | None] = ()) -> LaunchedBatch:
         """``run_batch`` without waiting for the device: the forward and the sampling are
         queued and the result is read later (``LaunchedBatch.result``), so the host can
         plan and queue the next step meanwhile. ``feed`` (tokens on the device, [(segment,
         row of tokens)]) gives those segments' single input token from an earlier launch
         whose tokens have not been read back (their ``input_ids`` hold a placeholder).
-        ``penalties`` (per segment, or empty): the history of each penalized segment."""
+        ``penalties`` (per segment, or empty): the history of each penalized segment.
+        ``prompt_rows`` (per segment, or empty): (k, the prompt tokens its first rows
+        predict) for the segments whose prompt logprobs are asked for (``PromptLogprobs``;
+        each row alone in batch_invariant mode)."""
         want = [i for i, s in enumerate(sample_specs) if s is not None]
         ops = self.bi_ops if batch_invariant else self.fast_ops
         graphs = self.decode_graphs
         if (graphs is not None and want and len(segments) <= graphs.max_batch
+                and not any(prompt_rows)  # (a graph gives the last rows' logits only)
                 and all(len(s.input_ids) == 1 for s in segments)):
             logits = graphs.run(segments, feed)
             if len(want) < len(segments):
@@ -414,10 +434,13 @@ class ModelRunner:
                     batch.input_ids[upload(rows, self.device)] = tokens[
                         upload([j for _, j in pairs], self.device)]
                 hidden = self._forward(batch, step_ops, "bi" if batch_invariant else "fast")
-            if not want:
-                return LaunchedBatch(len(segments), want, None)
             offsets = list(itertools.accumulate((len(s.input_ids) for s in segments),
                                                 initial=0))
+            prompt = self._prompt_logprobs(hidden, offsets, prompt_rows, ops, batch_invariant)
+            if not want:
+                launched = LaunchedBatch(len(segments), want, None)
+                launched.prompt = prompt
+                return launched
             last = upload([offsets[i + 1] - 1 for i in want], self.device)
             logits = self.model.logits(hidden[last], self._padded(
                 ops, sum(i < head for i in want), batch_invariant))
@@ -428,7 +451,24 @@ class ModelRunner:
         # so batch_invariant needs no row-by-row sampling, nor do SGLang's and vLLM's
         counts = self._step_counts(segments, want, penalties, feed, logits.shape[-1])
         picked = launch_rows(logits, specs, positions, cfg=self.sampling, counts=counts)
-        return LaunchedBatch(len(segments), want, picked)
+        launched = LaunchedBatch(len(segments), want, picked)
+        if any(prompt_rows):
+            launched.prompt = prompt
+        return launched
+
+    def _prompt_logprobs(self, hidden: Tensor, offsets: list[int],
+                         prompt_rows: Sequence[PromptRows | None], ops: Ops, exact: bool
+                         ) -> dict[int, PromptLogprobs]:
+        """Segment -> ``PromptLogprobs`` of its first rows (``prompt_rows``), from
+        ``hidden`` (the step's final-normed rows, segments at ``offsets``)."""
+        out: dict[int, PromptLogprobs] = {}
+        for i, rows in enumerate(prompt_rows):
+            if rows is None:
+                continue
+            k, targets = rows
+            at = upload(list(range(offsets[i], offsets[i] + len(targets))), self.device)
+            out[i] = PromptLogprobs(self.model.logits(hidden[at], ops), targets, k, exact)
+        return out
 
     def _step_counts(self, segments: list[RowSegment], want: list[int],
                      penalties: Sequence[PenaltyRow | None], feed: Feed | None, vocab: int
@@ -540,5 +580,10 @@ class ModelRunner:
                                        counts=self._step_counts(list(riders), want,
                                                                 rider_penalties, None,
                                                                 logits.shape[-1]))
-        return (LaneLaunch(lane_pass, picked, t0),
+        prompt = self._prompt_logprobs(
+            hidden, list(batch.seg_offsets),
+            [(s.prompt_logprobs, s.prompt_targets)
+             if s.prompt_logprobs is not None and s.prompt_targets else None
+             for s in lane_pass.segments], self.lane_logit_ops, exact=True)
+        return (LaneLaunch(lane_pass, picked, t0, prompt),
                 LaunchedBatch(len(riders), want, rider_picked))

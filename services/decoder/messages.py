@@ -71,6 +71,8 @@ class DecodeChunk:
     error: str | None = None
     error_type: str | None = None
     engine_stats: Mapping[str, float] = field(default_factory=dict)
+    # the request's first chunk, when it asked for them: one per prompt token (None first)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @property
     def is_error(self) -> bool:
@@ -80,22 +82,33 @@ class DecodeChunk:
         """The chunk as plain data for the hop to the router: Ray serializes lists, dicts,
         strings and numbers without pickle (the decoder sends one chunk per stream per
         engine step). ``from_wire`` inverts it."""
-        lps = None if self.logprobs is None else [
-            (p.token_id, p.logprob, list(p.top.items())) for p in self.logprobs]
+        lps = None if self.logprobs is None else [_lp_wire(p) for p in self.logprobs]
+        prompt = None if self.prompt_logprobs is None else [
+            None if p is None else _lp_wire(p) for p in self.prompt_logprobs]
         return (self.request_id, self.replica, self.text, list(self.token_ids), lps,
                 self.finished, self.finish_reason, self.num_prompt_tokens,
                 self.num_output_tokens, None if self.determinism is None else dict(
-                    self.determinism), self.error, self.error_type, dict(self.engine_stats))
+                    self.determinism), self.error, self.error_type, dict(self.engine_stats),
+                prompt)
 
     @classmethod
     def from_wire(cls, wire: Sequence[Any]) -> DecodeChunk:
         (rid, replica, text, ids, lps, finished, reason, n_prompt, n_output, determinism,
-         error, error_type, stats) = wire
-        logprobs = None if lps is None else tuple(
-            TokenLogprob(int(t), float(lp), {int(k): float(v) for k, v in top})
-            for t, lp, top in lps)
+         error, error_type, stats, prompt) = wire
+        logprobs = None if lps is None else tuple(_lp_from_wire(w) for w in lps)
+        prompt_lps = None if prompt is None else tuple(
+            None if w is None else _lp_from_wire(w) for w in prompt)
         return cls(rid, replica, text, tuple(ids), logprobs, finished, reason, n_prompt,
-                   n_output, determinism, error, error_type, stats)
+                   n_output, determinism, error, error_type, stats, prompt_lps)
+
+
+def _lp_wire(p: TokenLogprob) -> tuple[int, float, list[tuple[int, float]]]:
+    return p.token_id, p.logprob, list(p.top.items())
+
+
+def _lp_from_wire(w: Sequence[Any]) -> TokenLogprob:
+    t, lp, top = w
+    return TokenLogprob(int(t), float(lp), {int(k): float(v) for k, v in top})
 
 
 def coalesce(chunks: Sequence[DecodeChunk]) -> list[DecodeChunk]:
@@ -113,7 +126,8 @@ def coalesce(chunks: Sequence[DecodeChunk]) -> list[DecodeChunk]:
                     else (prev.logprobs or ()) + (chunk.logprobs or ()))
         out[-1] = replace(chunk, text=prev.text + chunk.text,
                           token_ids=prev.token_ids + chunk.token_ids, logprobs=logprobs,
-                          engine_stats=chunk.engine_stats or prev.engine_stats)
+                          engine_stats=chunk.engine_stats or prev.engine_stats,
+                          prompt_logprobs=prev.prompt_logprobs or chunk.prompt_logprobs)
     return out
 
 

@@ -49,6 +49,7 @@ class ChoiceEvent:
     prompt_tokens: int
     completion_tokens: int
     determinism: Mapping[str, object] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # first event, if asked
 
     @property
     def finished(self) -> bool:
@@ -115,7 +116,7 @@ class Dispatcher:
                     async for chunk in self._decode(request, attempt):
                         new = sent.new_part(chunk)
                         timer.on_tokens(len(new.token_ids))
-                        if new.token_ids or new.text or new.finished:
+                        if new.token_ids or new.text or new.finished or new.prompt_logprobs:
                             yield _event(index, new)
                         if new.finished:
                             timer.finish(new.finish_reason or "stop")
@@ -264,4 +265,5 @@ def decoder_failed(error: BaseException, replica: str = "") -> str:
 
 def _event(index: int, chunk: DecodeChunk) -> ChoiceEvent:
     return ChoiceEvent(index, chunk.text, chunk.token_ids, chunk.logprobs, chunk.finish_reason,
-                       chunk.num_prompt_tokens, chunk.num_output_tokens, chunk.determinism)
+                       chunk.num_prompt_tokens, chunk.num_output_tokens, chunk.determinism,
+                       chunk.prompt_logprobs)

@@ -31,8 +31,11 @@ class ChoiceResult:
     finish_reason: str | None = None
     completion_tokens: int = 0
     determinism: Mapping[str, object] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     def add(self, event: ChoiceEvent) -> None:
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = event.prompt_logprobs
         self.text += event.text
         self.token_ids.extend(event.token_ids)
         self.logprobs.extend(event.logprobs or ())
@@ -51,6 +54,7 @@ class Formatter:
         self.chat = job.kind == "chat"
         self._object = "chat.completion" if self.chat else "text_completion"
         self._role_sent: set[int] = set()
+        self._echoed: set[int] = set()  # streamed choices whose prompt went out
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.job.id, "object": obj, "created": self.created,
@@ -70,20 +74,35 @@ class Formatter:
         return body
 
     def _choice(self, index: int, r: ChoiceResult) -> dict[str, Any]:
+        echo = bool(self.job.echo)
         out: dict[str, Any] = {"index": index, "finish_reason": r.finish_reason,
                                "token_ids": r.token_ids,
-                               "logprobs": self._logprobs(r.token_ids, r.logprobs)}
+                               "logprobs": self._logprobs(r.token_ids, r.logprobs,
+                                                          self._prompt(index, r.prompt_logprobs)
+                                                          if echo else None)}
         if self.chat:
             out["message"] = {"role": "assistant", "content": r.text}
         else:
-            out["text"] = r.text
+            out["text"] = (self.job.echo[index] if echo else "") + r.text
         return out
+
+    def _prompt(self, index: int, lps: tuple[TokenLogprob | None, ...] | None
+                ) -> list[tuple[int, TokenLogprob | None]]:
+        """Choice ``index``'s prompt tokens, each with its logprob (None: the first, or
+        none asked for)."""
+        ids = self.job.choices[index].prompt_token_ids
+        return list(zip(ids, lps if lps is not None else [None] * len(ids), strict=True))
 
     # ---- streaming ------------------------------------------------------------------
     def chunk(self, event: ChoiceEvent) -> bytes:
+        echo = bool(self.job.echo) and event.index not in self._echoed  # once a choice
+        if echo:
+            self._echoed.add(event.index)
+        prompt = self._prompt(event.index, event.prompt_logprobs) if echo else None
         choice: dict[str, Any] = {"index": event.index, "finish_reason": event.finish_reason,
                                   "token_ids": list(event.token_ids),
-                                  "logprobs": self._logprobs(event.token_ids, event.logprobs)}
+                                  "logprobs": self._logprobs(event.token_ids, event.logprobs,
+                                                             prompt)}
         if self.chat:
             delta: dict[str, Any] = {"content": event.text}
             if event.index not in self._role_sent:
@@ -91,7 +110,7 @@ class Formatter:
                 delta["role"] = "assistant"
             choice["delta"] = delta
         else:
-            choice["text"] = event.text
+            choice["text"] = (self.job.echo[event.index] if echo else "") + event.text
         body = self._envelope(self._object + (".chunk" if self.chat else ""), [choice])
         if self.job.include_usage:
             body["usage"] = None
@@ -104,18 +123,26 @@ class Formatter:
         return sse(body)
 
     # ---- logprobs -------------------------------------------------------------------
-    def _logprobs(self, ids: Any, lps: Any) -> dict[str, Any] | None:
+    def _logprobs(self, ids: Any, lps: Any,
+                  prompt: list[tuple[int, TokenLogprob | None]] | None = None
+                  ) -> dict[str, Any] | None:
+        """OpenAI's logprobs object of these tokens; ``prompt`` (echo): the prompt's tokens
+        and their logprobs first, the first one's None."""
         if self.job.top_logprobs is None or lps is None:
             return None
         if self.chat:
             return {"content": [self._chat_logprob(lp) for lp in lps]}
-        tokens = [self.ctx.token_text(lp.token_id) for lp in lps]
+        entries: list[tuple[int, TokenLogprob | None]] = [
+            *(prompt or []), *((lp.token_id, lp) for lp in lps)]
+        tokens = [self.ctx.token_text(t) for t, _ in entries]
         offsets, pos = [], 0
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        tops = [{self.ctx.token_text(t): v for t, v in lp.top.items()} for lp in lps]
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+        tops = [None if lp is None else {self.ctx.token_text(t): v for t, v in lp.top.items()}
+                for _, lp in entries]
+        return {"tokens": tokens,
+                "token_logprobs": [None if lp is None else lp.logprob for _, lp in entries],
                 "top_logprobs": tops if self.job.top_logprobs else None, "text_offset": offsets}
 
     def _chat_logprob(self, lp: TokenLogprob) -> dict[str, Any]:

@@ -32,6 +32,9 @@ class Job:
     top_logprobs: int | None                   # None: no logprobs requested
     is_deterministic: bool
     n: int = 1                                 # choices per prompt
+    # completions with ``echo``: each choice's prompt text, sent before its output (and,
+    # with logprobs, its prompt tokens' logprobs before the output's)
+    echo: tuple[str, ...] = ()
 
     @property
     def prompt_tokens(self) -> int:
@@ -60,10 +63,17 @@ def prepare_completion(req: CompletionRequest, ctx: ModelContext,
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise invalid("logprobs must be in [0, 20]", param="logprobs")
     job_id = f"cmpl-{uuid.uuid4().hex}"
+    # echo with logprobs: the prompt tokens' logprobs too (loglikelihood scoring)
+    prompt_lps = req.logprobs if req.echo else None
     choices = [decode_request(f"{job_id}-{p * req.n + i}", ids, req,
-                              req.max_tokens, req.logprobs, ctx, i)
+                              req.max_tokens, req.logprobs, ctx, i, prompt_lps)
                for p, ids in enumerate(prompts) for i in range(req.n)]
-    return _job(job_id, "completion", req, choices, req.logprobs)
+    job = _job(job_id, "completion", req, choices, req.logprobs)
+    if not req.echo:
+        return job
+    texts = [item if isinstance(item, str) else ctx.tokenizer.decode(ids)
+             for item, ids in zip(_prompt_items(req.prompt), prompts, strict=True)]
+    return replace(job, echo=tuple(t for t in texts for _ in range(req.n)))
 
 
 def prepare_chat(req: ChatCompletionRequest, ctx: ModelContext, limits: ServingLimits) -> Job:
@@ -108,10 +118,7 @@ def completion_prompts(prompt: str | list, ctx: ModelContext,
                        limits: ServingLimits) -> list[list[int]]:
     """Token ids of each prompt of a completion request (text is tokenized with BOS rules
     of the engine: ``add_special_tokens=True``)."""
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        items: list = [prompt]
-    else:
-        items = list(prompt)
+    items = _prompt_items(prompt)
     if not items:
         raise invalid("prompt must not be empty", param="prompt")
     if len(items) > limits.max_prompts:
@@ -122,6 +129,13 @@ def completion_prompts(prompt: str | list, ctx: ModelContext,
             else list(item)
         out.append(check_prompt_ids(ids, ctx))
     return out
+
+
+def _prompt_items(prompt: str | list) -> list:
+    """A completion's prompts: one string, one list of token ids, or a list of either."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
 
 
 def check_prompt_ids(ids: Sequence[int], ctx: ModelContext, param: str = "prompt") -> list[int]:
@@ -156,7 +170,8 @@ def chat_prompt(req: ChatCompletionRequest, ctx: ModelContext,
 
 
 def decode_request(request_id: str, ids: list[int], req: SamplingFields, max_tokens: int | None,
-                   logprobs: int | None, ctx: ModelContext, index: int) -> DecodeRequest:
+                   logprobs: int | None, ctx: ModelContext, index: int,
+                   prompt_logprobs: int | None = None) -> DecodeRequest:
     room = ctx.max_model_len - len(ids)
     if max_tokens is None:
         max_tokens = room
@@ -168,6 +183,8 @@ def decode_request(request_id: str, ids: list[int], req: SamplingFields, max_tok
                       f"{max_tokens} for the completion)", param="max_tokens",
                       code="context_length_exceeded")
     params = sampling_params(req, max_tokens, logprobs, index, logit_bias(req, ctx))
+    if prompt_logprobs is not None:
+        params = replace(params, prompt_logprobs=prompt_logprobs)
     return DecodeRequest(request_id, tuple(ids), params)
 
 

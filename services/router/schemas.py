@@ -2,7 +2,7 @@
 
 Extra fields: ``is_deterministic`` (bit-exact reproducible output), vLLM's ``top_k``,
 ``min_tokens``, ``ignore_eos`` and ``skip_special_tokens``. Unknown fields are ignored, as
-OpenAI does; known-but-unsupported features (tools, echo, best_of, ...) are
+OpenAI does; known-but-unsupported features (tools, suffix, best_of, ...) are
 refused with a 400 naming the field rather than silently ignored.
 """
 
@@ -62,8 +62,6 @@ class CompletionRequest(SamplingFields):
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.echo:
-            bad.append("echo")
         if self.suffix:
             bad.append("suffix")
         if self.best_of not in (None, self.n):

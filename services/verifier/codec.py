@@ -8,6 +8,7 @@ checks ``decode(encode(x)) == x``.
 from __future__ import annotations
 
 import platform
+from typing import cast
 
 import torch
 
@@ -88,7 +89,8 @@ def encode_pass(p: LanePass) -> pb.LaneRequest:
     segs = [pb.LaneSegment(request_id=s.request_id, is_window=s.kind == "window", start=s.start,
                            input_ids=s.input_ids, block_table=s.block_table,
                            candidates=s.candidates, sample_rows=s.sample_rows,
-                           spec=_encode_spec(s.spec), history=s.history)
+                           spec=_encode_spec(s.spec), history=s.history,
+                           prompt_logprobs=s.prompt_logprobs, prompt_targets=s.prompt_targets)
             for s in p.segments]
     return pb.LaneRequest(lane_pass=pb.LanePass(pass_id=p.pass_id, rows=p.rows, segments=segs))
 
@@ -96,7 +98,9 @@ def encode_pass(p: LanePass) -> pb.LaneRequest:
 def decode_pass(p: pb.LanePass) -> LanePass:
     segs = tuple(LaneSegment(s.request_id, "window" if s.is_window else "prefill", s.start,
                              tuple(s.input_ids), tuple(s.block_table), tuple(s.candidates),
-                             tuple(s.sample_rows), _decode_spec(s.spec), tuple(s.history))
+                             tuple(s.sample_rows), _decode_spec(s.spec), tuple(s.history),
+                             s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+                             tuple(s.prompt_targets))
                  for s in p.segments)
     return LanePass(p.pass_id, p.rows, segs)
 
@@ -118,7 +122,9 @@ def _decode_logprob(lp: pb.Logprob) -> TokenLogprob | None:
 def encode_result(r: LaneResult) -> pb.LaneReply:
     decisions = [pb.LaneDecision(request_id=d.request_id, is_window=d.kind == "window",
                                  start=d.start, accepted=d.accepted, tokens=d.tokens,
-                                 logprobs=[_encode_logprob(lp) for lp in d.logprobs])
+                                 logprobs=[_encode_logprob(lp) for lp in d.logprobs],
+                                 prompt_logprobs=[_encode_logprob(lp)
+                                                  for lp in d.prompt_logprobs])
                  for d in r.decisions]
     return pb.LaneReply(decisions=pb.LaneResult(pass_id=r.pass_id, decisions=decisions,
                                                 padding_rows=r.padding_rows,
@@ -128,6 +134,8 @@ def encode_result(r: LaneResult) -> pb.LaneReply:
 def decode_result(r: pb.LaneResult) -> LaneResult:
     decisions = tuple(LaneDecision(d.request_id, "window" if d.is_window else "prefill",
                                    d.start, d.accepted, tuple(d.tokens),
-                                   tuple(_decode_logprob(lp) for lp in d.logprobs))
+                                   tuple(_decode_logprob(lp) for lp in d.logprobs),
+                                   tuple(cast(TokenLogprob, _decode_logprob(lp))
+                                         for lp in d.prompt_logprobs))
                       for d in r.decisions)
     return LaneResult(r.pass_id, decisions, r.padding_rows, r.elapsed_s)

@@ -78,7 +78,7 @@ class SamplingSpec(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., prompt_len: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., bias_ids: _Optional[_Iterable[int]] = ..., bias_values: _Optional[_Iterable[float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ...) -> None: ...
 
 class LaneSegment(_message.Message):
-    __slots__ = ("request_id", "is_window", "start", "input_ids", "block_table", "candidates", "sample_rows", "spec", "history")
+    __slots__ = ("request_id", "is_window", "start", "input_ids", "block_table", "candidates", "sample_rows", "spec", "history", "prompt_logprobs", "prompt_targets")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IS_WINDOW_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,8 @@ class LaneSegment(_message.Message):
     SAMPLE_ROWS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TARGETS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     is_window: bool
     start: int
@@ -97,7 +99,9 @@ class LaneSegment(_message.Message):
     sample_rows: _containers.RepeatedScalarFieldContainer[int]
     spec: SamplingSpec
     history: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., is_window: _Optional[bool] = ..., start: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., block_table: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[int]] = ..., sample_rows: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[SamplingSpec, _Mapping]] = ..., history: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_logprobs: int
+    prompt_targets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., is_window: _Optional[bool] = ..., start: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., block_table: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[int]] = ..., sample_rows: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[SamplingSpec, _Mapping]] = ..., history: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[int] = ..., prompt_targets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LanePass(_message.Message):
     __slots__ = ("pass_id", "rows", "segments")
@@ -138,20 +142,22 @@ class Logprob(_message.Message):
     def __init__(self, present: _Optional[bool] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class LaneDecision(_message.Message):
-    __slots__ = ("request_id", "is_window", "start", "accepted", "tokens", "logprobs")
+    __slots__ = ("request_id", "is_window", "start", "accepted", "tokens", "logprobs", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IS_WINDOW_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     is_window: bool
     start: int
     accepted: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[Logprob]
-    def __init__(self, request_id: _Optional[str] = ..., is_window: _Optional[bool] = ..., start: _Optional[int] = ..., accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[Logprob, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[Logprob]
+    def __init__(self, request_id: _Optional[str] = ..., is_window: _Optional[bool] = ..., start: _Optional[int] = ..., accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[Logprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Logprob, _Mapping]]] = ...) -> None: ...
 
 class LaneResult(_message.Message):
     __slots__ = ("pass_id", "decisions", "padding_rows", "elapsed_s")
