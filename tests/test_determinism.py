@@ -427,9 +427,9 @@ def test_decode_rows_padded_only_when_the_lane_verifies_them(
     real = engine.runner.launch_batch
 
     def spy(segs, specs, batch_invariant=False, align_decode=True,  # type: ignore[no-untyped-def]
-            feed=None):
+            feed=None, **kw):
         before = len(padded)
-        res = real(segs, specs, batch_invariant, align_decode, feed)
+        res = real(segs, specs, batch_invariant, align_decode, feed, **kw)
         steps.append((align_decode, any(len(s.input_ids) > 1 for s in segs),
                       len(padded) - before))
         return res
@@ -628,12 +628,12 @@ def test_decode_rows_riding_in_lane_passes_keep_the_oracle(
     launch_lane = ModelRunner.launch_lane
     carried: list[int] = []
 
-    def checked(self, lane_pass, riders=(), rider_specs=()):  # type: ignore[no-untyped-def]
+    def checked(self, lane_pass, riders=(), rider_specs=(), *rest):  # type: ignore[no-untyped-def]
         own = {(tuple(s.block_table), s.start + i) for s in lane_pass.segments
                for i in range(len(s.input_ids))}
         assert not any((tuple(r.block_table), r.start) in own for r in riders)
         carried.append(len(riders))
-        return launch_lane(self, lane_pass, riders, rider_specs)
+        return launch_lane(self, lane_pass, riders, rider_specs, *rest)
 
     monkeypatch.setattr(ModelRunner, "launch_lane", checked)
     reqs = [Req(TARGET, SAMPLED)] + _others(6, det=True, seed=31) + _others(5, False, seed=32)
