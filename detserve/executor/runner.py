@@ -411,6 +411,7 @@ class ModelRunner:
         want = [i for i, s in enumerate(sample_specs) if s is not None]
         ops = self.bi_ops if batch_invariant else self.fast_ops
         graphs = self.decode_graphs
+        prompt: dict[int, PromptLogprobs] = {}
         if (graphs is not None and want and len(segments) <= graphs.max_batch
                 and not any(prompt_rows)  # (a graph gives the last rows' logits only)
                 and all(len(s.input_ids) == 1 for s in segments)):
@@ -452,8 +453,7 @@ class ModelRunner:
         counts = self._step_counts(segments, want, penalties, feed, logits.shape[-1])
         picked = launch_rows(logits, specs, positions, cfg=self.sampling, counts=counts)
         launched = LaunchedBatch(len(segments), want, picked)
-        if any(prompt_rows):
-            launched.prompt = prompt
+        launched.prompt = prompt
         return launched
 
     def _prompt_logprobs(self, hidden: Tensor, offsets: list[int],
