@@ -216,8 +216,10 @@ def _penalized_logits(model: str, prompt: list[int], out: list[int],
 PENALTIES = {"presence_penalty": -1.0, "frequency_penalty": 0.3}
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_penalized_requests_stay_deterministic(model: str, async_scheduling: bool) -> None:
+@pytest.mark.parametrize("kw", [{"async_scheduling": False}, {"async_scheduling": True},
+                                {"lane_riders": True, "async_scheduling": True}],
+                         ids=["sync", "async", "riders"])
+def test_penalized_requests_stay_deterministic(model: str, kw: dict[str, bool]) -> None:
     """Presence and frequency penalties read every token generated before a position: the
     fast path (its last token fed on the device under asynchronous scheduling) and the lane
     (a window's candidates, the tokens before it sent along) must count alike. Under
@@ -225,8 +227,7 @@ def test_penalized_requests_stay_deterministic(model: str, async_scheduling: boo
     in a batch with others penalized or not. Controls: the penalties change the output and
     make it repeat tokens (they reward them here: the tiny random model seldom repeats a
     token by itself, so a positive penalty would seldom bite); the perturbation changes the
-    same request when non-deterministic."""
-    kw = dict(async_scheduling=async_scheduling)
+    same request when non-deterministic. Decode rows riding in lane passes count alike."""
     for kind in (dict(logprobs=1), dict(temperature=0.9, seed=5)):
         plain = SamplingParams(max_tokens=40, is_deterministic=True, ignore_eos=True, **kind)
         p = SamplingParams(**{**plain.__dict__, **PENALTIES})
@@ -237,7 +238,7 @@ def test_penalized_requests_stay_deterministic(model: str, async_scheduling: boo
         others = _penalized_others()
         batch = others[:4] + [Req(TARGET, p, arrival=2)] + others[4:]
         outs, stats, _ = run_engine(model, batch, perturbation=0.25, **kw)
-        assert stats["rollbacks"] > 0
+        assert stats["rollbacks"] > 0 and (stats["rider_rows"] > 0) == ("lane_riders" in kw)
         assert signature(outs[4]) == signature(oracle[0])
         free = SamplingParams(**{**p.__dict__, "is_deterministic": False})
         clean, _, _ = run_engine(model, [Req(TARGET, free)], **kw)
