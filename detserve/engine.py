@@ -145,6 +145,9 @@ class LLMEngine:
             verifier_factory = self._default_verifier_factory(config)
         self.verifier: Verifier = verifier_factory(self.runner)
         self._seqs: dict[str, Sequence] = {}
+        # unfinished sequences with penalties / asking for prompt logprobs: while there are
+        # none, a step spends no host time on them (a loop over its rows)
+        self._with: Counter[str] = Counter()
         # sequences whose committed tokens or state changed since the last step's outputs,
         # with their committed count before the change (only these get an output)
         self._touched: dict[str, int] = {}
@@ -239,6 +242,8 @@ class LLMEngine:
             prompt_len=len(ids), stop_ids=tuple(sorted(self.scheduler.stop_ids(seq))),
             logit_bias=params.logit_bias_pairs, presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty)
+        self._with["penalties"] += seq.spec.penalized
+        self._with["prompt_logprobs"] += params.prompt_logprobs is not None
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
@@ -388,9 +393,15 @@ class LLMEngine:
         batch = self.runner.launch_batch(segs, specs,
                                          batch_invariant=self.config.mode == "batch_invariant",
                                          align_decode=align, feed=feed,
-                                         penalties=_penalty_rows(items),
-                                         prompt_rows=_prompt_rows(items))
+                                         penalties=self._penalty_rows(items),
+                                         prompt_rows=self._prompt_rows(items))
         return self._record_launch(items, batch)
+
+    def _penalty_rows(self, items: list[FastItem]) -> list[PenaltyRow | None]:
+        return _penalty_rows(items) if self._with["penalties"] else []
+
+    def _prompt_rows(self, items: list[FastItem]) -> list[PromptRows | None]:
+        return _prompt_rows(items) if self._with["prompt_logprobs"] else []
 
     def _riders_fit(self, out: SchedulerOutput) -> bool:
         """This step's fast rows can ride in its lane pass: there is one, every fast row is
@@ -412,7 +423,7 @@ class LLMEngine:
         lane_pass = self._lane_pass(out.lane)
         lane, batch = self.runner.launch_lane(
             lane_pass, riders, [i.seq.spec if i.sample else None for i in items],
-            _penalty_rows(items))
+            self._penalty_rows(items))
         self.counters["rider_passes"] += 1
         self.counters["rider_rows"] += len(items)
         launch = self._record_launch(items, batch)
@@ -605,6 +616,8 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.stats.finish_time = time.monotonic()
         self.scheduler.remove(seq)
+        self._with["penalties"] -= seq.spec.penalized
+        self._with["prompt_logprobs"] -= seq.params.prompt_logprobs is not None
         self.counters["finished_requests"] += 1
         self.counters["committed_tokens"] += seq.num_output_committed
 
