@@ -127,11 +127,13 @@ class SamplingSpec:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), token ids ascending
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # whether a row's logits depend on the tokens generated before it (derived: a plain
+    # attribute, read for every row of every step)
+    penalized: bool = field(init=False, repr=False, compare=False)
 
-    @property
-    def penalized(self) -> bool:
-        """Whether a row's logits depend on the tokens generated before it."""
-        return bool(self.presence_penalty or self.frequency_penalty)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "penalized",
+                           bool(self.presence_penalty or self.frequency_penalty))
 
 
 def _check_int(name: str, value: object, lo: int) -> None:

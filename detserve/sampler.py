@@ -349,12 +349,12 @@ def launch_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
         tokens[at] = gumbel_rows(logits[at], [specs[i] for i in many],
                                  [positions[i] for i in many], cfg.gumbel_chunk_rows,
                                  cfg.gumbel_kernel)
-    if any(s.penalized and (not counts or counts[i] is None) for i, s in enumerate(specs)):
-        raise ValueError("a row with penalties needs the counts of the tokens before it")
     for i, (ok, batched) in enumerate(zip(simple, gumbel, strict=True)):
-        if not (ok or batched):
-            token, lps[i] = _pick(logits[i], specs[i], positions[i],
-                                  counts[i] if counts else None)
+        if not (ok or batched):  # (every row with penalties)
+            row_counts = counts[i] if counts else None
+            if specs[i].penalized and row_counts is None:
+                raise ValueError("a row with penalties needs the counts of the tokens before it")
+            token, lps[i] = _pick(logits[i], specs[i], positions[i], row_counts)
             tokens[i] = token
     return PickedRows(tokens, lps, _many_logprobs(logits, tokens, specs, simple, gumbel))
 
