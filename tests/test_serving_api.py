@@ -345,6 +345,14 @@ def test_echo_with_logprobs_scores_the_prompt_deterministically(
     plain = client.completions.create(model=model_id, prompt=prompt, max_tokens=3,
                                       temperature=0, echo=True)
     assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+    with grpc.insecure_channel(cluster.grpc_address) as channel:
+        req = pb.GenerateRequest(prompt=prompt, max_tokens=1, temperature=0.0, logprobs=1,
+                                 is_deterministic=True, echo=True)
+        events = list(pb_grpc.CompletionsStub(channel).Generate(req, timeout=120))
+    chunks = [e.chunk for e in events if e.WhichOneof("event") == "chunk"]
+    assert chunks[0].text.startswith(prompt) and events[-1].complete.text.startswith(prompt)
+    assert [lp.logprob for lp in chunks[0].prompt_logprobs] == expected[1:]
+    assert not any(c.prompt_logprobs for c in chunks[1:])
 
 
 def _decoder_stats() -> dict[str, tuple[int, float]]:

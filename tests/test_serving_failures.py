@@ -129,6 +129,8 @@ BAD_GRPC: list[tuple[str, dict[str, Any]]] = [
     ("logit_bias out of range", {"prompt": "hi", "logit_bias": {5: -250.0}}),
     ("logit_bias token out of vocab", {"prompt": "hi", "logit_bias": {10**9: 1.0}}),
     ("frequency_penalty out of range", {"prompt": "hi", "frequency_penalty": -3.0}),
+    ("echo with messages", {"messages": [pb.ChatMessage(role="user", content="x")],
+                            "echo": True}),
     ("invalid role", {"messages": [pb.ChatMessage(role="wizard", content="x")]}),
     ("request_id too long", {"prompt": "hi", "request_id": "r" * 500}),
 ]

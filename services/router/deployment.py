@@ -65,13 +65,15 @@ class Router:
                 grpc_context.set_details(e.message)
             raise GrpcRefused(e.message) from e
         text, tokens, reason, determinism = "", 0, "stop", None
+        echo = job.echo[0] if job.echo else None  # (one choice: no n over gRPC)
         try:
             async for event in stream:
-                text += event.text
+                text += (echo or "") + event.text
                 tokens += len(event.token_ids)
                 reason = event.finish_reason or reason
                 determinism = event.determinism or determinism
-                yield chunk_message(rid, event)
+                yield chunk_message(rid, event, echo)
+                echo = None
             yield complete_message(rid, job, text, tokens, reason, determinism)
         except (APIError, DecoderFailure) as e:
             yield error_message(rid, e if isinstance(e, APIError) else decoder_failed(e))

@@ -85,6 +85,10 @@ def _openai_body(req: pb.GenerateRequest, ctx: ModelContext) -> dict[str, Any]:
         body["stop"] = list(req.stop)
     if req.logit_bias:
         body["logit_bias"] = {str(t): b for t, b in req.logit_bias.items()}
+    if req.echo:
+        if given[0] == "messages":
+            raise invalid("echo takes a prompt or prompt_token_ids, not messages", param="echo")
+        body["echo"] = True
     return body
 
 
@@ -93,9 +97,14 @@ def _is_set(req: pb.GenerateRequest, name: str) -> bool:
     return bool(value) if isinstance(value, str) else len(value) > 0
 
 
-def chunk_message(request_id: str, event: ChoiceEvent) -> pb.GenerateResponse:
-    chunk = pb.Chunk(text=event.text, token_ids=list(event.token_ids),
+def chunk_message(request_id: str, event: ChoiceEvent, echo: str | None = None
+                  ) -> pb.GenerateResponse:
+    """``echo`` (a choice's first chunk, when asked): the prompt text to send first, with
+    the prompt's logprobs when the event carries them."""
+    chunk = pb.Chunk(text=(echo or "") + event.text, token_ids=list(event.token_ids),
                      logprobs=[_logprob(lp) for lp in event.logprobs or ()])
+    if echo is not None and event.prompt_logprobs:
+        chunk.prompt_logprobs.extend(_logprob(lp) for lp in event.prompt_logprobs if lp)
     return pb.GenerateResponse(request_id=request_id, chunk=chunk)
 
 
