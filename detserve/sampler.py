@@ -21,8 +21,8 @@ from detserve.executor.transfer import upload
 from detserve.outputs import TokenLogprob
 from detserve.params import SamplingSpec
 
-__all__ = ["PickedRows", "PromptLogprobs", "SamplerConfig", "SamplingSpec", "gumbel_rows", "gumbel_scores", "hashed_uniform",
-           "launch_rows", "sample_row", "sample_rows"]
+__all__ = ["PickedRows", "PromptLogprobs", "SamplerConfig", "SamplingSpec", "gumbel_rows",
+           "gumbel_scores", "hashed_uniform", "launch_rows", "sample_row", "sample_rows"]
 
 _M32 = 0xFFFFFFFF
 _Int = TypeVar("_Int", int, Tensor)  # the hash runs on Python integers and int64 tensors
@@ -141,11 +141,8 @@ class PromptLogprobs:
         self.targets = list(targets)
         ids = upload(self.targets, logits.device)
         if exact:
-            rows = [torch.log_softmax(logits[i].float(), dim=-1) for i in range(len(targets))]
-            chosen = torch.stack([lp[ids[i]] for i, lp in enumerate(rows)])
-            tops = [torch.topk(lp, k) for lp in rows]
-            vals = torch.stack([t.values for t in tops])
-            top_ids = torch.stack([t.indices for t in tops])
+            rows = [_row_logprobs(logits[i], ids[i], k) for i in range(len(targets))]
+            chosen, vals, top_ids = (torch.stack(parts) for parts in zip(*rows, strict=True))
         else:
             lp = torch.log_softmax(logits.float(), dim=-1)
             chosen = lp.gather(1, ids[:, None])[:, 0]
@@ -202,10 +199,15 @@ def _pick(logits: Tensor, spec: SamplingSpec, position: int, counts: Tensor | No
         token = torch.argmax(_row_scores(row, spec, position))
     if spec.logprobs is None:
         return token, None
+    return token, _row_logprobs(logits, token, spec.logprobs)
+
+
+def _row_logprobs(logits: Tensor, token: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """One row of logits [V] alone: the logprob of ``token`` (0-d int64 on the device) and
+    the ``k`` largest logprobs with their ids, of the model's raw distribution."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    k = spec.logprobs
     vals, ids = torch.topk(lp, k) if k > 0 else (lp[:0], token.new_zeros(0))
-    return token, (lp[token], vals, ids)
+    return lp[token], vals, ids
 
 
 def _biased(row: Tensor, bias: tuple[tuple[int, float], ...]) -> Tensor:
@@ -325,8 +327,8 @@ def launch_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],
     one batched argmax (exact, so still row-independent) unless ``row_by_row``; so do, on
     CUDA, sampled rows without top-p, logprobs, a stop mask, a logit bias or penalties
     (``gumbel_rows``, exact too); the others go row by row. ``counts`` (per row, or empty):
-    the token counts a penalized row's penalties read (``token_counts``). ``row_by_row``: every row does (the reference the many-row
-    paths are tested against)."""
+    the token counts a penalized row's penalties read (``token_counts``). ``row_by_row``:
+    every row does (the reference the many-row paths are tested against)."""
     lp_ok = not row_by_row and logits.is_cuda and cfg.logprob_kernel
     simple = [not row_by_row and s.temperature == 0.0 and (s.logprobs is None or lp_ok)
               and not s.min_tokens and not s.logit_bias and not s.penalized for s in specs]

@@ -69,10 +69,9 @@ class LaunchedBatch:
     """A fast-path forward queued on the device; ``result()`` waits for its tokens,
     ``prompt_result()`` for the prompt logprobs of the segments that asked for them."""
 
-    prompt: dict[int, PromptLogprobs]
-
-    def __init__(self, num_segments: int, want: list[int], picked: PickedRows | None) -> None:
-        self.prompt = {}
+    def __init__(self, num_segments: int, want: list[int], picked: PickedRows | None,
+                 prompt: dict[int, PromptLogprobs] | None = None) -> None:
+        self.prompt = prompt or {}  # segment -> its prompt logprobs
         self.want = want  # segments that sample, in the order of ``tokens``' rows
         self.picked = picked
         self._n = num_segments
@@ -439,9 +438,7 @@ class ModelRunner:
                                                 initial=0))
             prompt = self._prompt_logprobs(hidden, offsets, prompt_rows, ops, batch_invariant)
             if not want:
-                launched = LaunchedBatch(len(segments), want, None)
-                launched.prompt = prompt
-                return launched
+                return LaunchedBatch(len(segments), want, None, prompt)
             last = upload([offsets[i + 1] - 1 for i in want], self.device)
             logits = self.model.logits(hidden[last], self._padded(
                 ops, sum(i < head for i in want), batch_invariant))
@@ -452,9 +449,7 @@ class ModelRunner:
         # so batch_invariant needs no row-by-row sampling, nor do SGLang's and vLLM's
         counts = self._step_counts(segments, want, penalties, feed, logits.shape[-1])
         picked = launch_rows(logits, specs, positions, cfg=self.sampling, counts=counts)
-        launched = LaunchedBatch(len(segments), want, picked)
-        launched.prompt = prompt
-        return launched
+        return LaunchedBatch(len(segments), want, picked, prompt)
 
     def _prompt_logprobs(self, hidden: Tensor, offsets: list[int],
                          prompt_rows: Sequence[PromptRows | None], ops: Ops, exact: bool

@@ -66,7 +66,6 @@ class _Stream:
     sink: Sink
     tracker: DeltaTracker
     received: float
-    sent_prompt: bool = False  # the prompt logprobs went out (with the first chunk)
 
 
 class EngineLoop:
@@ -215,7 +214,7 @@ class EngineLoop:
         sent = stream.tracker.sent_tokens
         if not out.finished and sent and len(out.token_ids) - sent < self.stream_interval:
             return  # held: the next chunk carries these tokens too
-        first = stream.tracker.sent_tokens == 0 and not stream.sent_prompt
+        first = stream.tracker.sent_tokens == 0  # (every output carries tokens or is the last)
         text, ids, lps = stream.tracker.update(out)
         determinism = self.determinism if out.finished and out.is_deterministic else None
         chunk = DecodeChunk(
@@ -228,7 +227,6 @@ class EngineLoop:
             engine_stats=self._stats if out.finished else {},
             prompt_logprobs=(tuple(out.prompt_logprobs)
                              if first and out.prompt_logprobs is not None else None))
-        stream.sent_prompt = stream.sent_prompt or first
         if out.finished:
             self._streams.pop(out.request_id)
             request = stream.request
