@@ -182,14 +182,14 @@ def decode_request(request_id: str, ids: list[int], req: SamplingFields, max_tok
                       f"you requested {len(ids) + max_tokens} ({len(ids)} in the prompt, "
                       f"{max_tokens} for the completion)", param="max_tokens",
                       code="context_length_exceeded")
-    params = sampling_params(req, max_tokens, logprobs, index, logit_bias(req, ctx))
-    if prompt_logprobs is not None:
-        params = replace(params, prompt_logprobs=prompt_logprobs)
+    params = sampling_params(req, max_tokens, logprobs, index, logit_bias(req, ctx),
+                             prompt_logprobs)
     return DecodeRequest(request_id, tuple(ids), params)
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
-                    index: int, bias: dict[int, float] | None = None) -> SamplingParams:
+                    index: int, bias: dict[int, float] | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     seed = req.seed
     if index and (seed is not None or req.is_deterministic):
         seed = (seed or 0) + index  # choices differ, and stay reproducible
@@ -200,7 +200,8 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k, seed=seed,
             is_deterministic=req.is_deterministic, stop=_stops(req.stop), logprobs=logprobs,
             ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-            logit_bias=bias, presence_penalty=req.presence_penalty or 0.0,
+            prompt_logprobs=prompt_logprobs, logit_bias=bias,
+            presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             skip_special_tokens=req.skip_special_tokens)
     except ValueError as e:
