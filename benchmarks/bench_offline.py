@@ -122,6 +122,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               lane_dot_sums=args.lane_dot_sums,
                               fused_silu_mul=args.fused_silu_mul,
                               fused_add_rmsnorm=args.fused_add_rmsnorm,
+                              plain_decode_graphs=args.plain_decode_graphs,
                               async_scheduling=False if args.sync_scheduling else None,
                               cuda_graph_step_rows=(0 if args.eager_steps else
                                                     EngineConfig.cuda_graph_step_rows))
@@ -244,6 +245,8 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "fed_rows": stats["fed_rows"], "dropped_rows": stats["dropped_rows"],
         # steps with prompt chunks replayed as graphs (the others ran eagerly)
         "step_graph_replays": stats["step_graph_replays"],
+        "decode_graph_replays": stats["decode_graph_replays"],
+        "plain_graph_replays": stats["plain_graph_replays"],
         "step_seconds": {k: stats[f"{k}_seconds"] for k in
                          ("schedule", "decode_step", "mixed_step", "lane_wait", "output")},
     }
@@ -325,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="CUDA: no fast-path/lane alignment (split-KV decode, whole-pass lane GEMMs)")
     p.add_argument("--lane-gemm-rows", type=int, default=0,
                    help="CUDA: the lane's GEMM row chunk (0: chosen by probing cuBLAS)")
+    p.add_argument("--plain-decode-graphs", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.plain_decode_graphs,
+                   help="CUDA, llm42: decode steps with no deterministic row replay the plain "
+                        "fast path's graphs, not the aligned ones")
     p.add_argument("--no-single-calls", action="store_true",
                    help="CUDA: eager steps split every product around lane decode rows (no "
                         "probe of the step sizes that may run unsplit)")
@@ -526,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'':>16} lane sequences a step: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in r["lane_seqs_per_step"].items())
                 + f"; products with aligned decode rows: {hp['one_call']} one call, "
-                f"{hp['split']} split", flush=True)
+                f"{hp['split']} split; {r['plain_graph_replays']} of "
+                f"{r['decode_graph_replays']} decode graph replays plain", flush=True)
             print(f"{'':>16} lane: {r['verify_passes']} passes, "
                   f"{r['lane_rows_computed_per_pass']:.0f} rows computed a pass, "
                   f"{r['lane_computed_padding_fraction']:.1%} of them padding, "

@@ -308,6 +308,12 @@ class EngineConfig:
     # kernel set either way. On by default: a decode step of the 8B shape at batch 64
     # takes 6.39 ms with it against 6.52 on an H200 (docs/benchmarks/gpu/README.md)
     fused_silu_mul: bool = True
+    # CUDA, with ``align_fast_path`` (llm42): a decode step none of whose rows the lane will
+    # verify (no deterministic request decodes in it) replays graphs of the plain fast path,
+    # as nondeterministic mode runs them (split-KV attention, no product padded into the
+    # lane's class), instead of the aligned ones: the alignment costs only steps that carry
+    # a deterministic decode row. One more set of decode graphs (captured at start-up)
+    plain_decode_graphs: bool = True
     # CUDA: the residual add before each RMSNorm in the norm's own kernel
     # (``batch_invariant.add_rmsnorm_bi``: the sum as torch adds, the norm's bits of it)
     # instead of a torch add first. The same bits (GPU-tested like the above), so the same

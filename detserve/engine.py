@@ -124,6 +124,7 @@ class LLMEngine:
                                   fused_silu_mul=config.fused_silu_mul,
                                   fused_add_rmsnorm=config.fused_add_rmsnorm,
                                   decode_pads=self.alignment.pads if self.alignment else None,
+                                  plain_decode_graphs=config.plain_decode_graphs,
                                   sampling=config.sampling)
         if cuda:
             self.runner.kernel_set += blas_tag(config)
@@ -672,11 +673,14 @@ class LLMEngine:
         # rows (the probe found that size runs the lane chunk's algorithm) or split in two
         out["head_products_one_call"] = self.runner.head_products["one"]
         out["head_products_split"] = self.runner.head_products["split"]
-        graphs = self.runner.decode_graphs
-        if graphs is not None:  # GPU time of the decode steps' graph replays
+        sets = [g for g in (self.runner.decode_graphs, self.runner.plain_graphs) if g is not None]
+        for graphs in sets:  # GPU time of the decode steps' graph replays
             graphs.settle_timing()
-        out["decode_graph_gpu_s"] = graphs.gpu_seconds if graphs is not None else 0.0
-        out["decode_graph_replays"] = graphs.timed_replays if graphs is not None else 0
+        out["decode_graph_gpu_s"] = sum(g.gpu_seconds for g in sets)
+        out["decode_graph_replays"] = sum(g.timed_replays for g in sets)
+        # of them, replays of the plain fast path's graphs (no deterministic decode row)
+        plain = self.runner.plain_graphs
+        out["plain_graph_replays"] = plain.timed_replays if plain is not None else 0
         steps = self.runner.step_graphs  # steps with prompt chunks replayed as graphs
         out["step_graph_replays"] = steps.replays if steps is not None else 0
         out["decode_steps"] = c["decode_steps"]

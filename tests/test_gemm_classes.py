@@ -213,31 +213,34 @@ H100_8B = [[1], [2, 4, 8, 16], [24, 32, 40, 48, 56, 64, 80, 96, 112, 160, 224], 
            [192, 256, 320, 384, 448, 512]]
 
 
-def test_alignment_pads_decode_batches_into_the_lane_chunk_class() -> None:
-    """Every decode bucket lands in the chunk's class: 1..16 pad to 24, 128 to 160; the
-    chunk covers 512 lane rows in the fewest calls of that class."""
+def test_alignment_prefers_the_class_that_runs_the_lane_pass_in_one_call() -> None:
+    """The class from 192 holds the whole 512-row pass (one read of each weight against
+    three 224-row calls in the class from 24) and starts within twice the full batch: it
+    wins. Its chunk is the member whose multiples up to the pass are all members, nearest
+    half a pass (256: passes up to half full run 256 rows); every bucket rounds into it."""
     al = plan_alignment(H100_8B, 128, 512, decode_buckets(128))
-    assert al.chunk == 224
-    assert al.buckets == (24, 32, 40, 48, 56, 64, 80, 96, 112, 160)
-    cls = set(H100_8B[2])
-    assert all(b in cls for b in al.buckets)
-    assert all(al.bucket(n) in cls for n in range(1, 129))
-    assert al.bucket(160) == 160 and al.bucket(161) is None
+    assert al.chunk == 256
+    assert al.buckets == (192,)
+    assert all(al.bucket(n) == 192 for n in range(1, 129))
 
 
-def test_alignment_prefers_the_class_small_batches_fit() -> None:
-    """A class starting at 192 would take the lane in one call but pad a one-sequence
-    decode to 192 rows: the class starting at 24 wins while it still holds a full batch."""
+def test_alignment_keeps_small_batches_out_of_a_class_far_above_them() -> None:
+    """With a full batch of 64, the class from 192 would pad every decode to three times
+    the batch: the class from 24 wins while it holds a full batch, and covers the pass in
+    the fewest calls of its largest member (224, no chain of multiples there)."""
     assert plan_alignment(H100_8B, 64, 512, decode_buckets(64)).chunk == 224
     # a full batch of 256 fits only the 192.. class
     al = plan_alignment(H100_8B, 256, 512, decode_buckets(256))
-    assert al.chunk == 512 and al.buckets[0] == 192
+    assert al.chunk == 256 and al.buckets[0] == 192
+    # the old rule (smallest member first) is what a class far above the batch still gets
+    assert plan_alignment(H100_8B, 128, 512, decode_buckets(128), chunk=224).buckets == (
+        24, 32, 40, 48, 56, 64, 80, 96, 112, 160)
 
 
 def test_alignment_with_one_class_keeps_the_plain_buckets() -> None:
     sizes = probe_sizes(128, 512)
     al = plan_alignment([sizes], 128, 512, decode_buckets(128))
-    assert al == Alignment(512, tuple(decode_buckets(128)))
+    assert al == Alignment(256, tuple(decode_buckets(128)))
 
 
 def test_alignment_with_a_given_chunk_and_without_a_full_class() -> None:
@@ -256,7 +259,8 @@ def test_probe_sizes_cover_every_bucket_and_the_lane() -> None:
 
 def test_auto_alignment_probes_the_products(monkeypatch: pytest.MonkeyPatch) -> None:
     """End to end on CPU: a product whose bits change above 8 rows; every bucket lands in
-    the class above 8, and the chunk covers the lane in one call."""
+    the class above 8, whose chunk is half the lane (its multiple, the whole lane, is a
+    member too)."""
     import detserve.executor.gemm_classes as gc
 
     def fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -265,7 +269,7 @@ def test_auto_alignment_probes_the_products(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(gc.F, "linear", fake)
     al = auto_alignment([torch.randn(16, 8)], 32, 64)
-    assert al.chunk == 64
+    assert al.chunk == 32
     assert al.buckets == (9, 16, 24, 32)
     assert auto_alignment([torch.randn(16, 8)], 32, 64, chunk=8).buckets == (1, 2, 4, 8, 16, 24, 32)
 
@@ -328,7 +332,7 @@ def test_auto_alignment_probes_step_sizes_per_weight_shape(
     _switches_above(64, monkeypatch)
     w1, w2 = torch.randn(16, 8), torch.randn(24, 8)
     al = auto_alignment([w1, w2], 32, 64, step_rows=[100, 40])
-    assert al.chunk == 64
+    assert al.chunk == 32  # one class up to 64: half the pass, 64 its multiple
     assert al.single_call == {(16, 8): frozenset(range(1, 65)), (24, 8): frozenset(range(1, 41))}
     assert auto_alignment([w1, w2], 32, 64).single_call == {}  # not asked: nothing probed
 

@@ -93,6 +93,31 @@ def test_sampled_rows_picked_many_at_a_time_keep_dvr_equal_to_lane_only(
         e.close()
 
 
+def test_decode_steps_without_deterministic_rows_replay_the_plain_graphs(model: str) -> None:
+    """llm42 (aligned decode graphs): a decode step whose rows are all non-deterministic
+    replays the plain fast path's graphs, one with a deterministic decode row the aligned
+    ones. The deterministic output still equals lane_only's under perturbation (which rolls
+    windows back), and with the option off. Requests without determinism alone replay plain
+    graphs only and get nondeterministic mode's outputs (the same graphs). Control: off,
+    no replay is plain."""
+    reqs = _reqs(det=False)  # request 0 deterministic, the others not; it ends first
+    reqs[0] = Req(reqs[0].prompt, dataclasses.replace(reqs[0].params, max_tokens=6))
+    oracle, _, o = run_engine(model, reqs, mode="lane_only", **CUDA)
+    dvr, stats, eng = run_engine(model, reqs, perturbation=0.2, **CUDA)
+    assert stats["rollbacks"] > 0
+    assert 0 < stats["plain_graph_replays"] < stats["decode_graph_replays"]
+    assert signature(dvr[0]) == signature(oracle[0])
+    off, s_off, e_off = run_engine(model, reqs, plain_decode_graphs=False, **CUDA)
+    assert s_off["plain_graph_replays"] == 0 < s_off["decode_graph_replays"]
+    assert signature(off[0]) == signature(oracle[0])
+    others, s_others, e_others = run_engine(model, reqs[1:], **CUDA)
+    assert s_others["plain_graph_replays"] == s_others["decode_graph_replays"] > 0
+    plain, _, e_plain = run_engine(model, reqs[1:], mode="nondeterministic", **CUDA)
+    assert [signature(a) for a in others] == [signature(b) for b in plain]
+    for e in (o, eng, e_off, e_others, e_plain):
+        e.close()
+
+
 def test_batch_invariant_mode_on_gpu(model: str) -> None:
     reqs = _reqs(det=True)
     alone, _, _ = run_engine(model, reqs[:1], mode="batch_invariant", **CUDA)
@@ -448,11 +473,13 @@ def test_lane_one_call_verdicts_hold_on_other_inputs() -> None:
     print("one-call sizes:", {k: sorted(v) for k, v in found.items()})
 
 
-def test_decode_bucket_products_get_the_lane_chunks_bits() -> None:
+@pytest.mark.parametrize("chunk", [176, 0])
+def test_decode_bucket_products_get_the_lane_chunks_bits(chunk: int) -> None:
     """The 8B shape's products in bf16, planned for a decode batch of 128 next to a 512-row
-    lane in 176-row chunks: at every decode bucket each product (padded on its own where the
-    plan says) gives fresh rows the bits of a 176-row call. Control: where the plan pads a
-    product, the unpadded call gives other bits (the pad is needed)."""
+    lane in chunks of 176 rows or of the chunk the plan picks itself (0): at every decode
+    bucket each product (padded on its own where the plan says) gives fresh rows the bits
+    of a chunk-row call. Control: where the plan pads a product, the unpadded call gives
+    other bits (the pad is needed)."""
     import torch
 
     from detserve.executor.gemm_classes import auto_alignment
@@ -463,11 +490,11 @@ def test_decode_bucket_products_get_the_lane_chunks_bits() -> None:
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
     weights = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
                for n, k in shapes]
-    al = auto_alignment(weights, 128, 512, chunk=176)
-    print("buckets", al.buckets, "pads", al.pads)
+    al = auto_alignment(weights, 128, 512, chunk=chunk)
+    print("chunk", al.chunk, "buckets", al.buckets, "pads", al.pads)
     ops = PaddedProductOps(TorchOps(), al.pads)
     for w in weights:
-        x = torch.randn(176, w.shape[1], device="cuda", generator=gen).to(torch.bfloat16)
+        x = torch.randn(al.chunk, w.shape[1], device="cuda", generator=gen).to(torch.bfloat16)
         ref = torch.nn.functional.linear(x, w)
         for b in al.buckets:
             assert torch.equal(ops.linear(x[:b], w), ref[:b]), (tuple(w.shape), b)

@@ -194,10 +194,17 @@ def plan_alignment(classes: Sequence[Sequence[int]], full_batch: int, lane_rows:
                    base_buckets: Sequence[int], chunk: int = 0) -> Alignment:
     """Choose the class (and in it the lane chunk) from the joint ``classes``.
 
-    A class must hold a size >= ``full_batch`` so every decode batch can be padded into it;
-    among those the one with the smallest member wins (small batches pad the least; a
-    decode step reads the weights once whatever its rows, so a few padded rows cost little),
-    ties: fewer lane calls. The chunk is the class member that covers ``lane_rows`` in the
+    A class must hold a size >= ``full_batch`` so every decode batch can be padded into it.
+    Among those whose smallest member is at most twice ``full_batch`` (a decode step reads
+    the weights once whatever its rows, so a product padded that far costs little, and
+    ``plan_product_pads`` pads only the products that need it), the one whose lane pass
+    reads each weight the fewest times wins: once where a member holds the whole pass, else
+    once per call of its largest member; ties: the smallest member. Without such a class:
+    the one with the smallest member, ties: fewer lane calls. The chunk is, where the
+    class holds every multiple of a member up to the first that covers ``lane_rows``, the
+    one of those members with the least padding, then the nearest half a pass (a pass up to
+    half full runs half the rows; the lane runs a pass's multiple as one call where
+    ``lane_call_sizes`` confirms it); else the member that covers ``lane_rows`` in the
     fewest calls, then with the least padding. A given ``chunk`` fixes the class instead.
     Buckets: each of ``base_buckets`` (the plain captured sizes) rounded up to a member of
     the class, or kept where the class has none that large.
@@ -206,13 +213,24 @@ def plan_alignment(classes: Sequence[Sequence[int]], full_batch: int, lane_rows:
         n = -(-lane_rows // c)
         return n, n * c
 
+    def reads(c: Sequence[int]) -> int:
+        return calls(max(c))[0]
+
     if chunk:
         cls = next((list(c) for c in classes if chunk in c), [chunk])
     else:
         feasible = [list(c) for c in classes if max(c) >= full_batch]
-        pool = feasible or [list(c) for c in classes]
-        cls = min(pool, key=lambda c: (min(c) if feasible else -len(c), calls(max(c))))
-        chunk = min(cls, key=calls)
+        near = [c for c in feasible if min(c) <= 2 * full_batch]
+        if near:
+            cls = min(near, key=lambda c: (reads(c), min(c)))
+        else:
+            pool = feasible or [list(c) for c in classes]
+            cls = min(pool, key=lambda c: (min(c) if feasible else -len(c), calls(max(c))))
+        held = set(cls)
+        chains = [c for c in cls
+                  if all(k * c in held for k in range(1, calls(c)[0] + 1))]
+        chunk = (min(chains, key=lambda c: (calls(c)[1], abs(2 * c - lane_rows)))
+                 if chains else min(cls, key=calls))
     members = sorted(cls)
     buckets = sorted({smallest_at_least(members, b) or b for b in base_buckets})
     return Alignment(chunk, tuple(buckets))

@@ -244,6 +244,7 @@ class ModelRunner:
                  lane_attention_split: int = 0, aligned_decode_lane: str = "",
                  lane_full_tiles: bool = True, lane_dot_sums: bool = True,
                  fused_silu_mul: bool = True, fused_add_rmsnorm: bool = True,
+                 plain_decode_graphs: bool = False,
                  sampling: SamplerConfig = DEFAULT_SAMPLER) -> None:
         self.model = model
         self.pool = pool
@@ -281,6 +282,10 @@ class ModelRunner:
         self._lane_sizes: list[int] = []  # set by that probe; else ``lane_sizes`` derives them
         self.kernel_set = "torch-ref-1"
         self.decode_graphs: DecodeGraphs | None = None
+        # with align_fast_path: graphs of the plain fast path, for decode steps whose rows
+        # the lane will not verify (``plain_decode_graphs``)
+        self.plain_decode_graphs = plain_decode_graphs
+        self.plain_graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
         self.lane_graph: LaneGraph | None = None
         if self.cuda:
@@ -332,6 +337,10 @@ class ModelRunner:
                                               max_blocks, aligned=self.align_fast_path,
                                               buckets=buckets, lane_cfg=one_row)
             self.decode_graphs.capture()
+            if decode == "fast" and self.align_fast_path and self.plain_decode_graphs:
+                self.plain_graphs = DecodeGraphs(self.model, self.pool, ops, decode, max_batch,
+                                                 max_blocks, aligned=False)
+                self.plain_graphs.capture()
             if step_rows > 0:
                 head = self.decode_graphs.bucket(max_batch) or 0
                 head_ops = (HeadPaddedOps(ops, head, head, self.single_call, Counter(),
@@ -360,8 +369,9 @@ class ModelRunner:
         """Rows a lane pass with ``used`` rows runs: the smallest lane size that holds them."""
         return next(n for n in self.lane_sizes() if n >= used)
 
-    def _forward(self, batch: RowBatch, ops: Ops, kind: str) -> Tensor:
-        """kind: "fast" (any reduction order), "lane" (fixed M rows), "bi" (batch-invariant)."""
+    def _forward(self, batch: RowBatch, ops: Ops, kind: str, aligned: bool = True) -> Tensor:
+        """kind: "fast" (any reduction order), "lane" (fixed M rows), "bi" (batch-invariant).
+        ``aligned`` False: no fast decode row here needs the lane's attention bits."""
         attn: Callable[[int, Tensor, Tensor, Tensor], Tensor]
         if self.cuda:
             from detserve.executor import gpu
@@ -372,7 +382,8 @@ class ModelRunner:
             attn = partial(fn, self.pool, batch=batch, meta=meta, rope=rope,
                            lane_cfg=self.lane_attn)
             if kind == "fast":  # (its decode rows' config of the lane kernel)
-                attn = partial(attn, aligned=self.align_fast_path, lane_cfg=self.decode_attn)
+                attn = partial(attn, aligned=self.align_fast_path and aligned,
+                               lane_cfg=self.decode_attn)
         elif kind == "fast":
             attn = partial(fast_attention, self.pool, batch=batch)
         else:
@@ -388,7 +399,8 @@ class ModelRunner:
         """One fast-path (or batch-invariant) forward; samples the last row of each segment
         whose spec is not None. Returns one (token, logprob) or None per segment.
         ``align_decode=False``: no decode row here will be verified by the lane, so an eager
-        step runs its products as one call (no bucket padding)."""
+        step runs its products as one call (no bucket padding) and a decode step replays
+        the plain fast path's graphs where there are some (``plain_decode_graphs``)."""
         return self.launch_batch(segments, sample_specs, batch_invariant,
                                  align_decode).result()
 
@@ -409,7 +421,8 @@ class ModelRunner:
         each row alone in batch_invariant mode)."""
         want = [i for i, s in enumerate(sample_specs) if s is not None]
         ops = self.bi_ops if batch_invariant else self.fast_ops
-        graphs = self.decode_graphs
+        # a decode step the lane will verify no row of needs no alignment
+        graphs = self.plain_graphs if not align_decode and self.plain_graphs else self.decode_graphs
         prompt: dict[int, PromptLogprobs] = {}
         if (graphs is not None and want and len(segments) <= graphs.max_batch
                 and not any(prompt_rows)  # (a graph gives the last rows' logits only)
@@ -433,7 +446,8 @@ class ModelRunner:
                     rows = [batch.seg_offsets[i] for i, _ in pairs]
                     batch.input_ids[upload(rows, self.device)] = tokens[
                         upload([j for _, j in pairs], self.device)]
-                hidden = self._forward(batch, step_ops, "bi" if batch_invariant else "fast")
+                hidden = self._forward(batch, step_ops, "bi" if batch_invariant else "fast",
+                                       aligned=align_decode)
             offsets = list(itertools.accumulate((len(s.input_ids) for s in segments),
                                                 initial=0))
             prompt = self._prompt_logprobs(hidden, offsets, prompt_rows, ops, batch_invariant)
