@@ -100,10 +100,11 @@ def test_decode_steps_without_deterministic_rows_replay_the_plain_graphs(model: 
     windows back), and with the option off. Requests without determinism alone replay plain
     graphs only and get nondeterministic mode's outputs (the same graphs). Control: off,
     no replay is plain."""
-    reqs = _reqs(det=False)  # request 0 deterministic, the others not; it ends first
-    reqs[0] = Req(reqs[0].prompt, dataclasses.replace(reqs[0].params, max_tokens=6))
+    # request 0 deterministic, the others not and long enough to decode on after it ends
+    reqs = [Req(r.prompt, dataclasses.replace(r.params, max_tokens=16 if i == 0 else 160),
+                r.arrival) for i, r in enumerate(_reqs(det=False))]
     oracle, _, o = run_engine(model, reqs, mode="lane_only", **CUDA)
-    dvr, stats, eng = run_engine(model, reqs, perturbation=0.2, **CUDA)
+    dvr, stats, eng = run_engine(model, reqs, perturbation=0.5, **CUDA)
     assert stats["rollbacks"] > 0
     assert 0 < stats["plain_graph_replays"] < stats["decode_graph_replays"]
     assert signature(dvr[0]) == signature(oracle[0])
