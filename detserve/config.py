@@ -43,9 +43,10 @@ class SamplerConfig:
     gumbel_kernel: bool = True
     # rows asking for logprobs take the many-row paths too, their logprobs from one pass
     # (kernels.logprobs: a row's bits the same in any batch, but the kernel's own, not
-    # log_softmax's). Off until proven on a GPU (tests/test_kernels_logprobs.py and the
-    # GPU tests of tests/test_gpu_engine.py; ``benchmarks/gpu_suite.sh logprobs``)
-    logprob_kernel: bool = False
+    # log_softmax's). On since its GPU tests passed on an H100 (tests/test_kernels_logprobs.py,
+    # tests/test_gpu_engine.py): 512 rows with 5 logprobs each in 2.5 ms against 137 ms
+    # row by row (``benchmarks/gpu_suite.sh logprobs``; docs/benchmarks/gpu/README.md)
+    logprob_kernel: bool = True
 
     def __post_init__(self) -> None:
         if self.gumbel_chunk_rows < 0:
@@ -322,10 +323,10 @@ class EngineConfig:
     # CUDA: how many rows are sampled at once (``SamplerConfig``): sampled rows
     # ``gumbel_chunk_rows`` at a time (0: row by row), in one Triton pass
     # (``gumbel_kernel``), and rows with logprobs too, with their logprobs from one pass
-    # (``logprob_kernel``; off: not yet run on a GPU, and another kernel set, "+lpk")
+    # (``logprob_kernel``: its own bits, kernel set "+lpk"; False: row by row)
     gumbel_chunk_rows: int = 64
     gumbel_kernel: bool = True
-    logprob_kernel: bool = False
+    logprob_kernel: bool = True
     # plan and queue each step's fast batch before reading the previous step's tokens, so
     # the host's work between steps overlaps the device's (None: on for CUDA, off on CPU)
     async_scheduling: bool | None = None

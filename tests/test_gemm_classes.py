@@ -103,11 +103,11 @@ def test_numerics_options_travel_in_the_geometry() -> None:
     from services.verifier import codec
 
     eng = LLMEngine.from_args("random:tiny", "llm42", fused_silu_mul=False, lane_dot_sums=False,
-                              fused_add_rmsnorm=False, logprob_kernel=True)
+                              fused_add_rmsnorm=False, logprob_kernel=False)
     g = codec.lane_geometry(eng.runner)
     eng.close()
     assert g.lane_plain_sums and not (g.fused_silu_mul or g.fused_add_rmsnorm)
-    assert g.logprob_kernel and eng.runner.sampling.logprob_kernel
+    assert not (g.logprob_kernel or eng.runner.sampling.logprob_kernel)
     assert (g.lane_rows, g.window) == (eng.runner.lane_rows, eng.runner.window)
     rec = dataclasses.replace(_record(), geometry=g)
     assert codec.decode_geometry(codec.encode_hello(rec).hello.geometry) == g
@@ -122,7 +122,7 @@ def test_numerics_options_travel_in_the_geometry() -> None:
     d = codec.lane_geometry(default.runner)
     default.close()
     assert d.fused_silu_mul and d.fused_add_rmsnorm and not d.lane_plain_sums
-    assert not d.logprob_kernel
+    assert d.logprob_kernel  # on by default; a record without the field predates it (off)
     with pytest.raises(ValueError, match="gumbel_chunk_rows"):
         LLMEngine.from_args("random:tiny", "llm42", gumbel_chunk_rows=-1)
 
