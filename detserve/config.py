@@ -256,8 +256,10 @@ class EngineConfig:
     # CUDA: make the fast path and the lane agree bit for bit as often as possible, so that
     # few windows roll back. Fast-path decode rows whose context needs no split run the
     # lane's attention kernel, and the lane runs its products in chunks of
-    # ``lane_gemm_rows`` rows (0: a chunk in the cuBLAS class of most of the fast path's
-    # decode batch sizes, found by probing; see executor/gemm_classes.py). On CPU,
+    # ``lane_gemm_rows`` rows (0: chosen by probing cuBLAS: a chunk in a class that holds
+    # the fast path's decode batches, padded per product where needed, and lets a lane
+    # pass run each product in as few calls as it can, one on the 8B shape on an H100; see
+    # gemm_classes.plan_alignment). On CPU,
     # ``lane_gemm_rows`` > 0 is the lane's row chunk for products and attention, and a pass
     # computes only the chunks its rows fill (0: the whole G*W pass, always).
     align_fast_path: bool = True
