@@ -2,8 +2,9 @@
 
 For each batch size, B sequences with a ``--context``-token prompt are prefilled, then
 ``--steps`` decode steps of ``nondeterministic`` mode (``--mode llm42``: llm42 with no
-deterministic request, i.e. decode rows padded to the buckets aligned with the lane) are
-timed. Roofline: bytes that one
+deterministic request, its steps replaying the decode graphs aligned with the lane, as a
+step with a deterministic decode row does; ``--plain-decode-graphs``: the plain ones, as
+such a step does in serving) are timed. Roofline: bytes that one
 step must read (all weights + every sequence's K/V) over the measured device-to-device
 copy bandwidth (bytes read + written per second).
 
@@ -46,10 +47,13 @@ def forward_ms(eng: LLMEngine, steps: int) -> float | None:
     """Time of the decode graph the last step replayed, replayed back to back with no engine
     work in between (the forward alone: weights, K/V, kernels and their gaps). None without
     CUDA graphs. The replays rewrite the K/V of the last position, as the next step would."""
-    graphs = eng.runner.decode_graphs
-    if graphs is None or graphs.last is None:
+    # the set the steps replayed (llm42 with ``plain_decode_graphs``: the plain one)
+    sets = [g for g in (eng.runner.plain_graphs, eng.runner.decode_graphs)
+            if g is not None and g.last is not None]
+    if not sets:
         return None
-    graph = graphs.last
+    graph = sets[0].last
+    assert graph is not None
     graph.replay()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -103,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="llm42: the lane kernel's query tile and launch for the decode rows "
                         "('': the lane's own; auto: 16:2:3 with dot sums)")
     add_fused_flags(p)
+    p.add_argument("--plain-decode-graphs", action="store_true",
+                   help="llm42: the requests here are not deterministic, so with this the steps "
+                        "replay the plain fast path's graphs as in serving; without it (the "
+                        "default here) the aligned ones, which a step with a deterministic "
+                        "decode row replays")
     p.add_argument("--no-align", action="store_true",
                    help="split-KV decode attention for every context (no lane-kernel decode)")
     p.add_argument("--sync", action="store_true",
@@ -135,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                                   aligned_decode_lane=a.aligned_decode_lane,
                                   fused_silu_mul=a.fused_silu_mul,
                                   fused_add_rmsnorm=a.fused_add_rmsnorm,
+                                  plain_decode_graphs=a.plain_decode_graphs,
                                   async_scheduling=False if a.sync else None)
         eng = LLMEngine(cfg, loaded=loaded)
         for i in range(bsz):
