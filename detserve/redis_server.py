@@ -40,8 +40,8 @@ def find_redis_server() -> str:
 # Ports for servers started a little later (Redis, Ray Serve's ingress and proxy) are
 # picked below Linux's ephemeral range (32768-60999 by default), where every outbound
 # connection takes its local port (a starting Ray cluster opens hundreds), and above Ray's
-# worker ports (10002-19999): a port picked in the ephemeral range was once taken by such a
-# connection before the router bound it, and the deployment failed (CI, 2026-11-26)
+# worker ports (10002-19999): a port picked in the ephemeral range was once taken, most
+# likely by such a connection, before the router bound it, and the deployment failed (CI)
 LISTEN_PORTS = (20000, 32767)
 
 
