@@ -457,8 +457,9 @@ def main(argv: list[str] | None = None) -> int:
                         "seeded by the engine's seed")
     p.add_argument("--top-k", type=int, default=0, help="every request's top-k (0: off)")
     p.add_argument("--gumbel-chunk-rows", type=int, default=SamplerConfig.gumbel_chunk_rows,
-                   help="CUDA: sampled rows (no top-p, no logprobs) picked this many at a "
-                        "time (SamplerConfig.gumbel_chunk_rows); 0: row by row")
+                   help="CUDA: sampled rows (no top-p; with logprobs only with "
+                        "--logprob-kernel) picked this many at a time "
+                        "(SamplerConfig.gumbel_chunk_rows); 0: row by row")
     p.add_argument("--gumbel-kernel", action=argparse.BooleanOptionalAction,
                    default=SamplerConfig.gumbel_kernel,
                    help="CUDA: those rows in one Triton pass (SamplerConfig.gumbel_kernel); "

@@ -124,7 +124,6 @@ class LLMEngine:
                                   fused_silu_mul=config.fused_silu_mul,
                                   fused_add_rmsnorm=config.fused_add_rmsnorm,
                                   decode_pads=self.alignment.pads if self.alignment else None,
-                                  plain_decode_graphs=config.plain_decode_graphs,
                                   sampling=config.sampling)
         if cuda:
             self.runner.kernel_set += blas_tag(config)
@@ -141,7 +140,8 @@ class LLMEngine:
                     decode, lane=mode in ("llm42", "lane_only"),
                     max_batch=min(sc.max_num_seqs, config.cuda_graph_max_batch),
                     max_blocks=-(-sc.max_model_len // cc.block_size),
-                    step_rows=min(config.cuda_graph_step_rows, sc.max_num_batched_tokens))
+                    step_rows=min(config.cuda_graph_step_rows, sc.max_num_batched_tokens),
+                    plain=config.plain_decode_graphs)
         if verifier_factory is None:
             verifier_factory = self._default_verifier_factory(config)
         self.verifier: Verifier = verifier_factory(self.runner)

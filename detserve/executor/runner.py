@@ -244,7 +244,6 @@ class ModelRunner:
                  lane_attention_split: int = 0, aligned_decode_lane: str = "",
                  lane_full_tiles: bool = True, lane_dot_sums: bool = True,
                  fused_silu_mul: bool = True, fused_add_rmsnorm: bool = True,
-                 plain_decode_graphs: bool = False,
                  sampling: SamplerConfig = DEFAULT_SAMPLER) -> None:
         self.model = model
         self.pool = pool
@@ -283,8 +282,7 @@ class ModelRunner:
         self.kernel_set = "torch-ref-1"
         self.decode_graphs: DecodeGraphs | None = None
         # with align_fast_path: graphs of the plain fast path, for decode steps whose rows
-        # the lane will not verify (``plain_decode_graphs``)
-        self.plain_decode_graphs = plain_decode_graphs
+        # the lane will not verify (``enable_cuda_graphs(plain=True)``)
         self.plain_graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
         self.lane_graph: LaneGraph | None = None
@@ -317,11 +315,12 @@ class ModelRunner:
             self.bi_ops = gpu.TritonBatchInvariantOps(*fused)
 
     def enable_cuda_graphs(self, decode: str | None, lane: bool, max_batch: int,
-                           max_blocks: int, step_rows: int = 0) -> None:
+                           max_blocks: int, step_rows: int = 0, plain: bool = False) -> None:
         """Capture decode graphs now ("fast" or "bi", up to ``max_batch`` sequences), with
         ``step_rows`` > 0 also graphs of the same kind for steps with prompt chunks of up to
         that many rows, and prepare the lane graph (captured by the lane's thread on its
-        first pass)."""
+        first pass). ``plain`` (fast graphs aligned with the lane): also capture the plain
+        fast path's, for decode steps with no row the lane will verify."""
         from detserve.executor.graphs import DecodeGraphs, LaneGraph, StepGraphs, step_sizes
 
         if not self.cuda:
@@ -337,7 +336,7 @@ class ModelRunner:
                                               max_blocks, aligned=self.align_fast_path,
                                               buckets=buckets, lane_cfg=one_row)
             self.decode_graphs.capture()
-            if decode == "fast" and self.align_fast_path and self.plain_decode_graphs:
+            if decode == "fast" and self.align_fast_path and plain:
                 self.plain_graphs = DecodeGraphs(self.model, self.pool, ops, decode, max_batch,
                                                  max_blocks, aligned=False)
                 self.plain_graphs.capture()
@@ -400,7 +399,7 @@ class ModelRunner:
         whose spec is not None. Returns one (token, logprob) or None per segment.
         ``align_decode=False``: no decode row here will be verified by the lane, so an eager
         step runs its products as one call (no bucket padding) and a decode step replays
-        the plain fast path's graphs where there are some (``plain_decode_graphs``)."""
+        the plain fast path's graphs where there are some (``plain_graphs``)."""
         return self.launch_batch(segments, sample_specs, batch_invariant,
                                  align_decode).result()
 
