@@ -51,8 +51,8 @@ from detserve.engine import LLMEngine
 from detserve.model.loader import RANDOM_PREFIX, load_model
 from detserve.model.random_init import shape_config
 from detserve.params import SamplingParams
-from detserve.serve_config import APP_NAME, DECODER
 from services.router.metrics import watch_loop_lag
+from services.serve_config import APP_NAME, DECODER
 
 
 @dataclass(frozen=True)
@@ -383,10 +383,10 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
                verifier_confine: bool = False) -> Result:
     from ray import serve
 
-    from detserve.redis_server import EmbeddedRedis
-    from detserve.serve_config import default_serve_config
     from services.app import compose
     from services.local import start_local_serve
+    from services.redis_server import EmbeddedRedis
+    from services.serve_config import default_serve_config
 
     port, grpc_port = 18000, 19000
     cuda = str(engine_kw.get("device", "cpu")).startswith("cuda")

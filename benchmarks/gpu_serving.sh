@@ -79,7 +79,7 @@ import importlib.metadata as md
 import torch
 import google.protobuf, grpc, ray, redis, fastapi, pydantic, httpx, gguf  # noqa: F401
 import services.app, services.verifier.deployment  # noqa: F401  (stubs: protobuf/grpcio)
-from detserve.redis_server import find_redis_server
+from services.redis_server import find_redis_server
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
 print("torch", torch.__version__, "cuda", torch.version.cuda, gpu,
       "| protobuf", google.protobuf.__version__, google.protobuf.__file__.split("/google/")[0],

@@ -1,4 +1,7 @@
-"""Command line: ``detserve generate | fetch-model | serve | bench``."""
+"""The engine's commands: ``detserve generate`` and ``detserve fetch-model``.
+
+The ``detserve`` console (``services.console``) gathers these with the serving and load
+generation commands; ``python -m detserve.cli`` runs them without the serving extras."""
 
 from __future__ import annotations
 
@@ -10,15 +13,8 @@ from collections.abc import Callable, Sequence
 from detserve.config import MODES
 
 Handler = Callable[[argparse.Namespace], int]
-_SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Handler]] = {}
-
-
-def subcommand(name: str, help: str, configure: Callable[[argparse.ArgumentParser], None]
-               ) -> Callable[[Handler], Handler]:
-    def deco(fn: Handler) -> Handler:
-        _SUBCOMMANDS[name] = (help, configure, fn)
-        return fn
-    return deco
+Subcommand = Callable[[str, str, Callable[[argparse.ArgumentParser], None]],
+                      Callable[[Handler], Handler]]
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -75,7 +71,6 @@ def _bias_pair(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS, got {text!r}") from None
 
 
-@subcommand("generate", "generate text offline with the engine", _generate_args)
 def _generate(a: argparse.Namespace) -> int:
     from detserve.llm import LLM
     from detserve.params import SamplingParams
@@ -111,7 +106,6 @@ def _fetch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", nargs="?", default="smollm2", choices=["smollm2"])
 
 
-@subcommand("fetch-model", "download the demo model into the local cache once", _fetch_args)
 def _fetch(a: argparse.Namespace) -> int:
     from detserve.model.fetch import fetch_smollm2
 
@@ -119,37 +113,46 @@ def _fetch(a: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    _load_optional_commands()
-    parser = argparse.ArgumentParser(prog="detserve", description=__doc__)
+def register_detserve_commands(subcommand: Subcommand) -> None:
+    """Hook read by the ``detserve`` console: adds ``generate`` and ``fetch-model``."""
+    subcommand("generate", "generate text offline with the engine", _generate_args)(_generate)
+    subcommand("fetch-model", "download the demo model into the local cache once",
+               _fetch_args)(_fetch)
+
+
+def build_parser(registrars: Sequence[Callable[[Subcommand], None]],
+                 prog: str = "detserve") -> argparse.ArgumentParser:
+    """A parser with the ``registrars``' subcommands; each sets ``args.handler``."""
+    parser = argparse.ArgumentParser(prog=prog)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (help_text, configure, _) in _SUBCOMMANDS.items():
-        configure(sub.add_parser(name, help=help_text))
+
+    def subcommand(name: str, help: str, configure: Callable[[argparse.ArgumentParser], None]
+                   ) -> Callable[[Handler], Handler]:
+        def deco(fn: Handler) -> Handler:
+            p = sub.add_parser(name, help=help)
+            configure(p)
+            p.set_defaults(handler=fn)
+            return fn
+        return deco
+
+    for register in registrars:
+        register(subcommand)
     return parser
 
 
-def _load_optional_commands() -> None:
-    """Subcommands living in optional parts (serving, load generation) register themselves."""
-    import importlib
-
-    for mod in ("services.cli", "loadgen.cli"):
-        try:
-            module = importlib.import_module(mod)
-        except ImportError:
-            continue
-        register = getattr(module, "register_detserve_commands", None)
-        if register is not None:
-            register(subcommand)
+def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run its command; a bad value (ValueError and the like) becomes a
+    one-line message and exit status 2."""
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    _, _, handler = _SUBCOMMANDS[args.command]
-    try:
-        return handler(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"detserve {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    return run(build_parser([register_detserve_commands]), argv)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def register_detserve_commands(subcommand: Any) -> None:
-    """Hook read by ``detserve.cli``: adds ``detserve bench <subcommand> ...``."""
+    """Hook read by the ``detserve`` console: adds ``detserve bench <subcommand> ...``."""
     subcommand("bench", "load generation, benchmarks, determinism audit", configure_parser)(
         _dispatch)
 

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 PY=${PYTHON:-python3}
 PORT=${PORT:-8000}
-$PY -m detserve.cli serve --model smollm2 --port "$PORT" "$@" &
+$PY -m services.console serve --model smollm2 --port "$PORT" "$@" &
 server=$!
 trap 'kill -INT $server 2>/dev/null; wait $server 2>/dev/null' EXIT INT TERM
 echo "== waiting for http://127.0.0.1:$PORT/health"

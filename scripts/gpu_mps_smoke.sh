@@ -7,7 +7,7 @@
 set -u
 OUT=${OUT:-/tmp}
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/stage/redis:/tmp/site/bin:$PATH RAY_USAGE_STATS_ENABLED=0
-python3 -m detserve.cli serve --device cuda --dtype bfloat16 --model random:tiny --mps --port 18000 --grpc-port 19000 > $OUT/serve.log 2>&1 &
+python3 -m services.console serve --device cuda --dtype bfloat16 --model random:tiny --mps --port 18000 --grpc-port 19000 > $OUT/serve.log 2>&1 &
 pid=$!
 for i in $(seq 90); do curl -sf localhost:18000/health >/dev/null && break; sleep 1; done
 echo "health after ${i}s: $(curl -s -o /dev/null -w '%{http_code}' localhost:18000/health)"

@@ -1,4 +1,4 @@
-"""The Ray Serve application: ``build_app(args)`` (the contract of detserve.serve_config).
+"""The Ray Serve application: ``build_app(args)`` (the contract of services.serve_config).
 
     Router(decoder handle[, verifier pool])  <- HTTP :8000 and gRPC :9000 ingress
     Decoder x num_decoders                   <- one engine each (GPU when device == cuda)
@@ -20,10 +20,10 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from detserve.serve_config import validate_args
 from services.decoder.deployment import Decoder
 from services.router.deployment import Router
 from services.router.limits import ServingLimits
+from services.serve_config import validate_args
 
 log = logging.getLogger(__name__)
 REQUEST_ROUTER = "services.router.request_router:LeastTokensRouter"

@@ -2,8 +2,8 @@
 
     detserve serve --model smollm2        # OpenAI API on :8000, gRPC on :9000
 
-Picked up by ``detserve.cli`` through ``register_detserve_commands``. The application args
-come from ``detserve.serve_config.default_serve_config``, the same function KubeRay's
+Picked up by ``services.console`` through ``register_detserve_commands``. The application args
+come from ``services.serve_config.default_serve_config``, the same function KubeRay's
 manifests are rendered from, so a local server and a cluster run the same config.
 """
 
@@ -21,7 +21,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from detserve.config import MODES, SchedulerConfig
-from detserve.serve_config import APP_NAME, DEFAULT_ARGS
+from services.serve_config import APP_NAME, DEFAULT_ARGS
 
 
 def register_detserve_commands(subcommand: Callable[..., Any]) -> None:
@@ -107,7 +107,7 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 
 def serve_config_from(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
-    from detserve.serve_config import default_serve_config
+    from services.serve_config import default_serve_config
 
     fraction = a.verifier_gpu_fraction
     if fraction is None:
@@ -233,7 +233,7 @@ def _start_mps(stack: ExitStack, device: str) -> None:
 
 
 def _embedded_redis(stack: ExitStack) -> str:
-    from detserve.redis_server import EmbeddedRedis
+    from services.redis_server import EmbeddedRedis
 
     redis = stack.enter_context(EmbeddedRedis())
     print(f"detserve: embedded Redis at {redis.url}", flush=True)

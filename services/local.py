@@ -1,6 +1,6 @@
 """Start Ray (local) and Ray Serve for a serving config: `detserve serve`, tests, benchmarks.
 
-Ray Serve's settings for the serving path (`detserve.serve_config.ray_serve_env`: the
+Ray Serve's settings for the serving path (`services.serve_config.ray_serve_env`: the
 throughput profile and direct ingress) are environment variables its processes read when
 they start, so they are put into this process's environment before `ray.init` starts the
 local cluster, whose processes inherit them.
@@ -11,8 +11,8 @@ from __future__ import annotations
 from contextlib import ExitStack
 from typing import Any
 
-from detserve.redis_server import free_port
-from detserve.serve_config import apply_ray_serve_env, serve_start_options
+from services.redis_server import free_port
+from services.serve_config import apply_ray_serve_env, serve_start_options
 
 
 def start_local_serve(stack: ExitStack, config: dict[str, Any], **ray_init: Any

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from detserve.model.testing import make_random_llama
-from detserve.redis_server import free_port
-from detserve.serve_config import default_serve_config
+from services.redis_server import free_port
 from services.router.limits import ServingLimits
+from services.serve_config import default_serve_config
 
 W, G = 8, 4
 MAX_MODEL_LEN = 512
@@ -43,9 +43,9 @@ def serving_cluster(*, limits: ServingLimits | None = None, **overrides: Any
                     ) -> Iterator[Cluster]:
     from ray import serve
 
-    from detserve.redis_server import EmbeddedRedis
     from services.app import compose
     from services.local import start_local_serve
+    from services.redis_server import EmbeddedRedis
 
     t0 = time.monotonic()
     http_port, grpc_port = free_port(), free_port()

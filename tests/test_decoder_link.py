@@ -17,12 +17,12 @@ import pytest
 
 from detserve.engine import LLMEngine
 from detserve.params import SamplingParams
-from detserve.redis_server import EmbeddedRedis
-from detserve.registry import Heartbeat, LinkRecord, Registry
 from services.decoder.channel import deliver_on_event_loops
 from services.decoder.engine_loop import EngineLoop
 from services.decoder.link import LinkServer
 from services.decoder.messages import DecodeChunk, DecodeRequest
+from services.redis_server import EmbeddedRedis
+from services.registry import Heartbeat, LinkRecord, Registry
 from services.router import links
 from services.router.channels import ChannelLost, Item
 from services.router.links import LinkHub

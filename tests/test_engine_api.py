@@ -286,7 +286,7 @@ def test_generate_command_takes_penalties_and_logit_bias(capsys: pytest.CaptureF
     to the request, and refuses bad values with a message and exit code 2."""
     import json
 
-    from detserve.cli import main
+    from services.console import main
 
     args = ["generate", "--model", "random:tiny", "--prompt", "a b c", "--max-tokens", "5",
             "--json"]

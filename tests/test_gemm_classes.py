@@ -20,7 +20,7 @@ from detserve.executor.gemm_classes import (
     single_call_sizes,
 )
 from detserve.executor.graphs import decode_buckets
-from detserve.registry import DecoderRecord, LaneGeometry
+from services.registry import DecoderRecord, LaneGeometry
 
 
 def test_row_classes_partition_the_sizes() -> None:
@@ -77,7 +77,7 @@ def test_row_classes_rejects_tiny_sizes() -> None:
 
 def test_lane_gemm_rows_travels_in_the_verifier_geometry() -> None:
     """A remote verifier must run the decoder's lane chunk: the geometry carries it."""
-    from detserve.registry import LaneGeometry
+    from services.registry import LaneGeometry
     from services.verifier import codec, verifier_pb2
 
     g = LaneGeometry(512, 64, 32, 16, lane_gemm_rows=224)
@@ -128,7 +128,7 @@ def test_numerics_options_travel_in_the_geometry() -> None:
 
 
 def _record() -> DecoderRecord:
-    from detserve.kv_handle import KVHandle
+    from services.kv_handle import KVHandle
 
     handle = KVHandle("shm", "detserve-test", (2, 2, 8, 16, 2, 8), "float32", "cpu", 1, "d0")
     return DecoderRecord("d0", 1, handle, "w" * 16, LaneGeometry(64, 8, 32, 16), "torch-ref-1")
@@ -143,7 +143,7 @@ def test_lane_attention_split_travels_in_the_geometry_and_is_checked() -> None:
 
     from detserve.config import EngineConfig
     from detserve.kernels.config import TABLE
-    from detserve.registry import LaneGeometry
+    from services.registry import LaneGeometry
     from services.verifier import codec, verifier_pb2
 
     g = LaneGeometry(512, 64, 32, 16, lane_gemm_rows=176, lane_attention_split=256)

@@ -1,4 +1,4 @@
-"""The serve config is one: `detserve.serve_config` builds what `detserve serve` runs and
+"""The serve config is one: `services.serve_config` builds what `detserve serve` runs and
 what the RayService's serveConfigV2 carries; and the image matches the manifests."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))  # deploy/ is not an installed package
 
 from deploy.k8s import manifests as m  # noqa: E402
 from deploy.k8s.render import render  # noqa: E402
-from detserve import serve_config as sc  # noqa: E402
+from services import serve_config as sc  # noqa: E402
 
 K8S = ROOT / "deploy" / "k8s"
 
@@ -30,7 +30,7 @@ def rendered_serve_config(name: str) -> str:
     return text
 
 
-# --- detserve.serve_config ---------------------------------------------------------------
+# --- services.serve_config ---------------------------------------------------------------
 
 def test_default_config_shape() -> None:
     config = sc.default_serve_config()

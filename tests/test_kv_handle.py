@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from detserve.kv_handle import (
+from services.kv_handle import (
     KVExporter,
     KVHandle,
     export_kv,

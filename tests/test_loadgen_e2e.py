@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from detserve.redis_server import free_port
 from loadgen.cli import main
+from services.redis_server import free_port
 
 SMALL_MATRIX = ["--num-requests", "6", "--ratios", "1.0", "--qps-list", "inf,6",
                 "--verify-window", "8", "--verify-group", "4", "--no-progress"]
@@ -67,7 +67,7 @@ def test_engine_matrix_end_to_end(tmp_path: Path, smollm2: str) -> None:
 
 # ---- the real HTTP server (skipped until the serving layer provides `detserve serve`) ------
 def _serve_available() -> bool:
-    probe = subprocess.run([sys.executable, "-m", "detserve.cli", "serve", "--help"],
+    probe = subprocess.run([sys.executable, "-m", "services.console", "serve", "--help"],
                            capture_output=True, timeout=120)
     return probe.returncode == 0
 
@@ -77,7 +77,7 @@ def _server(model: str, mode: str) -> Iterator[str]:
     import httpx
 
     port = free_port()
-    cmd = [sys.executable, "-m", "detserve.cli", "serve", "--model", model, "--mode", mode,
+    cmd = [sys.executable, "-m", "services.console", "serve", "--model", model, "--mode", mode,
            "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(free_port()),
            "--verify-window", "8", "--verify-group", "4"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

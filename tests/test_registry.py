@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from detserve.kv_handle import KVHandle
-from detserve.redis_server import LISTEN_PORTS, EmbeddedRedis, free_port
-from detserve.registry import (
+from services.kv_handle import KVHandle
+from services.redis_server import LISTEN_PORTS, EmbeddedRedis, free_port
+from services.registry import (
     DecoderRecord,
     Heartbeat,
     LaneGeometry,

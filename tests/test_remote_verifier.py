@@ -25,13 +25,13 @@ from engine_utils import Req, drive, random_prompts, run_engine, signature, tiny
 
 from detserve.config import EngineConfig
 from detserve.engine import LLMEngine
-from detserve.kv_handle import KVExporter
 from detserve.lane import LaneDecision, LanePass, LaneResult, LaneSegment
 from detserve.model.loader import load_model
 from detserve.outputs import RequestOutput, TokenLogprob
 from detserve.params import SamplingParams, SamplingSpec
-from detserve.redis_server import EmbeddedRedis
-from detserve.registry import Registry
+from services.kv_handle import KVExporter
+from services.redis_server import EmbeddedRedis
+from services.registry import Registry
 from services.verifier import codec
 from services.verifier import verifier_pb2 as pb
 from services.verifier import verifier_pb2_grpc as pb_grpc
@@ -353,7 +353,7 @@ def test_waits_for_a_verifier_then_gives_up_clearly(model: str, redis_url: str,
 def test_deployment_replica_registers_serves_and_deregisters(model: str, redis_url: str) -> None:
     """The Ray Serve class, constructed as Serve would (without starting Ray)."""
     pytest.importorskip("ray")
-    from detserve.serve_config import VERIFIER
+    from services.serve_config import VERIFIER
     from services.verifier.deployment import Verifier
 
     deployment: Any = Verifier  # a Serve Deployment; its class is func_or_class

@@ -85,7 +85,7 @@ def test_models_and_health(cluster: Cluster, client: openai.OpenAI, model_id: st
 def test_decoders_verify_remotely(cluster: Cluster) -> None:
     from ray import serve
 
-    from detserve.registry import Registry
+    from services.registry import Registry
 
     assert len(Registry(cluster.args["redis_url"]).live_verifiers()) == 2
     decoder = serve.get_deployment_handle("Decoder", app_name="detserve")
@@ -208,8 +208,8 @@ def test_requests_reach_decoders_over_their_links(cluster: Cluster) -> None:
     import ray
     from ray import serve
 
-    from detserve.registry import Registry
     from services.decoder.messages import ReplicaPin
+    from services.registry import Registry
 
     assert len(Registry(cluster.args["redis_url"]).live_links()) == 2
     handle = serve.get_deployment_handle("Decoder", app_name="detserve")

@@ -15,7 +15,6 @@ from serving_cluster import tiny_model
 from detserve.engine import LLMEngine
 from detserve.outputs import RequestOutput, TokenLogprob
 from detserve.params import SamplingParams
-from detserve.serve_config import DEFAULT_ARGS, default_serve_config
 from services.decoder.deltas import DeltaTracker
 from services.decoder.engine_loop import EngineLoop
 from services.decoder.messages import DecodeChunk, DecodeRequest, coalesce
@@ -27,6 +26,7 @@ from services.router.model_context import ModelContext
 from services.router.prepare import prepare_chat, prepare_completion
 from services.router.replay import ReplayDiverged, SentState
 from services.router.schemas import ChatCompletionRequest, CompletionRequest
+from services.serve_config import DEFAULT_ARGS, default_serve_config
 
 
 def _out(text: str, ids: list[int], finished: bool = False) -> RequestOutput:
@@ -450,8 +450,8 @@ def test_dispatch_paths_and_attached_links_parsed() -> None:
 
 
 def test_decoder_link_is_an_optional_boolean_arg_and_a_serve_flag() -> None:
-    from detserve.cli import build_parser
     from services.cli import serve_config_from
+    from services.console import build_parser
     from services.decoder.engine_factory import DecoderSettings
 
     assert "decoder_link" not in default_serve_config()["applications"][0]["args"]
@@ -480,8 +480,8 @@ def test_verifier_confine_is_an_optional_flag_and_picks_mps_or_a_green_context(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     """The verifier's lane takes the whole GPU unless asked to confine itself: then under MPS
     the thread percentage caps it (no green context), without MPS a green context does."""
-    from detserve.cli import build_parser
     from services.cli import serve_config_from
+    from services.console import build_parser
     from services.verifier.deployment import limit_sms
 
     assert "verifier_confine" not in default_serve_config()["applications"][0]["args"]
@@ -527,8 +527,8 @@ def test_fastpath_perturbation_is_an_optional_validated_arg() -> None:
 
 
 def test_serve_command_builds_the_shared_config() -> None:
-    from detserve.cli import build_parser
     from services.cli import serve_config_from
+    from services.console import build_parser
 
     a = build_parser().parse_args(["serve", "--num-decoders", "2", "-W", "16", "-G", "4",
                                    "--fastpath-perturbation", "0.1", "--port", "8080"])
@@ -587,8 +587,8 @@ def test_scheduler_switch_reaches_the_decoders_engine(name: str) -> None:
     """On by default; ``detserve serve --no-pipeline-lane-prefill`` (or
     ``--no-lane-partial-windows``) turns it off in the app args, the decoder's settings and
     its engine config; anything but a bool is refused."""
-    from detserve.cli import build_parser
     from services.cli import serve_config_from
+    from services.console import build_parser
     from services.decoder.engine_factory import DecoderSettings
 
     parse = build_parser().parse_args
@@ -611,9 +611,9 @@ def test_scheduler_fraction_reaches_the_decoders_engine(name: str) -> None:
     ``--parked-seq-headroom F`` (the batch slots parked lane sequences lend) set the
     decoder engine's scheduler (default: the engine's); values outside [0, 1] or not
     numbers are refused."""
-    from detserve.cli import build_parser
     from detserve.config import SchedulerConfig
     from services.cli import serve_config_from
+    from services.console import build_parser
     from services.decoder.engine_factory import DecoderSettings
 
     parse = build_parser().parse_args
@@ -643,8 +643,8 @@ def test_scheduler_count_reaches_the_decoders_engine(name: str, value: int, defa
     (queued deterministic prompts a lane pass's spare rows may take) and
     ``--lane-prefill-lookahead N`` (how far into the queue) set the decoder engine's
     scheduler; bad values are refused."""
-    from detserve.cli import build_parser
     from services.cli import serve_config_from
+    from services.console import build_parser
     from services.decoder.engine_factory import DecoderSettings
 
     parse = build_parser().parse_args
@@ -664,8 +664,8 @@ def test_scheduler_count_reaches_the_decoders_engine(name: str, value: int, defa
 def test_switch_interval_reaches_the_decoder_settings() -> None:
     """``detserve serve --switch-interval S`` lands in the decoder's settings (0: Python's
     own); negative, huge or non-numeric values are refused."""
-    from detserve.cli import build_parser
     from services.cli import serve_config_from
+    from services.console import build_parser
     from services.decoder.engine_factory import DecoderSettings
 
     parse = build_parser().parse_args
@@ -686,8 +686,8 @@ def test_serve_mps_flag_starts_a_daemon_only_where_it_can(monkeypatch: pytest.Mo
     used as it is."""
     from contextlib import ExitStack
 
-    from detserve.cli import build_parser
     from services.cli import _start_mps
+    from services.console import build_parser
 
     assert build_parser().parse_args(["serve", "--device", "cuda", "--mps"]).mps is True
     assert build_parser().parse_args(["serve"]).mps is False

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from detserve.serve_config import (
+from services.serve_config import (
     DECODER,
     VERIFIER,
     Autoscaling,

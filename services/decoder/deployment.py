@@ -26,8 +26,6 @@ from typing import Any
 import redis
 from ray import serve
 
-from detserve.registry import Heartbeat, LinkRecord, Registry
-from detserve.serve_config import DECODER
 from services.decoder.channel import (
     Channel,
     ChannelSink,
@@ -45,6 +43,8 @@ from services.decoder.messages import (
     coalesce,
     coalesce_by_request,
 )
+from services.registry import Heartbeat, LinkRecord, Registry
+from services.serve_config import DECODER
 
 log = logging.getLogger(__name__)
 # how long the finished chunks of a router that has not attached its channel wait for it

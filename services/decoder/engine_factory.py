@@ -24,7 +24,7 @@ LANE_MODES = ("llm42", "lane_only")
 
 @dataclass(frozen=True)
 class DecoderSettings:
-    """The app args a decoder needs, validated by ``detserve.serve_config`` beforehand."""
+    """The app args a decoder needs, validated by ``services.serve_config`` beforehand."""
 
     model: str
     mode: str
@@ -100,9 +100,9 @@ def build_engine(settings: DecoderSettings, decoder_id: str) -> tuple[LLMEngine,
 
 def _remote_modules() -> tuple[Any, Any, Any] | None:
     try:
-        return (importlib.import_module("detserve.kv_handle"),
+        return (importlib.import_module("services.kv_handle"),
                 importlib.import_module("services.verifier.client"),
-                importlib.import_module("detserve.registry"))
+                importlib.import_module("services.registry"))
     except ModuleNotFoundError as e:
         log.warning("remote verification unavailable: %s", e)
         return None

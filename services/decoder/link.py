@@ -8,7 +8,7 @@ stream per (router, decoder replica): the router writes ``submit`` and ``abort``
 engine committed for that router's requests since the previous frame
 (``services.decoder.channel``), so a request costs one frame each way.
 
-Routers find links in the Redis registry (``detserve.registry.LinkRecord``, kept alive by a
+Routers find links in the Redis registry (``services.registry.LinkRecord``, kept alive by a
 heartbeat); Ray Serve still deploys, restarts and health-checks the replicas, and a router
 without a live link falls back to handle calls. Frames are pickled: both ends are this
 cluster's own processes (Ray pickles the same objects between them), and a link answers

@@ -10,7 +10,6 @@ from typing import Any
 from fastapi import FastAPI
 from ray import serve
 
-from detserve.serve_config import ROUTER
 from services.router import detserve_pb2 as pb
 from services.router.dispatch import DecoderFailure
 from services.router.errors import APIError
@@ -26,6 +25,7 @@ from services.router.limits import ServingLimits
 from services.router.links import LinkHub
 from services.router.model_context import ModelContext
 from services.router.service import RouterService, decoder_failed
+from services.serve_config import ROUTER
 
 log = logging.getLogger(__name__)
 

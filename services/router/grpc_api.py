@@ -1,7 +1,7 @@
 """The gRPC ``Completions`` service: proto <-> router jobs.
 
 Ray Serve's gRPC proxy registers the service through ``add_CompletionsServicer_to_server``
-(listed in ``detserve.serve_config.GRPC_SERVICER_FUNCTIONS``) and calls the Router
+(listed in ``services.serve_config.GRPC_SERVICER_FUNCTIONS``) and calls the Router
 deployment's ``Generate`` / ``Health`` methods, which use the functions here. A request is
 converted to the equivalent OpenAI body and validated by the same code as HTTP, so both
 APIs accept and refuse exactly the same things.

@@ -24,9 +24,9 @@ from typing import Any
 import grpc
 import redis
 
-from detserve.registry import LinkRecord, Registry
 from services.decoder.link import ABORT, KEEPALIVE, METHOD, SUBMIT, TOKEN_KEY, dumps, loads
 from services.decoder.messages import DecodeRequest
+from services.registry import LinkRecord, Registry
 from services.router.channels import ChannelLost, Item, deliver_wires
 from services.router.load_ledger import TokenLedger
 

@@ -23,9 +23,9 @@ import grpc
 import redis
 
 from detserve.executor.runner import ModelRunner
-from detserve.kv_handle import KVExporter, KVHandle
 from detserve.lane import LanePass, LaneResult
-from detserve.registry import DEFAULT_PREFIX, DecoderRecord, Registry, VerifierRecord
+from services.kv_handle import KVExporter, KVHandle
+from services.registry import DEFAULT_PREFIX, DecoderRecord, Registry, VerifierRecord
 from services.verifier import codec
 from services.verifier import verifier_pb2 as pb
 from services.verifier.stream import Closed, Event, LaneStream

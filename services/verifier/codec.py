@@ -16,7 +16,7 @@ from detserve.executor.runner import ModelRunner
 from detserve.lane import LaneDecision, LanePass, LaneResult, LaneSegment
 from detserve.outputs import TokenLogprob
 from detserve.params import SamplingSpec
-from detserve.registry import DecoderRecord, LaneGeometry
+from services.registry import DecoderRecord, LaneGeometry
 from services.verifier import verifier_pb2 as pb
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from ray import serve
 
-from detserve.registry import DEFAULT_PREFIX
+from services.registry import DEFAULT_PREFIX
 from services.verifier.replica import VerifierReplica
 
 # the MPS daemon's directories when CUDA_MPS_PIPE_DIRECTORY / _LOG_DIRECTORY are unset

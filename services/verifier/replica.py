@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from detserve.registry import DEFAULT_PREFIX, Heartbeat, Registry, VerifierRecord
+from services.registry import DEFAULT_PREFIX, Heartbeat, Registry, VerifierRecord
 from services.verifier import verifier_pb2 as pb
 from services.verifier import verifier_pb2_grpc as pb_grpc
 from services.verifier.server import VerifierServer, VerifierServicer, load_model_once

@@ -24,11 +24,11 @@ import torch
 from detserve.config import SamplerConfig
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import ModelRunner
-from detserve.kv_handle import KVHandle, open_kv
 from detserve.lane import LanePass, LaneResult
 from detserve.model.llama import LlamaModel
 from detserve.model.loader import ModelInfo, load_model
-from detserve.registry import Registry
+from services.kv_handle import KVHandle, open_kv
+from services.registry import Registry
 from services.verifier import codec
 from services.verifier import verifier_pb2 as pb
 from services.verifier import verifier_pb2_grpc as pb_grpc

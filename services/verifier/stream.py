@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from detserve.registry import VerifierRecord
+from services.registry import VerifierRecord
 from services.verifier import verifier_pb2 as pb
 from services.verifier import verifier_pb2_grpc as pb_grpc
 

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 import redis
 
-from detserve.kv_handle import KVHandle
+from services.kv_handle import KVHandle
 
 DEFAULT_PREFIX = "detserve"
 _RETIRE = """
