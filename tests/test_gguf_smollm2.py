@@ -12,8 +12,9 @@ import torch
 
 from detserve.model import fetch
 from detserve.model.fetch import SMOLLM2_FILE, SMOLLM2_SHA256, fetch_smollm2
+from detserve.model.identity import ModelInfo
 from detserve.model.llama import LlamaModel
-from detserve.model.loader import ModelInfo, load_model
+from detserve.model.loader import load_model
 from detserve.model.testing import (
     DenseAttention,
     ReferenceOps,

@@ -15,8 +15,9 @@ from safetensors.torch import load_file, save_file
 from detserve.model import loader
 from detserve.model.gguf_loader import open_gguf, permute_rotary, unpermute_rotary
 from detserve.model.hf_loader import hf_weight_files, read_hf_config
+from detserve.model.identity import ModelInfo
 from detserve.model.llama import LlamaModel
-from detserve.model.loader import ModelInfo, load_model
+from detserve.model.loader import load_model
 from detserve.model.testing import (
     DenseAttention,
     ReferenceOps,
