@@ -10,6 +10,14 @@ from typing import Any
 
 import pytest
 import torch
+from model_helpers import (
+    DenseAttention,
+    ReferenceOps,
+    greedy_generate,
+    make_random_llama,
+    transformers_gguf_model,
+    write_llama_gguf,
+)
 from safetensors.torch import load_file, save_file
 
 from detserve.model import loader
@@ -18,14 +26,6 @@ from detserve.model.hf_loader import hf_weight_files, read_hf_config
 from detserve.model.identity import ModelInfo
 from detserve.model.llama import LlamaModel
 from detserve.model.loader import load_model
-from detserve.model.testing import (
-    DenseAttention,
-    ReferenceOps,
-    greedy_generate,
-    make_random_llama,
-    transformers_gguf_model,
-    write_llama_gguf,
-)
 from detserve.model.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
