@@ -43,7 +43,6 @@ from detserve.kernels.config import (
 from detserve.kernels.decode_attention import choose_num_splits, decode_attention
 from detserve.kernels.lane_attention import lane_attention
 from detserve.kernels.prefill_attention import prefill_attention
-from detserve.kernels.testing import PagedKV
 
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -254,6 +253,16 @@ def sweep(quick: bool, what: set[str]) -> list[dict]:
                 row["same_bits_as_decode_attention"] = bool(torch.equal(got, split_kv))
             out.append(row)
     return out
+
+
+@dataclasses.dataclass
+class PagedKV:
+    """A paged K/V cache and the block tables and lengths that address it."""
+
+    k_cache: torch.Tensor  # [num_blocks, PAGE, HKV, D]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    context_lens: torch.Tensor  # int32 [num_seqs]
 
 
 def make_cache(lens: list[int]) -> PagedKV:

@@ -19,8 +19,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_offline import hardware
-from detserve.executor.gemm_classes import joint_classes, plan_alignment, probe_sizes, row_classes
-from detserve.executor.graphs import decode_buckets
+from detserve.executor.gemm_classes import (
+    decode_buckets,
+    joint_classes,
+    plan_alignment,
+    probe_sizes,
+    row_classes,
+)
 from detserve.model.loader import load_model, resolve_dtype
 from detserve.model.random_init import random_model
 

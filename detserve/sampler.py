@@ -11,59 +11,19 @@ that never mix rows, so each row gets exactly its row-by-row result.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar, cast
+from typing import cast
 
 import torch
 from torch import Tensor
 
 from detserve.config import SamplerConfig
 from detserve.executor.transfer import upload
+from detserve.gumbel_noise import gumbel_scores, hashed_uniform, row_key
 from detserve.outputs import TokenLogprob
 from detserve.params import SamplingSpec
 
 __all__ = ["PickedRows", "PromptLogprobs", "SamplerConfig", "SamplingSpec", "gumbel_rows",
-           "gumbel_scores", "hashed_uniform", "launch_rows", "sample_row", "sample_rows"]
-
-_M32 = 0xFFFFFFFF
-_Int = TypeVar("_Int", int, Tensor)  # the hash runs on Python integers and int64 tensors
-
-
-def _mul32(x: _Int, c: int) -> _Int:
-    """(x * c) mod 2**32 for x < 2**32 without int64 overflow (c split in 16-bit halves)."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
-
-
-def _fmix32(h: _Int) -> _Int:
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def _row_key(seed: int, position: int) -> int:
-    """The per-(seed, position) key, in Python integers (the same 64-bit arithmetic as the
-    tensors of ``_uniform``, without a host-to-device copy that would wait for the device)."""
-    lo, hi, pos = seed & _M32, (seed >> 32) & _M32, position & _M32
-    return _fmix32(lo ^ _fmix32(hi ^ _fmix32(pos + 0x9E3779B9)))
-
-
-def _uniform(key: int | Tensor, vocab: int, device: torch.device | str) -> Tensor:
-    """Uniform(0, 1) float64 per token id of one row (``key`` an int: [V]) or of many
-    (``key`` an int64 [n, 1] column of row keys: [n, V]). Integer arithmetic and one exact
-    conversion per element, so a row's values do not depend on the rows beside it."""
-    ids = torch.arange(vocab, dtype=torch.int64, device=device)
-    h = _fmix32(key ^ _mul32(ids, 0x9E3779B1))
-    h2 = _fmix32(h ^ 0x27D4EB2F)
-    bits = (h << 21) | (h2 >> 11)  # 53 random bits
-    return (bits.double() + 0.5) / float(1 << 53)
-
-
-def hashed_uniform(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> Tensor:
-    """Uniform(0, 1) float64 per token id, a pure function of (seed, position, token id)."""
-    return _uniform(_row_key(seed, position), vocab, device)
-
+           "launch_rows", "sample_row", "sample_rows"]
 
 def _filter(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     """Set logits outside top-k / the top-p nucleus to -inf (row: [V] fp32)."""
@@ -301,23 +261,13 @@ def _gumbel_inputs(logits: Tensor, specs: list[SamplingSpec], positions: list[in
                               float("-inf"))
     inv = upload(torch.tensor([1.0 / s.temperature for s in specs], dtype=torch.float64),
                  dev, torch.float64)
-    keys = upload([_row_key(s.seed, p) for s, p in zip(specs, positions, strict=True)], dev)
+    keys = upload([row_key(s.seed, p) for s, p in zip(specs, positions, strict=True)], dev)
     return kth, inv, keys
 
 
 def _gumbel_scores(logits: Tensor, specs: list[SamplingSpec], positions: list[int]) -> Tensor:
     """``_row_scores`` of every row of ``logits`` [n, V] at once, in torch: float64 [n, V]."""
     return gumbel_scores(logits, *_gumbel_inputs(logits, specs, positions))
-
-
-def gumbel_scores(logits: Tensor, kth: Tensor, inv_temp: Tensor, keys: Tensor) -> Tensor:
-    """The Gumbel scores of ``logits`` [n, V] from ``_gumbel_inputs``' per-row top-k
-    threshold, reciprocal temperature and hash key, in torch's kernels: float64 [n, V]
-    (the form ``kernels.gumbel`` follows)."""
-    rows = logits.float()
-    rows = rows.masked_fill(rows < kth[:, None], float("-inf"))
-    noise = torch.log(-torch.log(_uniform(keys[:, None], logits.shape[1], logits.device)))
-    return rows.double() * inv_temp[:, None] - noise
 
 
 def launch_rows(logits: Tensor, specs: list[SamplingSpec], positions: list[int],

@@ -6,8 +6,9 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from model_helpers import make_random_llama
+
 from detserve.engine import LLMEngine
-from detserve.model.testing import make_random_llama
 from detserve.outputs import RequestOutput
 from detserve.params import SamplingParams
 from detserve.sequence import PLACEHOLDER

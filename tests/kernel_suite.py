@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import kernel_helpers as kt
 import pytest
 import torch
-
-from detserve.kernels import testing as kt
 
 if kt.INTERPRETED:
     kt.patch_interpreter()

@@ -13,7 +13,8 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from detserve.model.testing import make_random_llama
+from model_helpers import make_random_llama
+
 from services.redis_server import free_port
 from services.router.limits import ServingLimits
 from services.serve_config import default_serve_config

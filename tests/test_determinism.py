@@ -194,9 +194,10 @@ def test_logit_bias_requests_stay_deterministic(model: str) -> None:
 def _penalized_logits(model: str, prompt: list[int], out: list[int],
                       p: SamplingParams) -> list[torch.Tensor]:
     """For each position of ``out``: the logits after ``prompt + out[:t]`` from a dense
-    reference forward (``model.testing``), less OpenAI's penalties of ``out[:t]``."""
+    reference forward (``model_helpers``), less OpenAI's penalties of ``out[:t]``."""
+    from model_helpers import DenseAttention, ReferenceOps
+
     from detserve.model.loader import load_model
-    from detserve.model.testing import DenseAttention, ReferenceOps
 
     llama = load_model(model)[0]
     ops, rows = ReferenceOps(), []
@@ -286,8 +287,9 @@ def test_prompt_logprobs_are_deterministic(model: str) -> None:
     bit, one per prompt token, with their top alternatives; and they are the model's (a
     dense reference). Control: the fast path computes other bits for the same prompt, so
     the equality is the lane's doing."""
+    from model_helpers import DenseAttention, ReferenceOps
+
     from detserve.model.loader import load_model
-    from detserve.model.testing import DenseAttention, ReferenceOps
 
     p = SamplingParams(max_tokens=20, is_deterministic=True, prompt_logprobs=3, logprobs=1,
                        ignore_eos=True)

@@ -11,6 +11,7 @@ import torch
 from detserve.executor.gemm_classes import (
     Alignment,
     auto_alignment,
+    decode_buckets,
     joint_classes,
     lane_call_sizes,
     plan_alignment,
@@ -19,7 +20,6 @@ from detserve.executor.gemm_classes import (
     row_classes,
     single_call_sizes,
 )
-from detserve.executor.graphs import decode_buckets
 from services.registry import DecoderRecord, LaneGeometry
 
 

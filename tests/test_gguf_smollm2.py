@@ -9,17 +9,18 @@ from typing import Any
 
 import pytest
 import torch
-
-from detserve.model import fetch
-from detserve.model.fetch import SMOLLM2_FILE, SMOLLM2_SHA256, fetch_smollm2
-from detserve.model.llama import LlamaModel
-from detserve.model.loader import ModelInfo, load_model
-from detserve.model.testing import (
+from model_helpers import (
     DenseAttention,
     ReferenceOps,
     greedy_generate,
     transformers_gguf_model,
 )
+
+from detserve.model import fetch
+from detserve.model.fetch import SMOLLM2_FILE, SMOLLM2_SHA256, fetch_smollm2
+from detserve.model.identity import ModelInfo
+from detserve.model.llama import LlamaModel
+from detserve.model.loader import load_model
 from detserve.model.tokenizer import Tokenizer
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -14,10 +14,11 @@ import torch
 
 pytest.importorskip("triton")
 
+import kernel_helpers as kt  # noqa: E402
+
 from detserve.executor.attention import RowSegment, build_rows  # noqa: E402
 from detserve.executor.gpu import GpuMeta, fast_attention_gpu  # noqa: E402
 from detserve.executor.kv_pool import KVPool  # noqa: E402
-from detserve.kernels import testing as kt  # noqa: E402
 
 if kt.INTERPRETED:
     kt.patch_interpreter()

@@ -6,7 +6,8 @@ import pytest
 
 from detserve.config import EngineConfig
 from detserve.executor.attention import RowSegment
-from detserve.executor.graphs import decode_buckets, step_layout, step_sizes
+from detserve.executor.gemm_classes import decode_buckets
+from detserve.executor.graphs import step_layout, step_sizes
 
 
 @pytest.mark.parametrize("max_batch", [1, 3, 8, 64, 100, 256, 1000])

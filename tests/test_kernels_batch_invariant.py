@@ -11,9 +11,9 @@ import torch
 
 pytest.importorskip("triton")
 
+import kernel_helpers as kt  # noqa: E402
 from kernel_suite import interp, interpreter_suite, needs_cuda  # noqa: E402
 
-from detserve.kernels import testing as kt  # noqa: E402
 from detserve.kernels.batch_invariant import (  # noqa: E402
     add_rmsnorm_bi,
     log_softmax_bi,

@@ -11,9 +11,9 @@ import torch
 
 pytest.importorskip("triton")
 
+import kernel_helpers as kt  # noqa: E402
 from kernel_suite import interp, interpreter_suite, needs_cuda  # noqa: E402
 
-from detserve.kernels import testing as kt  # noqa: E402
 from detserve.kernels.config import DecodeConfig  # noqa: E402
 from detserve.kernels.decode_attention import (  # noqa: E402
     choose_num_splits,

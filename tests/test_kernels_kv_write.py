@@ -11,9 +11,9 @@ import torch
 
 pytest.importorskip("triton")
 
+import kernel_helpers as kt  # noqa: E402
 from kernel_suite import interp, interpreter_suite, needs_cuda  # noqa: E402
 
-from detserve.kernels import testing as kt  # noqa: E402
 from detserve.kernels.kv_write import (  # noqa: E402
     kv_write,
     kv_write_ref,

@@ -13,9 +13,9 @@ import torch
 
 pytest.importorskip("triton")
 
+import kernel_helpers as kt  # noqa: E402
 from kernel_suite import interp, interpreter_suite, needs_cuda  # noqa: E402
 
-from detserve.kernels import testing as kt  # noqa: E402
 from detserve.kernels.silu_mul import silu_mul_fused, silu_mul_ref  # noqa: E402
 
 test_interpreter_suite = interpreter_suite(__file__)

@@ -9,6 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
+from fake_engine import FakeEngine
+from fake_openai_server import running_server
+from model_helpers import make_random_llama
 
 from loadgen.audit import AuditReport, run_audit, tally
 from loadgen.audit_prompts import AuditConfig, AuditPlan
@@ -16,8 +19,6 @@ from loadgen.cli import main
 from loadgen.targets import make_target
 from loadgen.targets.base import RequestResult
 from loadgen.targets.engine import EngineTarget
-from loadgen.testing.fake_engine import FakeEngine
-from loadgen.testing.fake_openai_server import running_server
 from loadgen.tokenizer import ByteTokenizer
 
 SMALL = AuditConfig(n_trials=4, max_tokens=12, mixed_lens=(8, 24, 60), prefix_lens=(1, 16, 48),
@@ -112,8 +113,7 @@ def test_audit_over_http_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[s
 @pytest.fixture(scope="module")
 def tiny_model() -> str:
     pytest.importorskip("detserve.engine", reason="the engine is not in the tree yet")
-    testing = pytest.importorskip("detserve.model.testing")
-    return str(testing.make_random_llama())
+    return str(make_random_llama())
 
 
 def _engine_audit(model: str, mode: str, perturbation: float) -> tuple[AuditReport, dict]:

@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from fake_engine import FakeEngine
 
 from detserve.params import SamplingParams
 from loadgen.targets import ReplayOptions, make_target
 from loadgen.targets.grpc_client import load_stubs
-from loadgen.testing.fake_engine import FakeEngine
 from loadgen.trace import TraceRequest
 
 grpc = pytest.importorskip("grpc")

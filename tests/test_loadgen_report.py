@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 
 import pytest
+from fake_engine import FakeEngine
+from fake_openai_server import running_server
 
 from loadgen.cli import main
 from loadgen.datasets import DatasetSpec
@@ -17,8 +19,6 @@ from loadgen.report import make_report
 from loadgen.results import load_runs, series_name
 from loadgen.tables import rollback_table, ttft_table
 from loadgen.targets.engine import EngineTarget
-from loadgen.testing.fake_engine import FakeEngine
-from loadgen.testing.fake_openai_server import running_server
 from loadgen.tokenizer import ByteTokenizer
 
 

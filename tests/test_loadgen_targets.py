@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_engine import FakeEngine
+from fake_openai_server import running_server
 
 from loadgen.runner import RunConfig, run_benchmark, save_result
 from loadgen.targets import ReplayOptions, make_target
 from loadgen.targets.engine import EngineTarget
-from loadgen.testing.fake_engine import FakeEngine
-from loadgen.testing.fake_openai_server import running_server
 from loadgen.trace import Trace, TraceRequest
 
 

@@ -10,14 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
-from detserve.model import loader
-from detserve.model.gguf_loader import open_gguf, permute_rotary, unpermute_rotary
-from detserve.model.hf_loader import hf_weight_files, read_hf_config
-from detserve.model.llama import LlamaModel
-from detserve.model.loader import ModelInfo, load_model
-from detserve.model.testing import (
+from model_helpers import (
     DenseAttention,
     ReferenceOps,
     greedy_generate,
@@ -25,6 +18,14 @@ from detserve.model.testing import (
     transformers_gguf_model,
     write_llama_gguf,
 )
+from safetensors.torch import load_file, save_file
+
+from detserve.model import loader
+from detserve.model.gguf_loader import open_gguf, permute_rotary, unpermute_rotary
+from detserve.model.hf_loader import hf_weight_files, read_hf_config
+from detserve.model.identity import ModelInfo
+from detserve.model.llama import LlamaModel
+from detserve.model.loader import load_model
 from detserve.model.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -9,15 +9,16 @@ import pytest
 import torch
 
 from detserve import sampler
-from detserve.sampler import SamplingSpec, _fmix32, _mul32, hashed_uniform, launch_rows, sample_row
+from detserve.gumbel_noise import fmix32, hashed_uniform, mul32
+from detserve.sampler import SamplingSpec, launch_rows, sample_row
 
 
 def _tensor_hash(seed: int, position: int, vocab: int) -> torch.Tensor:
     """hashed_uniform with its key computed in tensors too (how it was first written)."""
     key = torch.tensor([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, position & 0xFFFFFFFF])
-    base = _fmix32(key[0] ^ _fmix32(key[1] ^ _fmix32(key[2] + 0x9E3779B9)))
-    h = _fmix32(base ^ _mul32(torch.arange(vocab, dtype=torch.int64), 0x9E3779B1))
-    h2 = _fmix32(h ^ 0x27D4EB2F)
+    base = fmix32(key[0] ^ fmix32(key[1] ^ fmix32(key[2] + 0x9E3779B9)))
+    h = fmix32(base ^ mul32(torch.arange(vocab, dtype=torch.int64), 0x9E3779B1))
+    h2 = fmix32(h ^ 0x27D4EB2F)
     return (((h << 21) | (h2 >> 11)).double() + 0.5) / float(1 << 53)
 
 

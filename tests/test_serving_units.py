@@ -15,13 +15,14 @@ from serving_cluster import tiny_model
 from detserve.engine import LLMEngine
 from detserve.outputs import RequestOutput, TokenLogprob
 from detserve.params import SamplingParams
+from services.affinity import prefix_keys
 from services.decoder.deltas import DeltaTracker
 from services.decoder.engine_loop import EngineLoop
 from services.decoder.messages import DecodeChunk, DecodeRequest, coalesce
 from services.router.admission import Admission
 from services.router.errors import APIError
 from services.router.limits import ServingLimits
-from services.router.load_ledger import TokenLedger, prefix_keys
+from services.router.load_ledger import TokenLedger
 from services.router.model_context import ModelContext
 from services.router.prepare import prepare_chat, prepare_completion
 from services.router.replay import ReplayDiverged, SentState

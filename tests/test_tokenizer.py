@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from model_helpers import make_random_llama
 
-from detserve.model.testing import make_random_llama
 from detserve.model.tokenizer import Tokenizer
 
 

@@ -17,11 +17,21 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from deploy.k8s.validate import pod_templates
-
 WORKLOAD_KINDS = frozenset({"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"})
 REDIS_POD_LABELS = {"app.kubernetes.io/name": "detserve", "app.kubernetes.io/component": "redis"}
 _DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
+
+
+def pod_templates(obj: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(name, pod template) of a RayService or RayCluster's head and worker groups."""
+    spec = obj.get("spec", {})
+    cluster = spec.get("rayClusterConfig", {}) if obj["kind"] == "RayService" else spec
+    head = cluster.get("headGroupSpec", {})
+    if "template" in head:
+        yield "head", head["template"]
+    for group in cluster.get("workerGroupSpecs", []):
+        if "template" in group:
+            yield f"worker group {group.get('groupName', '?')}", group["template"]
 
 
 def pod_specs(obj: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], dict[str, str]]]:

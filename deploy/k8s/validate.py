@@ -19,13 +19,15 @@ from __future__ import annotations
 import copy
 import functools
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import kubernetes_validate
 import yaml
+
+from deploy.k8s.policy import check_policies, pod_templates
+from deploy.k8s.render import render
 
 K8S_VERSION = "1.30.0"
 CRD_DIR = Path(__file__).resolve().parent / "crds"
@@ -116,18 +118,6 @@ def _crd_errors(obj: dict[str, Any], where: str) -> list[str]:
     return [_format_error(where, e) for e in errors] + _metadata_errors(obj, where)
 
 
-def pod_templates(obj: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(name, pod template) of a RayService or RayCluster's head and worker groups."""
-    spec = obj.get("spec", {})
-    cluster = spec.get("rayClusterConfig", {}) if obj["kind"] == "RayService" else spec
-    head = cluster.get("headGroupSpec", {})
-    if "template" in head:
-        yield "head", head["template"]
-    for group in cluster.get("workerGroupSpecs", []):
-        if "template" in group:
-            yield f"worker group {group.get('groupName', '?')}", group["template"]
-
-
 def validate_object(obj: dict[str, Any]) -> list[str]:
     """Every schema error of one object, as 'Kind/name: path: message' lines."""
     where = f"{obj.get('kind', '?')}/{obj.get('metadata', {}).get('name', '?')}"
@@ -159,9 +149,6 @@ def validate_objects(objects: list[dict[str, Any]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from deploy.k8s.policy import check_policies
-    from deploy.k8s.render import render
-
     args = sys.argv[1:] if argv is None else argv
     if not args:
         print("usage: python -m deploy.k8s.validate KUSTOMIZATION_DIR...", file=sys.stderr)

@@ -22,15 +22,24 @@ from torch import Tensor
 
 from detserve.executor.ops import run_in_row_chunks
 
-__all__ = ["Alignment", "auto_alignment", "joint_classes", "lane_call_sizes", "lane_run_sizes",
-           "lane_size_grid", "probe_lane_one_calls",
-           "plan_alignment", "plan_product_pads", "probe_sizes", "row_classes", "single_call_sizes",
+__all__ = ["Alignment", "auto_alignment", "decode_buckets", "joint_classes", "lane_call_sizes",
+           "lane_run_sizes", "lane_size_grid", "probe_lane_one_calls", "plan_alignment",
+           "plan_product_pads", "probe_sizes", "row_classes", "single_call_sizes",
            "smallest_at_least"]
 
 
 def smallest_at_least(sizes: Iterable[int], n: int) -> int | None:
     """The first of the ascending ``sizes`` that is >= ``n`` (None: none is)."""
     return next((s for s in sizes if s >= n), None)
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """The fast path's decode batch sizes before alignment (``plan_alignment`` may move
+    them; ``graphs.DecodeGraphs`` captures them by default): 1, 2, 4, 8, then steps of 8 to
+    64, of 16 to 128, of 32 beyond, and ``max_batch`` itself."""
+    sizes = [1, 2, 4, 8, *range(16, 65, 8), *range(80, 129, 16), *range(160, 1025, 32)]
+    out = [s for s in sizes if s < max_batch]
+    return [*out, max_batch]
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -273,8 +282,6 @@ def auto_alignment(weights: Sequence[Tensor], full_batch: int, lane_rows: int,
     ``biases[i]``: ``weights[i]``'s bias as the model adds it (default none).
     ``step_rows[i]`` (optional): the most rows an eager step sends through ``weights[i]``;
     the sizes up to it that may run as one call are probed too (``single_call_sizes``)."""
-    from detserve.executor.graphs import decode_buckets
-
     bias = list(biases) + [None] * (len(weights) - len(biases))
     sizes = probe_sizes(full_batch, lane_rows)
     if chunk:

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from detserve.block_manager import SCRATCH_BLOCK
 from detserve.executor.attention import RowBatch, RowSegment
-from detserve.executor.gemm_classes import smallest_at_least
+from detserve.executor.gemm_classes import decode_buckets, smallest_at_least
 from detserve.executor.gpu import Rope, fast_decode_attention, rope_write
 from detserve.executor.kv_pool import KVPool
 from detserve.kernels._utils import num_sms
@@ -42,15 +42,12 @@ from detserve.kernels.decode_attention import choose_num_splits
 from detserve.kernels.lane_attention import lane_attention
 from detserve.model.llama import LlamaModel, Ops
 
-__all__ = ["DecodeGraphs", "LaneGraph", "StepGraphs", "capture_graph", "decode_buckets", "step_layout",
-           "step_sizes"]
+__all__ = ["DecodeGraphs", "GraphCaptureError", "LaneGraph", "StepGraphs", "capture_graph",
+           "step_layout", "step_sizes"]
 
 
-def decode_buckets(max_batch: int) -> list[int]:
-    """Captured batch sizes: 1, 2, 4, 8, then steps of 8 to 64, of 16 to 128, of 32 beyond."""
-    sizes = [1, 2, 4, 8, *range(16, 65, 8), *range(80, 129, 16), *range(160, 1025, 32)]
-    out = [s for s in sizes if s < max_batch]
-    return [*out, max_batch]
+class GraphCaptureError(RuntimeError):
+    """A CUDA graph could not be captured (nothing was replayed from it)."""
 
 
 def capture_graph(fn: Callable[[], Tensor], pool: Any) -> tuple[torch.cuda.CUDAGraph, Tensor]:
@@ -457,6 +454,4 @@ class LaneGraph:
         try:
             self._graphs[n] = capture_graph(partial(self._forward, n), self._mempool)
         except RuntimeError as e:
-            from detserve.executor.runner import GraphCaptureError
-
             raise GraphCaptureError("lane graph capture failed") from e

@@ -50,10 +50,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class GraphCaptureError(RuntimeError):
-    """A CUDA graph could not be captured (nothing was replayed from it)."""
-
-
 # a launch's sampled tokens on the device and [(segment of the new launch, row of those
 # tokens)]: where a segment's input token comes from (``ModelRunner.launch_batch``)
 Feed = tuple[Tensor, list[tuple[int, int]]]
@@ -556,6 +552,8 @@ class ModelRunner:
                            pad_to=self.lane_run_rows(used))
         hidden = None
         if self.lane_graph is not None:
+            from detserve.executor.graphs import GraphCaptureError
+
             try:
                 hidden = self.lane_graph.run(batch)
             except GraphCaptureError as e:  # before any pass used it: the lane stays eager

@@ -1,14 +1,14 @@
 """Seeded Gumbel sampling of many rows in one pass: ``argmax(logits * (1 / T) - log(-log(u)))``
-with ``u`` the position-hashed uniform of ``detserve.sampler``.
+with ``u`` the position-hashed uniform of ``detserve.gumbel_noise``.
 
-The torch form (``gumbel_argmax_ref``: ``sampler.gumbel_scores``) runs about thirty elementwise kernels over
+The torch form (``gumbel_argmax_ref``: ``gumbel_noise.gumbel_scores``) runs about thirty elementwise kernels over
 [rows, V] float64 and int64 temporaries: at a 128,256-token vocabulary a few milliseconds of
 memory traffic per 128 rows. This kernel reads each logit once, computes its noise in
 registers and leaves one (max, index) per block of columns; a last small reduction picks
 each row's first maximum. Its arithmetic follows the torch form step for step: the top-k
 threshold compared in fp32, the logit widened to float64 and multiplied by the host's
 reciprocal of the temperature (how torch's CUDA division by a host scalar computes), the
-hash in 32-bit integers (``(x * c) mod 2**32`` is what ``sampler._mul32`` computes), the
+hash in 32-bit integers (``(x * c) mod 2**32`` is what ``gumbel_noise.mul32`` computes), the
 same 53 bits scaled by 2**-53, CUDA's ``log`` twice, and no fused multiply-add. So on CUDA
 it is meant to give the torch form's bits; ``tests/test_kernels_gumbel.py`` checks every
 score on the GPU. Under the Triton interpreter the logs are numpy's, so there the tokens
@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from detserve.gumbel_noise import gumbel_scores
 from detserve.kernels._utils import cdiv, expect
 
 __all__ = ["gumbel_argmax", "gumbel_argmax_ref"]
@@ -82,7 +83,7 @@ def gumbel_argmax(logits: Tensor, kth: Tensor, inv_temp: Tensor, keys: Tensor,
     """Tokens (int64 [n]) of seeded Gumbel sampling of ``logits`` [n, V] (any float dtype,
     rows contiguous): per row, logits below ``kth`` (fp32 [n]; -inf: no top-k) are dropped,
     the rest widened to float64 times ``inv_temp`` (float64 [n]), minus ``log(-log(u))`` of
-    the hashed uniforms of ``keys`` (int64 [n], ``sampler._row_key`` values < 2**32); the
+    the hashed uniforms of ``keys`` (int64 [n], ``gumbel_noise.row_key`` values < 2**32); the
     first maximum wins. ``scores_out`` (float64 [n, V], optional): also write every score."""
     expect(logits.dim() == 2 and logits.stride(1) == 1,
            f"logits must be [n, V] with contiguous rows, got shape {tuple(logits.shape)}")
@@ -112,9 +113,7 @@ def gumbel_argmax(logits: Tensor, kth: Tensor, inv_temp: Tensor, keys: Tensor,
 
 def gumbel_argmax_ref(logits: Tensor, kth: Tensor, inv_temp: Tensor, keys: Tensor,
                       scores_out: Tensor | None = None) -> Tensor:
-    """The plain-torch form the kernel follows (``sampler.gumbel_scores``), same contract."""
-    from detserve.sampler import gumbel_scores
-
+    """The plain-torch form the kernel follows (``gumbel_noise.gumbel_scores``), same contract."""
     scores = gumbel_scores(logits, kth, inv_temp, keys)
     if scores_out is not None:
         scores_out.copy_(scores)

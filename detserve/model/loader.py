@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,7 +12,9 @@ import torch
 from detserve.model.config import ModelConfig
 from detserve.model.fetch import fetch_smollm2, sha256_file
 from detserve.model.hf_loader import hf_weight_files, iter_hf_weights, read_hf_config
+from detserve.model.identity import ModelInfo
 from detserve.model.llama import LlamaModel
+from detserve.model.random_init import random_model
 from detserve.model.tokenizer import Tokenizer
 
 ALIASES = ("smollm2",)
@@ -22,19 +23,6 @@ RANDOM_PREFIX = "random:"
 _HASH_CACHE_MIN_BYTES = 16 << 20
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What identifies a loaded model in a determinism fingerprint."""
-
-    name: str
-    source: Path
-    # sha256 hex. One file: that file's digest (``sha256sum`` gives the same); several
-    # files: digest of the sorted ``"<digest>  <name>\n"`` lines. An HF folder's
-    # config.json is included, since it changes the numerics as much as the weights do.
-    weights_hash: str
-    dtype: str
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -57,8 +45,6 @@ def load_model(spec: str | Path, dtype: torch.dtype | str = torch.float32,
     """
     torch_dtype = resolve_dtype(dtype)
     if str(spec).startswith(RANDOM_PREFIX):
-        from detserve.model.random_init import random_model
-
         return random_model(str(spec)[len(RANDOM_PREFIX):], torch_dtype, str(device))
     dtype_name = str(torch_dtype).removeprefix("torch.")
     name, path = _resolve_spec(spec)

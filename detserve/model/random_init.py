@@ -10,8 +10,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, pre_tokenizers
 
 from detserve.model.config import ModelConfig, RopeScaling
+from detserve.model.identity import ModelInfo
 from detserve.model.llama import LlamaModel
-from detserve.model.loader import ModelInfo
 from detserve.model.tokenizer import Tokenizer
 
 SHAPES: dict[str, ModelConfig] = {

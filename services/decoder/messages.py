@@ -10,7 +10,7 @@ from typing import Any
 
 from detserve.outputs import TokenLogprob
 from detserve.params import SamplingParams
-from services.router.load_ledger import affinity_keys
+from services.affinity import affinity_keys
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class DecodeRequest:
 
     @cached_property
     def affinity(self) -> tuple[int, ...]:
-        """What the router routes this request by (``load_ledger.affinity_keys``), hashed
+        """What the router routes this request by (``services.affinity.affinity_keys``), hashed
         once per request object: ranking the replicas and recording the route both read it."""
         return tuple(affinity_keys(self.prompt_token_ids, self.is_deterministic))
 

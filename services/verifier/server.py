@@ -25,8 +25,9 @@ from detserve.config import SamplerConfig
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import ModelRunner
 from detserve.lane import LanePass, LaneResult
+from detserve.model.identity import ModelInfo
 from detserve.model.llama import LlamaModel
-from detserve.model.loader import ModelInfo, load_model
+from detserve.model.loader import load_model
 from services.kv_handle import KVHandle, open_kv
 from services.registry import Registry
 from services.verifier import codec
