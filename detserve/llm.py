@@ -42,7 +42,8 @@ class LLM:
                  dtype: str = "auto", max_model_len: int | None = None,
                  **engine_kw: object) -> None:
         config = EngineConfig.create(model, mode, device=device, dtype=dtype,
-                                     max_model_len=max_model_len, **engine_kw)
+                                     max_model_len=max_model_len,
+                                     **engine_kw)  # type: ignore[arg-type]
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
