@@ -10,7 +10,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from detserve.config import MODES
+from detserve.config import DEFAULT_MAX_MODEL_LEN_CAP, DTYPE_CHOICES, MODES
 
 Handler = Callable[[argparse.Namespace], int]
 Subcommand = Callable[[str, str, Callable[[argparse.ArgumentParser], None]],
@@ -23,10 +23,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF folder, .gguf file, or 'smollm2' (fetched once; default)")
     p.add_argument("--mode", default="llm42", choices=MODES)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="auto (default): float32 on CPU; on CUDA the checkpoint's bfloat16 or "
+                        "float16, else bfloat16")
     p.add_argument("--verify-window", "-W", type=int, default=64, help="W: rows per window")
     p.add_argument("--verify-group", "-G", type=int, default=8, help="G: windows per lane pass")
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: the model's positions, at most "
+                        f"{DEFAULT_MAX_MODEL_LEN_CAP}")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--fastpath-perturbation", type=float, default=0.0,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field, fields
 
 from detserve.kernels.config import TABLE, lane_variant  # (no triton: table and checks only)
@@ -10,6 +11,13 @@ from detserve.kernels.config import TABLE, lane_variant  # (no triton: table and
 MODES = ("llm42", "nondeterministic", "batch_invariant", "lane_only")
 BLAS_LIBRARIES = ("default", "cublas", "cublaslt")
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_CHOICES = ("auto", *DTYPES)  # what callers may ask for; ``EngineConfig.create`` resolves
+# max_model_len when none is given: the model's positions, but no more than this. The KV
+# cache is sized from max_model_len (``EngineConfig.create``), so a model with a long
+# context (Llama-3.1: 131072 positions) would otherwise allocate a cache of many GiB by
+# default; a longer context is asked for explicitly
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -203,7 +211,7 @@ class EngineConfig:
     model: str
     mode: str = "llm42"
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "float32"  # one of DTYPES ("auto" is resolved by ``create``)
     seed: int = 0
     fastpath_perturbation: float = 0.0
     batch_invariant_rows: int = 32  # fixed row-chunk of batch_invariant mode (CPU reference)
@@ -346,7 +354,9 @@ class EngineConfig:
         if self.scheduler.mode != self.mode:
             raise ValueError("scheduler.mode must equal mode")
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}"
+                             + (" (EngineConfig.create resolves 'auto')"
+                                if self.dtype == "auto" else ""))
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if not 0.0 <= self.fastpath_perturbation <= 1.0:
@@ -389,17 +399,42 @@ class EngineConfig:
             )
 
     @classmethod
-    def create(cls, model: str, mode: str = "llm42", *, block_size: int = 16,
+    def create(cls, model: str, mode: str = "llm42", *, dtype: str = "auto",
+               max_model_len: int | None = None, block_size: int = 16,
                num_blocks: int | None = None, enable_prefix_caching: bool = True,
                **kw: object) -> EngineConfig:
         """Flat keyword constructor used by the offline API, the CLI, the decoders and the
         benchmarks: a keyword naming a ``SchedulerConfig`` field goes to the scheduler (its
-        default where absent), the others to ``EngineConfig``."""
-        sched = SchedulerConfig(mode=mode, **{  # type: ignore[arg-type]
+        default where absent), the others to ``EngineConfig``.
+
+        ``dtype="auto"`` and ``max_model_len=None`` are resolved here, from the model's
+        metadata (read only then): the dtype by ``model.config.auto_dtype`` (float32 on
+        CPU; on CUDA the checkpoint's bfloat16/float16, else bfloat16), the length as the
+        model's ``max_position_embeddings`` up to ``DEFAULT_MAX_MODEL_LEN_CAP``. An explicit
+        length beyond the model's positions is refused when the engine loads the model.
+        """
+        if dtype == "auto" or max_model_len is None:
+            # torch and the checkpoint readers load only when the model must be read, so
+            # that configuration (and the scheduler) stays importable without them
+            from detserve.model.config import auto_dtype
+            from detserve.model.loader import read_model_config
+
+            model_config = read_model_config(model)
+            if dtype == "auto":
+                dtype = auto_dtype(model_config, str(kw.get("device", "cpu")))
+            if max_model_len is None:
+                max_model_len = min(model_config.max_position_embeddings,
+                                    DEFAULT_MAX_MODEL_LEN_CAP)
+                if max_model_len < model_config.max_position_embeddings:
+                    log.warning("max_model_len %d (the model has %d positions; pass "
+                                "max_model_len for more)", max_model_len,
+                                model_config.max_position_embeddings)
+        sched = SchedulerConfig(mode=mode, max_model_len=max_model_len, **{  # type: ignore[arg-type]
             name: kw.pop(name) for name in SCHEDULER_FIELDS if name in kw})
         if num_blocks is None:
             # enough for a full lane of long sequences plus headroom
             num_blocks = max(1024, 2 * sched.max_model_len // block_size + 1)
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                             enable_prefix_caching=enable_prefix_caching)
-        return cls(model=model, mode=mode, scheduler=sched, cache=cache, **kw)  # type: ignore[arg-type]
+        return cls(model=model, mode=mode, dtype=dtype, scheduler=sched, cache=cache,
+                   **kw)  # type: ignore[arg-type]

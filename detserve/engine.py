@@ -89,7 +89,8 @@ class LLMEngine:
         sc = config.scheduler
         if sc.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {sc.max_model_len} exceeds the model's "
-                             f"{mc.max_position_embeddings} positions")
+                             f"{mc.max_position_embeddings} positions (max_position_embeddings);"
+                             " leave it unset to take the model's")
         cc = config.cache
         shape = KVPool.shape_for(mc.num_layers, cc.num_blocks, cc.block_size, mc.num_kv_heads,
                                  mc.head_dim)

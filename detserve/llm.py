@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import cast
+from typing import TypedDict, cast
 
 from detserve.config import EngineConfig
 from detserve.engine import LLMEngine
@@ -13,73 +13,66 @@ from detserve.outputs import RequestOutput
 from detserve.params import SamplingParams
 
 
+class TextPrompt(TypedDict):
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    prompt_token_ids: list[int]
+
+
+# a prompt: its text (tokenized with the model's tokenizer, special tokens added) or its
+# token ids as they are, as vLLM takes them
+PromptType = str | TextPrompt | TokensPrompt
+
+
 class LLM:
     """Run batches of requests through one engine.
 
-    >>> llm = LLM(model="smollm2", mode="llm42")
-    >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=8, is_deterministic=True))
+    ``dtype="auto"`` and ``max_model_len=None`` are taken from the model (see
+    ``EngineConfig.create``); other keywords are engine options (``EngineConfig``,
+    ``SchedulerConfig``).
+
+    >>> llm = LLM("smollm2", mode="llm42")
+    >>> out = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}],
+    ...                    SamplingParams(max_tokens=8, is_deterministic=True))
     """
 
-    def __init__(self, model: str, mode: str = "llm42", device: str = "cpu",
-                 dtype: str = "float32", verify_window: int = 64, verify_group: int = 8,
-                 fastpath_perturbation: float = 0.0, seed: int = 0, **engine_kw: object) -> None:
+    def __init__(self, model: str, mode: str = "llm42", *, device: str = "cpu",
+                 dtype: str = "auto", max_model_len: int | None = None,
+                 **engine_kw: object) -> None:
         config = EngineConfig.create(model, mode, device=device, dtype=dtype,
-                                     verify_window=verify_window, verify_group=verify_group,
-                                     fastpath_perturbation=fastpath_perturbation, seed=seed,
+                                     max_model_len=max_model_len,
                                      **engine_kw)  # type: ignore[arg-type]
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def generate(self, prompts: str | Sequence[str] | None = None,
-                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 prompt_token_ids: Sequence[Sequence[int]] | None = None,
-                 arrival_steps: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in prompt order.
-
-        ``arrival_steps[i]`` delays request i until the engine has run that many steps of
-        this call, so tests can vary batch composition. Bad input raises ValueError before
-        any request is queued.
-        """
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if prompts is None and prompt_token_ids is None:
-            raise ValueError("give prompts or prompt_token_ids")
-        items: list[tuple[str | None, list[int] | None]] = (
-            [(p, None) for p in prompts] if prompts is not None
-            else [(None, list(ids)) for ids in prompt_token_ids or []])
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt (strings and token-id dicts may be mixed); outputs in
+        prompt order. Bad input raises ValueError and leaves no request queued."""
+        items = [_prompt_item(p, i) for i, p in enumerate(
+            [prompts] if isinstance(prompts, str | Mapping) else prompts)]
         n = len(items)
         if params is None:
             params = SamplingParams()
         plist = [params] * n if isinstance(params, SamplingParams) else list(params)
         if len(plist) != n:
-            raise ValueError("need one SamplingParams per prompt")
+            raise ValueError(f"need one SamplingParams per prompt ({n}), got {len(plist)}")
         # only finished outputs are returned: skip building the ones in between
         plist = [replace(p, output_kind="final_only") if isinstance(p, SamplingParams) else p
                  for p in plist]
-        arrivals = list(arrival_steps) if arrival_steps is not None else [0] * n
-        if len(arrivals) != n or any(a < 0 for a in arrivals):
-            raise ValueError("arrival_steps needs one non-negative step per prompt")
-        for prompt, _ in items:
-            if prompt is not None and (not isinstance(prompt, str) or not prompt):
-                raise ValueError("prompts must be non-empty strings")
         rids = [f"llm-{next(self._ids)}" for _ in range(n)]
-        pending = sorted(range(n), key=lambda i: arrivals[i])
         done: dict[str, RequestOutput] = {}
-        step = 0
         try:
-            while pending or self.engine.has_unfinished_requests():
-                while pending and arrivals[pending[0]] <= step:
-                    i = pending.pop(0)
-                    self.engine.add_request(rids[i], items[i][0], plist[i],
-                                            prompt_token_ids=items[i][1])
-                if not self.engine.has_unfinished_requests():
-                    step = arrivals[pending[0]]
-                    continue
+            for rid, (text, ids), p in zip(rids, items, plist, strict=True):
+                self.engine.add_request(rid, text, p, prompt_token_ids=ids)
+            while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
                         done[out.request_id] = out
-                step += 1
         except BaseException:
             for rid in rids:
                 if rid not in done:
@@ -90,18 +83,45 @@ class LLM:
         return [done[r] for r in rids]
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             params: SamplingParams | Sequence[SamplingParams] | None = None,
-             **kw: object) -> list[RequestOutput]:
+             params: SamplingParams | Sequence[SamplingParams] | None = None
+             ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
         convs = cast(list[list[dict]], [messages] if messages and isinstance(messages[0], dict)
                      else messages)
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True)
-                   for c in convs]
-        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        return self.generate(None, params, prompt_token_ids=ids, **kw)  # type: ignore[arg-type]
+        prompts: list[PromptType] = [
+            {"prompt_token_ids": self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(c, add_generation_prompt=True),
+                add_special_tokens=False)}
+            for c in convs]
+        return self.generate(prompts, params)
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()
 
     def determinism_profile(self) -> dict[str, object]:
         return self.engine.determinism_profile()
+
+
+def _prompt_item(prompt: object, index: int) -> tuple[str | None, list[int] | None]:
+    """(text, None) or (None, token ids) for one prompt; ValueError naming the item."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError(f"prompt {index}: prompts must be non-empty strings")
+        return prompt, None
+    if isinstance(prompt, Mapping):
+        keys = set(prompt)
+        if keys == {"prompt"}:
+            if not isinstance(prompt["prompt"], str):
+                raise ValueError(f"prompt {index}: 'prompt' must be a string")
+            return _prompt_item(prompt["prompt"], index)
+        if keys == {"prompt_token_ids"}:
+            ids = prompt["prompt_token_ids"]
+            if isinstance(ids, str | bytes | Mapping) or not isinstance(ids, Sequence) \
+                    or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+                raise ValueError(f"prompt {index}: prompt_token_ids must be a list of "
+                                 f"integer token ids, got {ids!r:.80}")
+            return None, list(ids)
+        raise ValueError(f"prompt {index}: a dict prompt is {{'prompt_token_ids': [...]}} "
+                         f"or {{'prompt': '...'}}; got keys {sorted(map(str, keys))}")
+    raise ValueError(f"prompt {index}: expected a string or a dict with 'prompt_token_ids', "
+                     f"got {type(prompt).__name__}")

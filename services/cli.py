@@ -20,7 +20,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
-from detserve.config import MODES, SchedulerConfig
+from detserve.config import DTYPE_CHOICES, MODES, SchedulerConfig
 from services.serve_config import APP_NAME, DEFAULT_ARGS
 
 
@@ -34,7 +34,9 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="HF folder, .gguf file, or 'smollm2' (fetched once; default)")
     p.add_argument("--mode", default=d["mode"], choices=MODES)
     p.add_argument("--device", default=d["device"], choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=d["dtype"], choices=DTYPE_CHOICES,
+                   help="auto (default): float32 on CPU; on CUDA the checkpoint's bfloat16 or "
+                        "float16, else bfloat16")
     p.add_argument("--verify-window", "-W", type=int, default=d["verify_window"])
     p.add_argument("--verify-group", "-G", type=int, default=d["verify_group"])
     p.add_argument("--num-decoders", type=int, default=d["num_decoders"])

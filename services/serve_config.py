@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from detserve.config import DTYPES, MODES, SchedulerConfig
+from detserve.config import DTYPE_CHOICES, MODES, SchedulerConfig
 
 APP_NAME = "detserve"
 IMPORT_PATH = "services.app:build_app"
@@ -40,7 +40,7 @@ DEFAULT_ARGS: Mapping[str, Any] = {
     "model": "smollm2",
     "mode": "llm42",
     "device": "cpu",
-    "dtype": "float32",
+    "dtype": "auto",  # each replica resolves it alike (EngineConfig.create, load_model)
     "verify_window": 64,
     "verify_group": 8,
     "num_decoders": 1,
@@ -187,7 +187,7 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"model must be a non-empty string, got {model!r}")
     _check_choice("mode", args["mode"], MODES)
     _check_choice("device", args["device"], DEVICES)
-    _check_choice("dtype", args["dtype"], DTYPES)
+    _check_choice("dtype", args["dtype"], DTYPE_CHOICES)
     for name in ("verify_window", "verify_group", "num_decoders", "max_model_len",
                  "max_num_seqs"):
         _check_int(name, args[name], lo=1)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from model_helpers import make_random_llama
 
 from detserve.engine import LLMEngine
+from detserve.llm import TokensPrompt
 from detserve.outputs import RequestOutput
 from detserve.params import SamplingParams
 from detserve.sequence import PLACEHOLDER
@@ -72,6 +73,11 @@ def random_prompts(n: int, lengths: list[int], vocab: int = 512, seed: int = 0,
         body = [rng.randrange(3, vocab) for _ in range(lengths[i % len(lengths)])]
         out.append((prefix or []) + body)
     return out
+
+
+def as_tokens(prompts: list[list[int]]) -> list[TokensPrompt]:
+    """Token-id prompts as ``LLM.generate`` takes them."""
+    return [{"prompt_token_ids": p} for p in prompts]
 
 
 def signature(out: RequestOutput) -> tuple[tuple[int, ...], tuple[float, ...]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_utils import Req, random_prompts, run_engine, tiny_model
+from engine_utils import Req, as_tokens, drive, random_prompts, run_engine, tiny_model
 
 from detserve import LLM, SamplingParams
 from detserve.engine import LLMEngine
@@ -56,20 +56,18 @@ def test_bad_requests_leave_engine_usable(llm: LLM) -> None:
     with pytest.raises(ValueError, match="non-empty"):
         llm.generate([""], p)
     with pytest.raises(ValueError, match="empty"):
-        llm.generate(prompt_token_ids=[[]], params=p)
+        llm.generate(as_tokens([[]]), p)
     with pytest.raises(ValueError, match="context"):
-        llm.generate(prompt_token_ids=[[5] * 300], params=p)
+        llm.generate(as_tokens([[5] * 300]), p)
     with pytest.raises(ValueError, match="token ids"):
-        llm.generate(prompt_token_ids=[[5, 10_000]], params=p)
+        llm.generate(as_tokens([[5, 10_000]]), p)
     with pytest.raises(ValueError, match="logit_bias"):
-        llm.generate(prompt_token_ids=[PROMPT], params=SamplingParams(logit_bias={10_000: 1}))
-    with pytest.raises(ValueError, match="arrival_steps"):
-        llm.generate(prompt_token_ids=[PROMPT], params=p, arrival_steps=[-1])
+        llm.generate(as_tokens([PROMPT]), SamplingParams(logit_bias={10_000: 1}))
     # a batch with one bad member queues nothing that lingers
     with pytest.raises(ValueError):
-        llm.generate(prompt_token_ids=[PROMPT, [10_000]], params=p)
+        llm.generate(as_tokens([PROMPT, [10_000]]), p)
     assert not llm.engine.has_unfinished_requests()
-    out = llm.generate(prompt_token_ids=[PROMPT], params=p)
+    out = llm.generate(as_tokens([PROMPT]), p)
     assert len(out[0].token_ids) == 4
     llm.engine.check_integrity()
 
@@ -79,7 +77,7 @@ def test_unknown_mode_and_bad_engine_config(model: str) -> None:
         LLM(model, mode="turbo")
     with pytest.raises(ValueError):
         LLM(model, fastpath_perturbation=2.0)
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match="max_model_len 4096 exceeds the model's 1024 positions"):
         LLM(model, max_model_len=4096)
     with pytest.raises(ValueError, match="lane_priority must be 'high', 'normal' or 'low'"):
         LLM(model, lane_priority="urgent")
@@ -111,7 +109,7 @@ def test_blas_settings_tag_the_kernels() -> None:
 
 
 def test_max_tokens_and_finish_reason(llm: LLM) -> None:
-    outs = llm.generate(prompt_token_ids=[PROMPT] * 2, params=[
+    outs = llm.generate(as_tokens([PROMPT] * 2), [
         SamplingParams(max_tokens=5, ignore_eos=True),
         SamplingParams(max_tokens=11, ignore_eos=True, is_deterministic=True)])
     assert [len(o.token_ids) for o in outs] == [5, 11]
@@ -119,19 +117,19 @@ def test_max_tokens_and_finish_reason(llm: LLM) -> None:
 
 
 def test_stop_token_ids_and_stop_strings(llm: LLM) -> None:
-    free = llm.generate(prompt_token_ids=[PROMPT],
-                        params=SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    free = llm.generate(as_tokens([PROMPT]),
+                        SamplingParams(max_tokens=30, ignore_eos=True))[0]
     stop_tok = free.token_ids[6]
     first = free.token_ids.index(stop_tok)
     for det in (False, True):
-        out = llm.generate(prompt_token_ids=[PROMPT], params=SamplingParams(
+        out = llm.generate(as_tokens([PROMPT]), SamplingParams(
             max_tokens=30, ignore_eos=True, stop_token_ids=[stop_tok], is_deterministic=det))[0]
         assert out.finish_reason == "stop"
         assert out.token_ids == free.token_ids[:first + 1]
     text = free.text
     needle = text[len(text) // 2: len(text) // 2 + 3]
     if needle.strip():
-        out = llm.generate(prompt_token_ids=[PROMPT], params=SamplingParams(
+        out = llm.generate(as_tokens([PROMPT]), SamplingParams(
             max_tokens=30, ignore_eos=True, stop=[needle], is_deterministic=True))[0]
         assert out.finish_reason == "stop"
         assert needle not in out.text and text.startswith(out.text)
@@ -139,7 +137,7 @@ def test_stop_token_ids_and_stop_strings(llm: LLM) -> None:
 
 def test_logprobs_topk(llm: LLM) -> None:
     for det in (False, True):
-        out = llm.generate(prompt_token_ids=[PROMPT], params=SamplingParams(
+        out = llm.generate(as_tokens([PROMPT]), SamplingParams(
             max_tokens=6, logprobs=3, is_deterministic=det, ignore_eos=True))[0]
         assert out.logprobs is not None and len(out.logprobs) == 6
         for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
@@ -208,9 +206,10 @@ def test_abort_a_prompt_admitted_ahead_into_spare_lane_rows(model: str, threaded
 
 def test_staggered_arrivals_api(llm: LLM) -> None:
     p = SamplingParams(max_tokens=8, is_deterministic=True, ignore_eos=True, logprobs=0)
-    a = llm.generate(prompt_token_ids=[PROMPT], params=p)[0]
+    a = llm.generate(as_tokens([PROMPT]), p)[0]
     prompts = random_prompts(4, [5, 30, 9], seed=3) + [PROMPT]
-    outs = llm.generate(prompt_token_ids=prompts, params=p, arrival_steps=[0, 2, 4, 1, 3])
+    outs = drive(llm.engine, [Req(prompt, p, arrival)
+                              for prompt, arrival in zip(prompts, [0, 2, 4, 1, 3], strict=True)])
     assert outs[-1].token_ids == a.token_ids
     assert [x.logprob for x in outs[-1].logprobs or []] == [x.logprob for x in a.logprobs or []]
 

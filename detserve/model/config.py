@@ -33,6 +33,9 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # the dtype the checkpoint stores its weights in; None where it has none of its own
+    # (GGUF files, dequantized on load; random weights)
+    checkpoint_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -89,4 +92,18 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            # an HF config without a dtype means float32 (transformers' own default)
+            checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+                                 ).removeprefix("torch."),
         )
+
+
+def auto_dtype(config: ModelConfig, device: str) -> str:
+    """What ``dtype="auto"`` means, as in vLLM: float32 on CPU; on CUDA the checkpoint's
+    own half-precision dtype, else (float32 checkpoints, GGUF files, random weights)
+    bfloat16."""
+    if not device.startswith("cuda"):
+        return "float32"
+    if config.checkpoint_dtype in ("bfloat16", "float16"):
+        return config.checkpoint_dtype
+    return "bfloat16"

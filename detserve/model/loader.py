@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from detserve.model.config import ModelConfig
+from detserve.model.config import ModelConfig, auto_dtype
 from detserve.model.fetch import fetch_smollm2, sha256_file
 from detserve.model.hf_loader import hf_weight_files, iter_hf_weights, read_hf_config
 from detserve.model.identity import ModelInfo
 from detserve.model.llama import LlamaModel
-from detserve.model.random_init import random_model
+from detserve.model.random_init import random_model, shape_config
 from detserve.model.tokenizer import Tokenizer
 
 ALIASES = ("smollm2",)
@@ -26,30 +26,47 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """The torch dtype of a name ("bfloat16", "bf16", ...); "auto" is resolved by
+    ``load_model`` or ``EngineConfig.create``, which know the model and the device."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r} (known: {sorted(_DTYPES)})")
+        raise ValueError(f"unknown dtype {dtype!r} (known: auto, {', '.join(sorted(_DTYPES))})")
     return _DTYPES[dtype]
 
 
-def load_model(spec: str | Path, dtype: torch.dtype | str = torch.float32,
+def read_model_config(spec: str | Path) -> ModelConfig:
+    """``spec``'s hyper-parameters from its metadata alone (no weights read), as
+    ``load_model`` would see them. The same errors as ``load_model`` for a bad ``spec``."""
+    if str(spec).startswith(RANDOM_PREFIX):
+        return shape_config(str(spec)[len(RANDOM_PREFIX):])
+    _, path = _resolve_spec(spec)
+    if path.is_dir():
+        return read_hf_config(path)
+    from detserve.model.gguf_loader import open_gguf, read_gguf_config
+
+    return read_gguf_config(open_gguf(path))
+
+
+def load_model(spec: str | Path, dtype: torch.dtype | str = "auto",
                device: str | torch.device = "cpu") -> tuple[LlamaModel, Tokenizer, ModelInfo]:
     """Load weights, tokenizer and identity for ``spec``.
 
     ``spec``: an HF folder (config.json + weights + tokenizer.json), a ``.gguf`` file, an
     alias (``smollm2``, fetched on first use), or ``random:<shape>`` (random weights of a
     real shape, e.g. ``random:llama3-8b``, drawn on ``device`` from a fixed seed: for
-    throughput runs that need no checkpoint). FileNotFoundError for a missing path,
-    ValueError for something that is none of these.
+    throughput runs that need no checkpoint). ``dtype="auto"``: see
+    ``model.config.auto_dtype``. FileNotFoundError for a missing path, ValueError for
+    something that is none of these.
     """
-    torch_dtype = resolve_dtype(dtype)
     if str(spec).startswith(RANDOM_PREFIX):
-        return random_model(str(spec)[len(RANDOM_PREFIX):], torch_dtype, str(device))
-    dtype_name = str(torch_dtype).removeprefix("torch.")
+        shape = str(spec)[len(RANDOM_PREFIX):]
+        return random_model(shape, _pick_dtype(dtype, shape_config(shape), device),
+                            str(device))
     name, path = _resolve_spec(spec)
     if path.is_dir():
         config = read_hf_config(path)
+        torch_dtype = _pick_dtype(dtype, config, device)
         tokenizer = Tokenizer.from_tokenizer_json(path / "tokenizer.json", path)
         model = _build(config, torch_dtype, device, iter_hf_weights(path))
         files = [path / "config.json", *hf_weight_files(path)]
@@ -59,11 +76,18 @@ def load_model(spec: str | Path, dtype: torch.dtype | str = torch.float32,
 
         reader = open_gguf(path)
         config = read_gguf_config(reader)
+        torch_dtype = _pick_dtype(dtype, config, device)
         tokenizer = Tokenizer.from_gguf(reader)
         model = _build(config, torch_dtype, device, iter_gguf_weights(reader, config))
         files = [path]
-    info = ModelInfo(name=name, source=path, weights_hash=weights_hash(files), dtype=dtype_name)
+    info = ModelInfo(name=name, source=path, weights_hash=weights_hash(files),
+                     dtype=str(torch_dtype).removeprefix("torch."))
     return model, tokenizer, info
+
+
+def _pick_dtype(dtype: torch.dtype | str, config: ModelConfig,
+                device: str | torch.device) -> torch.dtype:
+    return resolve_dtype(auto_dtype(config, str(device)) if dtype == "auto" else dtype)
 
 
 def _resolve_spec(spec: str | Path) -> tuple[str, Path]:
