@@ -55,8 +55,8 @@ class Decoder:
         self.link: LinkServer | None = None
         self._link_beat: Heartbeat | None = None
         await self._start_link(auth)
-        log.info("decoder %s ready (%s, mode %s, link %s)", self.replica, self.settings.model,
-                 self.settings.mode, self.link.address if self.link else "off")
+        log.info("decoder %s ready (%s, mode %s, link at %s)", self.replica,
+                 self.settings.model, self.settings.mode, self.link and self.link.address)
 
     async def _start_link(self, auth: ClusterAuth) -> None:
         """Serve a link (``services.decoder.link``) and publish it in Redis: routers reach
