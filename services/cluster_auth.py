@@ -155,7 +155,8 @@ class Handshake:
 
     def verify(self, initial_metadata: Metadata | None) -> bool:
         """Did the server prove it holds the secret (its initial metadata)?"""
-        return hmac.compare_digest(_value(initial_metadata, SERVER_KEY), self._expected)
+        return hmac.compare_digest(_value(initial_metadata, SERVER_KEY).encode(),
+                                   self._expected.encode())
 
 
 class Gate:
@@ -177,9 +178,11 @@ class Gate:
         token = _value(metadata, CLIENT_KEY)
         ts, nonce, mac = (token.split(".") + ["", "", ""])[:3]
         now = time.time()
-        if not ts.isdigit() or abs(now - int(ts)) > WINDOW_S or len(nonce) != 32:
+        if not (ts.isascii() and ts.isdigit()) or abs(now - int(ts)) > WINDOW_S \
+                or len(nonce) != 32:
             return None
-        if not any(hmac.compare_digest(mac, self._auth._mac("client", ts, nonce, t))
+        if not any(hmac.compare_digest(mac.encode(),
+                                       self._auth._mac("client", ts, nonce, t).encode())
                    for t in self.targets):
             return None
         with self._lock:
