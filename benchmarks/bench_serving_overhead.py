@@ -379,8 +379,7 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
                idle_requests: int, verifier_gpu_fraction: float = 0.5,
                stream_interval: int = 1, repeat: int = 1,
                pipeline_lane_prefill: bool = True, switch_interval: float = 0.0,
-               client_procs: int = 1, decoder_link: bool = True,
-               verifier_confine: bool = False) -> Result:
+               client_procs: int = 1, verifier_confine: bool = False) -> Result:
     from ray import serve
 
     from services.app import compose
@@ -405,15 +404,14 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
             model=model, mode=mode, num_decoders=1, num_verifiers=num_verifiers,
             redis_url=redis.url, http_host="127.0.0.1", http_port=port, grpc_port=grpc_port,
             stream_interval=stream_interval, pipeline_lane_prefill=pipeline_lane_prefill,
-            decoder_link=decoder_link, **engine_kw, **placement)
+            **engine_kw, **placement)
         start_local_serve(stack, config, num_gpus=1 if cuda else None,  # None: detect
                           num_cpus=max(4, min(8, os.cpu_count() or 4)) if cuda else 4,
                           log_to_driver=False)
         args = config["applications"][0]["args"]
         serve.run(compose(args, replica_cpus=1.0), name=APP_NAME, route_prefix="/")
         idle, phases, splits = asyncio.run(_served_phases(
-            f"http://127.0.0.1:{port}", model, w, idle_requests, repeat, client_procs,
-            decoder_link))
+            f"http://127.0.0.1:{port}", model, w, idle_requests, repeat, client_procs))
     ttft, wall, phase, walls = median_phase(phases)
     return Result("served (HTTP)", mode, 1e3 * statistics.median(idle), 1e3 * ttft, wall,
                   len(w.prompts) * w.output_len / wall, phase, walls, splits)
@@ -421,16 +419,16 @@ def run_served(model: str, mode: str, engine_kw: dict[str, Any], w: Workload,
 
 # ---- report -------------------------------------------------------------------------
 NOTE = ("Served = HTTP client -> Router replica (Ray Serve direct ingress: no proxy actor; "
-        "requests and chunks over the decoder's link, a gRPC stream, services.decoder.link; "
-        "Ray Serve handle calls with --no-decoder-link) -> Decoder replica (a Ray "
+        "requests and chunks over the decoder's link, a gRPC stream, services.decoder.link) "
+        "-> Decoder replica (a Ray "
         "actor with one CPU and one torch thread) and back, per committed chunk. The client, "
         "router, Ray's own processes and the decoder share the machine's cores, and "
         "served requests reach the engine one by one rather than all at t=0. In `llm42` the "
         "offline engine verifies in-process, the served decoder sends its lane passes to a "
         "verifier replica over gRPC (KV shared through shared memory).")
 NOTE_GPU = ("Served = HTTP client -> Router replica (Ray Serve direct ingress: no proxy actor; "
-            "requests and chunks over the decoder's link, a gRPC stream, services.decoder.link; "
-            "Ray Serve handle calls with --no-decoder-link) -> Decoder replica (a Ray "
+            "requests and chunks over the decoder's link, a gRPC stream, services.decoder.link) "
+            "-> Decoder replica (a Ray "
             "actor holding the GPU, one CPU) and back, per committed chunk; served requests "
             "reach the engine one by one rather than all at t=0. In `llm42` the offline engine "
             "verifies on a lane thread of its own process (all SMs), the served decoder holds "
@@ -563,9 +561,6 @@ def main() -> None:
     ap.add_argument("--switch-interval", type=float, default=0.0,
                     help="served: the decoder replica's Python thread switch interval in "
                          "seconds (detserve serve --switch-interval; 0 = Python's 5 ms)")
-    ap.add_argument("--no-decoder-link", action="store_true",
-                    help="the router reaches the decoder through Ray Serve handle calls only "
-                         "(default: over the decoder's link, services.decoder.link)")
     ap.add_argument("--verifier-confine", action="store_true",
                     help="cuda + llm42: confine the verifier's lane to its GPU share (an MPS "
                          "thread percentage, else a green context; detserve serve "
@@ -607,8 +602,7 @@ def main() -> None:
         results.append(run_served(a.model, mode, kw, w, a.idle_requests,
                                   a.verifier_gpu_fraction, a.stream_interval, a.repeat,
                                   not a.no_pipeline_lane_prefill, a.switch_interval,
-                                  a.client_procs, not a.no_decoder_link,
-                                  a.verifier_confine))
+                                  a.client_procs, a.verifier_confine))
         print(results[-1], flush=True)
     cpu = f"{hardware('cpu')}, {os.cpu_count()} cores"
     machine = cpu

@@ -27,6 +27,7 @@ PROTO_DIR = ROOT / "proto"
 OUTPUTS = {
     "verifier.proto": "services/verifier",
     "detserve.proto": "services/router",
+    "link.proto": "services/decoder",
 }
 _IMPORT = re.compile(r"^import (\w+_pb2(?:_grpc)?) as (\w+)$", re.MULTILINE)
 

@@ -26,7 +26,7 @@ from services.router.limits import ServingLimits
 from services.serve_config import validate_args
 
 log = logging.getLogger(__name__)
-REQUEST_ROUTER = "services.router.request_router:LeastTokensRouter"
+REQUEST_ROUTER = "services.router.request_router:PinningRouter"
 
 
 def build_app(args: Mapping[str, Any]) -> serve.Application:

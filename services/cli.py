@@ -58,9 +58,6 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="a lane pass's spare rows stay padding instead of verifying the "
                         "candidates so far of deterministic sequences mid-window (default: "
                         "they do)")
-    p.add_argument("--no-decoder-link", action="store_true",
-                   help="routers reach decoders through Ray Serve handle calls only "
-                        "(default: over each decoder's link, a gRPC stream found in Redis)")
     p.add_argument("--lane-bound-fraction", type=float, default=None,
                    help="a decoder step gives the GPU to the lane pass in flight when more "
                         "than this share of its sequences wait on the lane (1: never; "
@@ -128,8 +125,6 @@ def serve_config_from(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
         overrides["pipeline_lane_prefill"] = False
     if a.no_lane_partial_windows:
         overrides["lane_partial_windows"] = False
-    if a.no_decoder_link:
-        overrides["decoder_link"] = False
     if a.switch_interval is not None:
         overrides["switch_interval"] = a.switch_interval
     if a.verifier_confine:
@@ -238,5 +233,5 @@ def _embedded_redis(stack: ExitStack) -> str:
     from services.redis_server import EmbeddedRedis
 
     redis = stack.enter_context(EmbeddedRedis())
-    print(f"detserve: embedded Redis at {redis.url}", flush=True)
+    print(f"detserve: embedded Redis at {redis.address} (password-protected)", flush=True)
     return redis.url

@@ -3,7 +3,8 @@
 Ray Serve's settings for the serving path (`services.serve_config.ray_serve_env`: the
 throughput profile and direct ingress) are environment variables its processes read when
 they start, so they are put into this process's environment before `ray.init` starts the
-local cluster, whose processes inherit them.
+local cluster, whose processes inherit them; so is the cluster secret that the internal
+gRPC servers ask for (``services.cluster_auth``: a fresh one unless one is configured).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from typing import Any
 
+from services.cluster_auth import ensure_cluster_secret
 from services.redis_server import free_port
 from services.serve_config import apply_ray_serve_env, serve_start_options
 
@@ -24,6 +26,7 @@ def start_local_serve(stack: ExitStack, config: dict[str, Any], **ray_init: Any
 
     args = config["applications"][0]["args"]
     env = apply_ray_serve_env(args["http_port"], args["grpc_port"])
+    ensure_cluster_secret()
     ray.init(include_dashboard=False, **ray_init)
     stack.callback(ray.shutdown)
     host = config["http_options"]["host"]

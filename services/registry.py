@@ -13,24 +13,33 @@ Keys (``<p>`` is the prefix, ``detserve`` by default):
 - ``<p>:verifier:<verifier_id>``: JSON ``VerifierRecord`` (gRPC address, host, model), with
   a TTL that the verifier's heartbeat keeps refreshing: a verifier that dies disappears
   within one TTL without anyone deregistering it.
-- ``<p>:link:<replica_id>``: JSON ``LinkRecord`` (the decoder replica's link address and
-  the token its link asks for), with a TTL kept alive by the decoder's heartbeat: routers
-  find decoders' links here (``services.decoder.link``).
+- ``<p>:link:<replica_id>``: JSON ``LinkRecord`` (the decoder replica's link address), with
+  a TTL kept alive by the decoder's heartbeat: routers find decoders' links here
+  (``services.decoder.link``).
+
+Nothing here lets a reader talk to a server: links and verifiers ask for the cluster secret
+(``services.cluster_auth``), which is never written to Redis. The Redis URL carries the
+server's password (``redis://:PASSWORD@host:port/db``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from urllib.parse import urlsplit
 
 import redis
 
 from services.kv_handle import KVHandle
 
 DEFAULT_PREFIX = "detserve"
+# a Redis URL without a password takes this variable's value (Kubernetes: from the Secret
+# detserve-redis), so the password need not be written into the serve config
+PASSWORD_ENV = "REDIS_PASSWORD"
 _RETIRE = """
 local v = redis.call('GET', KEYS[1])
 if v and cjson.decode(v)['epoch'] == tonumber(ARGV[1]) then
@@ -112,12 +121,10 @@ class VerifierRecord:
 @dataclass(frozen=True)
 class LinkRecord:
     """A decoder replica's link server (``services.decoder.link``): routers submit requests
-    and read chunks there instead of through Ray Serve handle calls. ``token`` is a random
-    secret the link asks for: only a party that can read this registry can use the link."""
+    and read chunks there."""
 
     replica: str
     address: str            # host:port
-    token: str
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -136,8 +143,10 @@ class Registry:
     def __init__(self, url: str, prefix: str = DEFAULT_PREFIX) -> None:
         self.url = url
         self.prefix = prefix
+        password = None if urlsplit(url).password else os.environ.get(PASSWORD_ENV) or None
         self.r = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5.0,
-                                      socket_connect_timeout=5.0, health_check_interval=10)
+                                      socket_connect_timeout=5.0, health_check_interval=10,
+                                      password=password)
         self._retire = self.r.register_script(_RETIRE)
 
     def ping(self) -> bool:

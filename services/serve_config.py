@@ -59,9 +59,6 @@ OPTIONAL_ARGS: Mapping[str, Any] = {"fastpath_perturbation": 0.0, "stream_interv
                                     "pipeline_lane_prefill": True,
                                     "lane_partial_windows":
                                         SchedulerConfig.lane_partial_windows,
-                                    # routers reach decoders over their links (gRPC
-                                    # streams found in Redis) instead of Ray Serve calls
-                                    "decoder_link": True,
                                     # confine the verifier's lane to its GPU share (MPS
                                     # thread percentage, else a green context); default:
                                     # the whole GPU (services/verifier/deployment.py says
@@ -216,8 +213,7 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
     if "prefill_batch_tokens" in args:  # (up to a whole model length of prompt tokens)
         _check_int("prefill_batch_tokens", args["prefill_batch_tokens"], lo=0,
                    hi=args["max_model_len"])
-    for name in ("pipeline_lane_prefill", "lane_partial_windows", "decoder_link",
-                 "verifier_confine"):
+    for name in ("pipeline_lane_prefill", "lane_partial_windows", "verifier_confine"):
         if name in args and not isinstance(args[name], bool):
             raise ValueError(f"{name} must be a boolean")
     for name in ("switch_interval", "lane_bound_fraction", "parked_seq_headroom",

@@ -415,12 +415,16 @@ def test_redis_wiring(rendered: tuple[str, list[Obj]]) -> None:
             g["template"] for g in cluster["workerGroupSpecs"]]:
         labels = template["metadata"]["labels"]
         assert all(labels.get(k) == v for k, v in admitted.items()), "Ray pod not admitted"
-        password = {e["name"]: e for e in ray_container(template)["env"]}["REDIS_PASSWORD"]
+        env = {e["name"]: e for e in ray_container(template)["env"]}
+        password = env["REDIS_PASSWORD"]
         assert password["valueFrom"]["secretKeyRef"]["name"] == m.REDIS_NAME
+        # the internal gRPC servers' secret comes from a Secret too, never from Redis
+        assert env["DETSERVE_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"] == {
+            "name": m.CLUSTER_SECRET_NAME, "key": m.CLUSTER_SECRET_KEY}
     secrets = by_kind(objects, "Secret")
-    # only the CPU demo ships a (public, demo) password; real deployments bring their own
-    assert [s["metadata"]["name"] for s in secrets] == (
-        [m.REDIS_NAME] if name == "cpu-demo" else [])
+    # only the CPU demo ships (public, demo) secrets; real deployments bring their own
+    assert sorted(s["metadata"]["name"] for s in secrets) == (
+        sorted([m.REDIS_NAME, m.CLUSTER_SECRET_NAME]) if name == "cpu-demo" else [])
 
 
 def test_services_ingress_pdb_and_configmap(rendered: tuple[str, list[Obj]]) -> None:

@@ -54,6 +54,27 @@ def test_embedded_redis_is_a_real_server() -> None:
     assert not r.running
 
 
+def test_embedded_redis_refuses_clients_without_its_password(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The password is generated per server, travels in the URL (never on the command
+    line), and a client without it, or with another, is refused; the server keeps serving
+    the client that has it. A URL without a password takes REDIS_PASSWORD (Kubernetes)."""
+    with EmbeddedRedis() as r, EmbeddedRedis() as other:
+        assert r.password and r.password != other.password
+        assert f":{r.password}@" in r.url and r.password not in r.address
+        assert all(r.password not in arg for arg in r._proc.args)  # type: ignore[union-attr]
+        bare = f"redis://{r.address}/0"
+        for url in (bare, f"redis://:{other.password}@{r.address}/0"):
+            with pytest.raises(redis.AuthenticationError):
+                redis.Redis.from_url(url, socket_timeout=5).ping()
+            monkeypatch.delenv("REDIS_PASSWORD", raising=False)
+            with pytest.raises(redis.AuthenticationError):
+                Registry(url).ping()
+        assert Registry(r.url).ping()
+        monkeypatch.setenv("REDIS_PASSWORD", r.password)
+        assert Registry(bare).ping()
+
+
 def test_free_ports_are_picked_outside_the_ephemeral_range_and_bind() -> None:
     """Ports for servers started later (Redis, Ray Serve's ingress) come from below the
     range outbound connections take their local ports from, and are free: a server binds
@@ -118,7 +139,7 @@ def test_verifier_registration_expires_without_heartbeat(registry: Registry) -> 
 
 
 def test_link_records_are_kept_apart_from_verifiers_and_expire(registry: Registry) -> None:
-    link = LinkRecord("replica-1", "127.0.0.1:3", "secret")
+    link = LinkRecord("replica-1", "127.0.0.1:3")
     verifier = VerifierRecord("vc", "127.0.0.1:4", "h", "cpu", "w")
     beat = Heartbeat(registry, link, ttl_s=0.3).start()
     registry.register(verifier, ttl_s=0.3)

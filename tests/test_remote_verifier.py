@@ -29,6 +29,7 @@ from detserve.lane import LaneDecision, LanePass, LaneResult, LaneSegment
 from detserve.model.loader import load_model
 from detserve.outputs import RequestOutput, TokenLogprob
 from detserve.params import SamplingParams, SamplingSpec
+from services.cluster_auth import SECRET_ENV, ClusterAuth
 from services.kv_handle import KVExporter
 from services.redis_server import EmbeddedRedis
 from services.registry import Registry
@@ -63,6 +64,16 @@ REQS = [
                                                 for t in range(0, 300, 2)}), arrival=3),
 ]
 DET = [i for i, r in enumerate(REQS) if r.params.is_deterministic]
+AUTH = ClusterAuth("test-cluster-secret-" + uuid.uuid4().hex)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster_secret() -> Iterator[None]:
+    """The secret in this process's environment: verifier processes (and the Ray Serve
+    class constructed here) take it from there."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SECRET_ENV, AUTH.secret)
+        yield
 
 
 class VerifierProc:
@@ -149,7 +160,7 @@ def make_engine(model: str, redis_url: str, prefix: str, decoder_id: str,
                                  max_model_len=512, num_blocks=NUM_BLOCKS,
                                  fastpath_perturbation=0.2, seed=7, **kw)
     factory = make_verifier_factory(redis_url, decoder_id, exporter, loaded[2].weights_hash,
-                                    prefix=prefix, connect=connect, **options)
+                                    auth=AUTH, prefix=prefix, connect=connect, **options)
     return LLMEngine(config, loaded=loaded, kv_storage=exporter, verifier_factory=factory), exporter
 
 
@@ -171,8 +182,9 @@ def drive_against_oracle(engine: LLMEngine, oracle: list[tuple], verifier_addres
     stats = engine.stats()
     for i in DET:
         assert signature(outs[i]) == oracle[i], f"r{i} differs from the oracle"
-    with grpc.insecure_channel(verifier_address) as ch:
-        health = pb_grpc.VerifierStub(ch).Health(pb.HealthRequest(), timeout=5)
+    with AUTH.channel(verifier_address) as ch:
+        health = pb_grpc.VerifierStub(ch).Health(
+            pb.HealthRequest(), timeout=5, metadata=AUTH.handshake(verifier_address).metadata)
     assert health.passes >= stats["verify_passes"]
     return outs, stats, health
 
@@ -310,15 +322,54 @@ def test_stale_or_incompatible_decoder_is_refused(model: str, redis_url: str,
         registry.close()
 
 
-def _hello_status(address: str, hello: pb.LaneRequest) -> grpc.StatusCode:
+def _hello_status(address: str, hello: pb.LaneRequest,
+                  metadata: tuple[tuple[str, str], ...] | None = None) -> grpc.StatusCode:
+    """The verifier's answer to ``hello`` from a caller sending ``metadata`` (default: a
+    fresh token of this cluster's secret)."""
+    if metadata is None:
+        metadata = AUTH.handshake(address).metadata
     with grpc.insecure_channel(address) as ch:
-        replies = pb_grpc.VerifierStub(ch).Verify(iter([hello]), timeout=10)
+        replies = pb_grpc.VerifierStub(ch).Verify(iter([hello]), timeout=10, metadata=metadata)
         try:
             first = next(replies)
         except grpc.RpcError as e:
             return e.code()  # type: ignore[attr-defined,no-any-return]
         assert first.WhichOneof("kind") == "ready"
         return grpc.StatusCode.OK
+
+
+def test_a_caller_without_the_cluster_secret_is_refused(
+        model: str, redis_url: str, pool: tuple[str, list[VerifierProc]]) -> None:
+    """A caller that found the verifier in Redis but lacks the cluster secret (no token,
+    a forged one, one made with another secret, or a valid one used a second time) gets
+    UNAUTHENTICATED on every RPC, before its hello is read; the verifier keeps serving
+    callers that have it (control: the same hello with a fresh token gets Ready)."""
+    prefix, procs = pool
+    engine, exporter = make_engine(model, redis_url, prefix, "dec-auth", connect=False)
+    remote = engine.verifier
+    assert isinstance(remote, RemoteVerifier)
+    address = procs[0].address
+    try:
+        hello = codec.encode_hello(remote.record)
+        forged = (("x-detserve-auth", f"{int(time.time())}.{'0' * 32}.{'f' * 64}"),)
+        foreign = ClusterAuth("another-clusters-secret-0123").handshake(address).metadata
+        used = AUTH.handshake(address).metadata
+        assert _hello_status(address, hello, metadata=used) == grpc.StatusCode.OK
+        for metadata in ((), forged, foreign, used):
+            assert _hello_status(address, hello, metadata) == grpc.StatusCode.UNAUTHENTICATED
+        with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError) as info:
+            pb_grpc.VerifierStub(ch).Health(pb.HealthRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+        assert _hello_status(address, hello) == grpc.StatusCode.OK
+        other = RemoteVerifier(Registry(redis_url, prefix), remote.record,
+                               ClusterAuth("another-clusters-secret-0123"),
+                               failover_timeout_s=0.5)
+        with pytest.raises(VerifierUnavailable, match="UNAUTHENTICATED"):
+            other.connect()
+        other.registry.close()
+    finally:
+        remote.close()
+        exporter.close()
 
 
 def test_waits_for_a_verifier_then_gives_up_clearly(model: str, redis_url: str,

@@ -1,10 +1,13 @@
-"""The router's HTTP layer without Ray: a fake decoder handle behind the real FastAPI app
-(readiness, SSE framing, fan-in of choices, decoder failures and deterministic replay)."""
+"""The router's HTTP layer without Ray: fake decoders behind the real FastAPI app
+(readiness, SSE framing, fan-in of choices, decoder failures and deterministic replay).
+The decoders answer over a fake of the router's links (``services.router.links``); the
+real links run in test_decoder_link.py and the cluster tests."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -14,6 +17,7 @@ from serving_cluster import tiny_model
 from services.decoder.messages import DecodeChunk, DecodeRequest, ReplicaStats
 from services.router.http_app import build_http_app
 from services.router.limits import ServingLimits
+from services.router.links import Item, LinkHub
 from services.router.model_context import ModelContext
 from services.router.service import RouterService
 
@@ -25,45 +29,45 @@ class _Call:
         self.remote = fn
 
 
-class _Stream:
-    def __init__(self, chunks: list[DecodeChunk]) -> None:
-        self._chunks = chunks
-        self.cancelled = False
-
-    def __aiter__(self) -> AsyncIterator[tuple[Any, ...]]:
-        return self._iter()
-
-    async def _iter(self) -> AsyncIterator[tuple[Any, ...]]:
-        for chunk in self._chunks:
-            yield chunk.to_wire()  # what Decoder.generate sends
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
 class FakeDecoder:
-    """Answers ``generate`` from ``script(request, attempt)``; ``healthy=False`` makes
-    ``stats`` fail like a deployment without replicas."""
+    """The decoders' Ray Serve handle (health probes: ``stats``) and their links, one
+    replica "fake" answering each request with ``script(request, attempt)``;
+    ``healthy=False`` makes ``stats`` fail like a deployment without replicas."""
 
     def __init__(self, script: Script, healthy: bool = True) -> None:
         self.script = script
         self.healthy = healthy
         self.requests: list[DecodeRequest] = []
+        self.aborted: list[str] = []
         self.stats = _Call(self._stats)
-        self.generate = _Call(self._generate)
-
-    def options(self, **_: Any) -> FakeDecoder:
-        return self
 
     async def _stats(self) -> ReplicaStats:
         if not self.healthy:
             raise TimeoutError("no replica")
         return ReplicaStats("fake", {"rollbacks": 3.0}, 0, 0, True, "InProcessVerifier")
 
-    def _generate(self, request: DecodeRequest) -> _Stream:
+    # ---- what the dispatcher uses of a ``LinkHub`` -----------------------------------
+    @property
+    def attached(self) -> list[str]:
+        return ["fake"]
+
+    async def wait(self, request: DecodeRequest, timeout_s: float) -> str | None:
+        return "fake"
+
+    def submit(self, request: DecodeRequest, replica: str) -> asyncio.Queue[Item]:
         self.requests.append(request)
         _, replay, attempt = request.request_id.rpartition("-replay")
-        return _Stream(self.script(request, int(attempt) if replay else 0))
+        queue: asyncio.Queue[Item] = asyncio.Queue()
+        for chunk in self.script(request, int(attempt) if replay else 0):
+            queue.put_nowait(chunk)
+        return queue
+
+    def release(self, request_id: str, abort: bool) -> None:
+        if abort:
+            self.aborted.append(request_id)
+
+    def close(self) -> None:
+        pass
 
 
 def hello(request: DecodeRequest, attempt: int) -> list[DecodeChunk]:
@@ -89,9 +93,8 @@ def ctx() -> ModelContext:
 
 
 def client_for(ctx: ModelContext, decoder: FakeDecoder) -> tuple[TestClient, RouterService]:
-    # the fake answers per-request streams (Dispatcher(channels=False)); channels run in the
-    # cluster tests against real replicas
-    service = RouterService(ctx, ServingLimits(max_model_len=128), decoder, channels=False)
+    links: Any = decoder  # the fake is its own links
+    service = RouterService(ctx, ServingLimits(max_model_len=128), decoder, links)
     return TestClient(build_http_app(service)), service
 
 
@@ -168,58 +171,25 @@ def test_deterministic_request_is_replayed(ctx: ModelContext) -> None:
 
 
 def test_a_replay_is_routed_away_from_the_replica_that_failed_it() -> None:
-    """``LeastTokensRouter``: a replayed request (``DecodeRequest.avoid``) goes to another
+    """``LinkHub.pick``: a replayed request (``DecodeRequest.avoid``) goes to another
     replica even when the one that failed it has the fewest outstanding tokens (a replica
-    whose engine failed answers at once), and to it only when no other is up."""
-    import asyncio
+    whose engine failed answers at once), and to it only when no other is attached;
+    ``wait`` waits for one it has not failed on before taking it."""
     from types import SimpleNamespace
 
-    from ray.serve._private.common import DeploymentID
-    from ray.serve.request_router import ReplicaID
-
     from detserve.params import SamplingParams
-    from services.router.request_router import LeastTokensRouter
+    from services.cluster_auth import ClusterAuth
 
-    router = object.__new__(LeastTokensRouter)
-    router.initialize_state()
-    replicas: list[Any] = [
-        SimpleNamespace(replica_id=ReplicaID(u, DeploymentID("Decoder", "detserve")))
-        for u in ("broken", "busy")]
-    router._ledger.routed("other", replicas[1].replica_id, 5000)  # busy: 5,000 tokens out
+    hub = LinkHub("redis://127.0.0.1:1/0", ClusterAuth("a-test-cluster-secret"))
+    link = SimpleNamespace(attached=True, listed=True)
+    hub._links = {"broken": link, "busy": link}  # type: ignore[dict-item]
+    hub._ledger.routed("other", "busy", 5000)  # busy: 5,000 tokens out
 
-    def chosen(avoid: tuple[str, ...], candidates: list[Any]) -> list[str]:
-        request = DecodeRequest("r", (1, 2, 3), SamplingParams(max_tokens=4), avoid=avoid)
-        pending = SimpleNamespace(args=[request], routing_context=SimpleNamespace())
-        ranks = asyncio.run(router.choose_replicas(candidates, pending))  # type: ignore[arg-type]
-        return [r.replica_id.unique_id for rank in ranks for r in rank]
+    def request(avoid: tuple[str, ...]) -> DecodeRequest:
+        return DecodeRequest("r", (1, 2, 3), SamplingParams(max_tokens=4), avoid=avoid)
 
-    assert chosen((), replicas) == ["broken", "busy"]  # least tokens first
-    assert chosen(("broken",), replicas) == ["busy"]
-    assert chosen(("broken",), replicas[:1]) == ["broken"]  # the only one left
-
-
-@pytest.mark.parametrize("still_open", [True, False])
-def test_a_channel_request_whose_last_chunk_never_comes_fails_instead_of_hanging(
-        monkeypatch: pytest.MonkeyPatch, still_open: bool) -> None:
-    """The request's call ended (its last chunk is on the channel by then), yet the request
-    is still open after the grace: the chunk was lost, and the request fails with
-    ``ChannelLost``; a request already over gets nothing more."""
-    import asyncio
-
-    from services.router import dispatch
-    from services.router.channels import ChannelLost, Item
-
-    monkeypatch.setattr(dispatch, "LAST_CHUNK_GRACE_S", 0.05)
-
-    async def scenario() -> list[Item]:
-        queue: asyncio.Queue[Item] = asyncio.Queue()
-        await dispatch._watch(_Stream([]), queue, "d-0", lambda: still_open)
-        await asyncio.sleep(0.2)
-        return [queue.get_nowait() for _ in range(queue.qsize())]
-
-    items = asyncio.run(scenario())
-    if still_open:
-        assert len(items) == 1 and isinstance(items[0], ChannelLost)
-        assert "d-0" in items[0].message and "last chunk" in items[0].message
-    else:
-        assert items == []
+    assert hub.pick(request(())) == "broken"  # least tokens first
+    assert hub.pick(request(("broken",))) == "busy"
+    del hub._links["busy"]
+    assert hub.pick(request(("broken",))) == "broken"  # the only one left
+    assert asyncio.run(hub.wait(request(("broken",)), 0.2)) == "broken"

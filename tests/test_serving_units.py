@@ -165,78 +165,6 @@ def _run_loop(stream_interval: int, max_tokens: int) -> list[DecodeChunk]:
     return chunks
 
 
-def _channel_decoder(engine: LLMEngine) -> Any:
-    """A ``Decoder`` replica's channel state around a real engine loop, without Serve."""
-    from services.decoder.channel import deliver_on_event_loops
-    from services.decoder.deployment import Decoder
-
-    decoder = object.__new__(Decoder.func_or_class)  # type: ignore[attr-defined]
-    decoder.replica = "d-0"
-    decoder.loop = EngineLoop(engine, "d-0", deliver=deliver_on_event_loops)
-    decoder._channels = {}
-    decoder._close = lambda: None
-    decoder.loop.start()
-    return decoder
-
-
-def test_a_request_finished_before_its_channel_attaches_still_reaches_the_router() -> None:
-    """The router opens its channel to a replica only once a request's ``generate`` call
-    has named that replica; a short request can be over by then. Its chunks wait for the
-    channel (they were dropped with it once, and the request hung: a CI failure)."""
-    import asyncio
-
-    from services.decoder.messages import ChannelOpen
-
-    decoder = _channel_decoder(
-        LLMEngine.from_args(tiny_model(), "nondeterministic", max_model_len=256))
-
-    async def scenario() -> list[DecodeChunk]:
-        request = DecodeRequest("r", (5, 6, 7), SamplingParams(max_tokens=3, ignore_eos=True))
-        call = decoder.generate(request, "router-1")
-        assert await call.__anext__() == ("d-0",)
-
-        async def rest() -> None:  # ends when the request has: no channel attached yet
-            async for _ in call:
-                pytest.fail("a channel request's call yields nothing after the replica")
-
-        await asyncio.wait_for(rest(), 60)
-        assert "router-1" in decoder._channels  # its chunks are kept
-        channel = decoder.channel(ChannelOpen("router-1", "d-0"))
-        assert await channel.__anext__() == []
-        chunks: list[DecodeChunk] = []
-        while not (chunks and chunks[-1].finished):
-            wires = await asyncio.wait_for(channel.__anext__(), 10)
-            chunks += [DecodeChunk.from_wire(w) for w in wires]
-        await channel.aclose()
-        return chunks
-
-    try:
-        chunks = asyncio.run(scenario())
-    finally:
-        decoder.loop.stop()
-    assert [t for c in chunks for t in c.token_ids] and chunks[-1].num_output_tokens == 3
-    assert decoder._channels == {}  # forgotten once the router detached
-
-
-def test_a_channel_no_router_attaches_to_is_dropped_after_a_while(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.decoder import deployment
-    from services.decoder.channel import Channel
-
-    decoder = object.__new__(deployment.Decoder.func_or_class)  # type: ignore[attr-defined]
-    decoder._channels = {}
-    orphan = decoder._channel("gone")
-    orphan.put(DecodeChunk("r", "d-0", finished=True))
-    live = decoder._channel("live")
-    live.attached = True
-    decoder._forget_channel("gone")
-    assert set(decoder._channels) == {"gone", "live"}  # its chunk still waits
-    monkeypatch.setattr(deployment, "STALE_CHANNEL_S", 0.0)
-    orphan.last_put -= 1.0
-    assert isinstance(decoder._channel("new"), Channel)
-    assert set(decoder._channels) == {"live", "new"}
-
-
 def test_stream_interval_gathers_tokens_without_changing_the_stream() -> None:
     """stream_interval=4: the first token goes out alone, then chunks of 4, the rest with
     the final chunk; ids, logprobs and text equal the every-step stream's."""
@@ -253,25 +181,7 @@ def test_stream_interval_gathers_tokens_without_changing_the_stream() -> None:
                    "test", stream_interval=0)
 
 
-def test_chunks_cross_to_the_router_as_plain_data() -> None:
-    """to_wire is msgpack-able (what Ray sends without pickle) and from_wire inverts it,
-    logprobs with their top-k, determinism profile and engine counters included."""
-    msgpack = pytest.importorskip("msgpack")
-    lps = (TokenLogprob(7, -0.25, {7: -0.25, 9: -1.5}), TokenLogprob(3, -2.0))
-    chunks = [DecodeChunk("r-1", "d-0", text="h\u00e9", token_ids=(7, 3), logprobs=lps,
-                          finished=True, finish_reason="length", num_prompt_tokens=5,
-                          num_output_tokens=2, determinism={"fingerprint": "abc", "W": 16},
-                          engine_stats={"steps": 3.0}),
-              DecodeChunk("r-2", "d-0", finished=True, error="boom", error_type="server_error"),
-              DecodeChunk("r-4", "d-0", text="a", token_ids=(2,),
-                          prompt_logprobs=(None, TokenLogprob(9, -1.5, {9: -1.5, 4: -2.0}))),
-              DecodeChunk("r-3", "d-0", text="x", token_ids=(1,))]
-    for chunk in chunks:
-        wire = msgpack.unpackb(msgpack.packb(chunk.to_wire()))
-        assert DecodeChunk.from_wire(wire) == chunk
-
-
-def test_a_channel_backlog_is_coalesced_per_request_in_order() -> None:
+def test_a_link_backlog_is_coalesced_per_request_in_order() -> None:
     from services.decoder.messages import coalesce_by_request
 
     a1 = DecodeChunk("a", "d", text="x", token_ids=(1,), num_output_tokens=1)
@@ -450,20 +360,13 @@ def test_dispatch_paths_and_attached_links_parsed() -> None:
     assert parse_dispatch("") == (0.0, 0.0, 0.0)
 
 
-def test_decoder_link_is_an_optional_boolean_arg_and_a_serve_flag() -> None:
-    from services.cli import serve_config_from
+def test_the_link_is_the_only_transport_and_no_arg_or_flag_turns_it_off() -> None:
     from services.console import build_parser
-    from services.decoder.engine_factory import DecoderSettings
 
-    assert "decoder_link" not in default_serve_config()["applications"][0]["args"]
     with pytest.raises(ValueError, match="decoder_link"):
-        default_serve_config(decoder_link="yes")
-    a = build_parser().parse_args(["serve", "--no-decoder-link"])
-    args = serve_config_from(a, "redis://127.0.0.1:1/0")["applications"][0]["args"]
-    assert args["decoder_link"] is False
-    assert DecoderSettings.from_args(args).decoder_link is False
-    assert DecoderSettings.from_args(default_serve_config()["applications"][0]["args"]
-                                     ).decoder_link is True
+        default_serve_config(decoder_link=False)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--no-decoder-link"])
 
 
 def test_decode_request_affinity_is_its_prefix_keys_once_and_survives_pickling() -> None:

@@ -39,6 +39,8 @@ ENGINE_CONFIGMAP = "detserve-engine"
 REDIS_NAME = "detserve-redis"  # StatefulSet, Service, Secret and NetworkPolicy
 REDIS_SECRET_KEY = "password"
 REDIS_URL = f"redis://{REDIS_NAME}:6379/0"  # the Service's DNS name in the namespace
+# the internal gRPC servers' (decoder links, verifiers) shared secret: services/cluster_auth.py
+CLUSTER_SECRET_NAME, CLUSTER_SECRET_KEY = "detserve-cluster", "secret"
 MODEL_CACHE_PVC = "detserve-model-cache"
 MODEL_CACHE_PATH = "/models"
 HTTP_PORT, GRPC_PORT, METRICS_PORT = 8000, 9000, 8080
@@ -316,6 +318,11 @@ def _pod_template(o: Overlay, container_name: str, group: WorkerGroup | None) ->
         {
             "name": "REDIS_PASSWORD",
             "valueFrom": {"secretKeyRef": {"name": REDIS_NAME, "key": REDIS_SECRET_KEY}},
+        },
+        {
+            "name": "DETSERVE_CLUSTER_SECRET",
+            "valueFrom": {"secretKeyRef": {"name": CLUSTER_SECRET_NAME,
+                                           "key": CLUSTER_SECRET_KEY}},
         },
     ]
     # Ray Serve's throughput profile (handle calls over gRPC), with its proxies kept: the

@@ -1,16 +1,14 @@
 """One router's chunks on a decoder replica, gathered between wake-ups of an event loop.
 
 The engine thread puts each step's chunks into the channels of the routers that sent the
-requests (``ChannelSink``, delivered on the sink's event loop); whoever sends the channel
-on (a Ray Serve stream, ``Decoder.channel``, or a link, ``services.decoder.link``) takes
-everything gathered since its last send as one message.
+requests (``ChannelSink``, delivered on the sink's event loop); the router's link
+(``services.decoder.link``) takes everything gathered since its last send as one message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,18 +30,13 @@ class Channel:
     def __init__(self) -> None:
         self.pending: list[DecodeChunk] = []
         self.ready = asyncio.Event()
-        self.attached = False
-        self.done: dict[str, asyncio.Event] = {}  # open requests: set by their last chunk
-        self.last_put = time.monotonic()
+        self.open: set[str] = set()  # requests without their last chunk yet
 
     def put(self, chunk: DecodeChunk) -> None:
         self.pending.append(chunk)
-        self.last_put = time.monotonic()
         self.ready.set()
         if chunk.finished:
-            event = self.done.pop(chunk.request_id, None)
-            if event is not None:
-                event.set()
+            self.open.discard(chunk.request_id)
 
     def take(self) -> list[DecodeChunk]:
         """Everything gathered since the last call."""

@@ -17,6 +17,7 @@ from typing import Any
 from detserve.config import SCHEDULER_FIELDS, EngineConfig, SchedulerConfig
 from detserve.engine import LLMEngine
 from detserve.model.loader import load_model
+from services.cluster_auth import ClusterAuth
 
 log = logging.getLogger(__name__)
 LANE_MODES = ("llm42", "lane_only")
@@ -49,7 +50,6 @@ class DecoderSettings:
     switch_interval: float = 0.0
     stream_interval: int = 1  # a stream's chunk carries >= this many new tokens (not the last)
     prefill_batch_tokens: int | None = None  # None: the engine's default for its device
-    decoder_link: bool = True  # serve a link (services.decoder.link) and publish it in Redis
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> DecoderSettings:
@@ -69,8 +69,10 @@ class DecoderSettings:
             fastpath_perturbation=self.fastpath_perturbation, seed=self.seed, **scheduler)
 
 
-def build_engine(settings: DecoderSettings, decoder_id: str) -> tuple[LLMEngine, Callable[[], None]]:
-    """The engine and a ``close()`` that releases what it exported."""
+def build_engine(settings: DecoderSettings, decoder_id: str, auth: ClusterAuth
+                 ) -> tuple[LLMEngine, Callable[[], None]]:
+    """The engine and a ``close()`` that releases what it exported; ``auth``: what the
+    verifiers ask of their callers."""
     config = settings.engine_config()
     remote = _remote_modules() if settings.remote_verifier else None
     if remote is None:
@@ -88,7 +90,7 @@ def build_engine(settings: DecoderSettings, decoder_id: str) -> tuple[LLMEngine,
     exporter = kv_handle.KVExporter(decoder_id, epoch)
     loaded = load_model(config.model, dtype=config.dtype, device=config.device)
     factory = client.make_verifier_factory(settings.redis_url, decoder_id, exporter,
-                                           loaded[2].weights_hash)
+                                           loaded[2].weights_hash, auth=auth)
     engine = LLMEngine(config, loaded=loaded, kv_storage=exporter, verifier_factory=factory)
 
     def close() -> None:

@@ -1,12 +1,12 @@
-"""Typed messages between the router and a decoder replica (requests pickled by Ray;
-chunks sent as plain data, ``DecodeChunk.to_wire``)."""
+"""Typed messages between the router and a decoder replica. On the link they travel as
+protobuf (``services.decoder.link_codec``); Ray handle calls carry only ``ReplicaPin`` and
+``ReplicaStats``."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any
 
 from detserve.outputs import TokenLogprob
 from detserve.params import SamplingParams
@@ -78,38 +78,6 @@ class DecodeChunk:
     def is_error(self) -> bool:
         return self.error is not None
 
-    def to_wire(self) -> tuple[Any, ...]:
-        """The chunk as plain data for the hop to the router: Ray serializes lists, dicts,
-        strings and numbers without pickle (the decoder sends one chunk per stream per
-        engine step). ``from_wire`` inverts it."""
-        lps = None if self.logprobs is None else [_lp_wire(p) for p in self.logprobs]
-        prompt = None if self.prompt_logprobs is None else [
-            None if p is None else _lp_wire(p) for p in self.prompt_logprobs]
-        return (self.request_id, self.replica, self.text, list(self.token_ids), lps,
-                self.finished, self.finish_reason, self.num_prompt_tokens,
-                self.num_output_tokens, None if self.determinism is None else dict(
-                    self.determinism), self.error, self.error_type, dict(self.engine_stats),
-                prompt)
-
-    @classmethod
-    def from_wire(cls, wire: Sequence[Any]) -> DecodeChunk:
-        (rid, replica, text, ids, lps, finished, reason, n_prompt, n_output, determinism,
-         error, error_type, stats, prompt) = wire
-        logprobs = None if lps is None else tuple(_lp_from_wire(w) for w in lps)
-        prompt_lps = None if prompt is None else tuple(
-            None if w is None else _lp_from_wire(w) for w in prompt)
-        return cls(rid, replica, text, tuple(ids), logprobs, finished, reason, n_prompt,
-                   n_output, determinism, error, error_type, stats, prompt_lps)
-
-
-def _lp_wire(p: TokenLogprob) -> tuple[int, float, list[tuple[int, float]]]:
-    return p.token_id, p.logprob, list(p.top.items())
-
-
-def _lp_from_wire(w: Sequence[Any]) -> TokenLogprob:
-    t, lp, top = w
-    return TokenLogprob(int(t), float(lp), {int(k): float(v) for k, v in top})
-
 
 def coalesce(chunks: Sequence[DecodeChunk]) -> list[DecodeChunk]:
     """Merge consecutive chunks of one request into one (what a slow reader would have
@@ -139,17 +107,8 @@ class ReplicaPin:
     replica: str
 
 
-@dataclass(frozen=True)
-class ChannelOpen:
-    """Opens router ``channel``'s output stream on decoder replica ``replica`` (the request
-    router sends this call to that replica only)."""
-
-    channel: str
-    replica: str
-
-
 def coalesce_by_request(chunks: Sequence[DecodeChunk]) -> list[DecodeChunk]:
-    """``coalesce`` for a channel's backlog, which interleaves requests: each request's
+    """``coalesce`` for a link's backlog, which interleaves requests: each request's
     chunks merged in their order, requests in the order they first appear."""
     by_request: dict[str, list[DecodeChunk]] = {}
     for chunk in chunks:

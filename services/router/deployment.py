@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI
 from ray import serve
 
+from services.cluster_auth import ClusterAuth
 from services.router import detserve_pb2 as pb
 from services.router.dispatch import DecoderFailure
 from services.router.errors import APIError
@@ -40,12 +41,11 @@ class Router:
     async def __init__(self, args: Mapping[str, Any], decoder: Any,  # type: ignore[misc]
                        limits: ServingLimits | None = None, verifier: Any = None) -> None:
         ctx = ModelContext.load(str(args["model"]), int(args["max_model_len"]))
-        links = LinkHub(str(args["redis_url"])) if args.get("decoder_link", True) else None
+        links = LinkHub(str(args["redis_url"]), ClusterAuth.from_env())
         self.service = RouterService(ctx, limits or ServingLimits.from_args(args), decoder,
-                                     links=links)
+                                     links)
         self.service.health.start()
-        if links is not None:
-            links.start()
+        links.start()
         self._verifier = verifier  # bound so that Serve deploys the verifier pool
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -89,7 +89,5 @@ class Router:
 
     def __del__(self) -> None:
         self.service.health.stop()
-        for hub in (self.service.dispatcher.hub, self.service.dispatcher.links):
-            if hub is not None:
-                hub.close()
+        self.service.dispatcher.links.close()
 

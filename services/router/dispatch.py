@@ -1,33 +1,32 @@
-"""Send a ``Job``'s sequences to decoders and stream their committed output back.
+"""Send a ``Job``'s sequences to decoders over their links and stream their output back.
 
 One ``ChoiceEvent`` per decoder chunk that adds something. A decoder failure (the replica
 died, or its engine failed) ends a non-deterministic sequence with ``DecoderFailure``; a
-deterministic one is replayed on another replica up to ``max_replays`` times (through Ray
-Serve handle calls), and only the part the client has not seen yet is streamed (see
-``replay``).
+deterministic one is replayed on another replica up to ``max_replays`` times, and only the
+part the client has not seen yet is streamed (see ``replay``). An attempt that failed
+before its decoder sent anything (its link broke at once: the replica died with the one
+that failed it; or the replica refused it) is sent again to another replica without
+counting as a replay, up to ``max_attempts`` attempts in all.
+
+With no link attached (a router that just started, every replica restarting) a sequence
+waits ``link_wait_s`` for one (a replay ``replay_wait_s``), then fails: before its first
+event with a 503 ``APIError``, never by hanging.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
-
-from ray.exceptions import RayError
 
 from detserve.outputs import TokenLogprob
 from services.decoder.messages import DecodeChunk, DecodeRequest
-from services.router.channels import ChannelHub, ChannelLost, Item
-from services.router.errors import invalid
-from services.router.links import LinkHub
+from services.router.errors import invalid, unavailable
+from services.router.links import LinkHub, LinkLost
 from services.router.metrics import RouterMetrics, SequenceTimer
 from services.router.prepare import Job
 from services.router.replay import ReplayDiverged, SentState
-
-# how long after a channel request's call ended its last chunk may still be on the way
-LAST_CHUNK_GRACE_S = 60.0
 
 
 class DecoderFailure(Exception):
@@ -37,6 +36,10 @@ class DecoderFailure(Exception):
     def __init__(self, message: str, replica: str = "") -> None:
         super().__init__(message)
         self.replica = replica
+
+
+class NoLink(DecoderFailure):
+    """No decoder link attached in time for a replay: nowhere to send it."""
 
 
 @dataclass(frozen=True)
@@ -57,18 +60,16 @@ class ChoiceEvent:
 
 
 class Dispatcher:
-    def __init__(self, decoder: Any, metrics: RouterMetrics, max_replays: int = 1,
-                 channels: bool = True, links: LinkHub | None = None) -> None:
-        """``links``: a sequence goes over a decoder's link (``services.router.links``)
-        while one is attached, else through Ray Serve handle calls; ``channels``: those
-        calls' chunks come through one channel per decoder replica
-        (``services.router.channels``); False: each request's own stream."""
-        self._decoder = decoder.options(stream=True)
+    def __init__(self, links: LinkHub, metrics: RouterMetrics, max_replays: int = 1, *,
+                 link_wait_s: float = 10.0, replay_wait_s: float = 120.0,
+                 max_attempts: int = 8) -> None:
+        """``replay_wait_s`` covers a replica's restart (Ray Serve replaces a dead one)."""
+        self.links = links
         self._metrics = metrics
         self.max_replays = max_replays
-        self.hub = ChannelHub(self._decoder) if channels else None
-        self.links = links
-        self._watchers: set[asyncio.Task[None]] = set()
+        self.link_wait_s = link_wait_s
+        self.replay_wait_s = replay_wait_s
+        self.max_attempts = max_attempts
 
     async def run(self, job: Job) -> AsyncIterator[ChoiceEvent]:
         """Events of every choice, interleaved as they arrive."""
@@ -109,11 +110,13 @@ class Dispatcher:
         timer = SequenceTimer(self._metrics, request.is_deterministic,
                               len(request.prompt_token_ids))
         sent = SentState()
-        attempt = 0
+        attempt = replays = 0
         try:
             while True:
+                started = False  # the attempt's decoder sent a chunk
                 try:
                     async for chunk in self._decode(request, attempt):
+                        started = True
                         new = sent.new_part(chunk)
                         timer.on_tokens(len(new.token_ids))
                         if new.token_ids or new.text or new.finished or new.prompt_logprobs:
@@ -124,143 +127,66 @@ class Dispatcher:
                 except ReplayDiverged as e:
                     raise DecoderFailure(f"deterministic replay diverged: {e}") from e
                 except DecoderFailure as e:
-                    if not request.is_deterministic or attempt >= self.max_replays:
+                    if not request.is_deterministic or isinstance(e, NoLink):
                         raise
-                    if e.replica:  # the replay goes elsewhere (``request_router``)
+                    if started:
+                        if replays >= self.max_replays:
+                            raise
+                        replays += 1
+                        self._metrics.replays.inc()
+                    elif attempt + 1 >= self.max_attempts:
+                        raise
+                    if e.replica:  # the next attempt goes elsewhere (``LinkHub.pick``)
                         request = replace(request, avoid=(*request.avoid, e.replica))
                     attempt += 1
                     sent.restart()
-                    self._metrics.replays.inc()
         finally:
             timer.close()
 
     async def _decode(self, request: DecodeRequest, attempt: int) -> AsyncIterator[DecodeChunk]:
         if attempt:
             request = replace(request, request_id=f"{request.request_id}-replay{attempt}")
+        wait_s = self.replay_wait_s if attempt else self.link_wait_s
+        replica = await self.links.wait(request, wait_s)
+        if replica is None:
+            if attempt:
+                raise NoLink(f"no decoder link attached within {wait_s:.0f} s to replay on")
+            raise unavailable(f"no decoder is reachable: no decoder link attached within "
+                              f"{wait_s:.0f} s")
         request = replace(request, dispatched=time.monotonic())
-        # a replay goes through Ray Serve: its controller knows which replicas are alive,
-        # while a link to a replica that died with the first one may not have broken yet
-        replica = self.links.pick(request) if self.links is not None and not attempt else None
-        if replica is not None:
-            chunks = self._decode_link(request, replica)
-        elif self.hub is not None:
-            chunks = self._decode_channel(request)
-        else:
-            chunks = self._decode_stream(request)
-        self._metrics.dispatch.labels("handle" if replica is None else "link").inc()
-        async for chunk in chunks:
-            self._metrics.engines.update(chunk.replica, chunk.engine_stats)
-            if chunk.error is not None:
-                if chunk.error_type == "invalid_request":
-                    raise invalid(chunk.error)
-                raise DecoderFailure(chunk.error, chunk.replica)
-            yield chunk
-
-    async def _decode_link(self, request: DecodeRequest, replica: str
-                           ) -> AsyncIterator[DecodeChunk]:
-        links = self.links
-        assert links is not None
-        queue = links.submit(request, replica)
+        try:
+            queue = self.links.submit(request, replica)
+        except ValueError as e:
+            raise invalid(str(e)) from e
+        self._metrics.dispatch.labels("link").inc()
         done = False
         try:
             async for chunk in _queued(queue, replica):
                 done = chunk.finished or chunk.error is not None
+                self._metrics.engines.update(chunk.replica, chunk.engine_stats)
+                if chunk.error is not None:
+                    if chunk.error_type == "invalid_request":
+                        raise invalid(chunk.error)
+                    raise DecoderFailure(chunk.error, chunk.replica)
                 yield chunk
         except DecoderFailure:
-            done = True  # the link broke: nothing left to abort
+            done = True  # the link broke or the decoder failed it: nothing left to abort
             raise
         finally:
-            links.release(request.request_id, abort=not done)
-
-    async def _decode_channel(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
-        hub = self.hub
-        assert hub is not None
-        rid = request.request_id
-        queue = hub.register(rid)
-        stream = self._decoder.generate.remote(request, hub.id)
-        done = False
-        try:
-            try:
-                (replica,) = await stream.__anext__()
-            except RayError as e:
-                raise DecoderFailure(decoder_failed(e)) from e
-            except StopAsyncIteration:
-                raise DecoderFailure("decoder stream ended before the request started") from None
-            hub.bind(rid, replica)
-            watcher = asyncio.create_task(_watch(stream, queue, replica,
-                                                 lambda: hub.is_open(rid, queue)))
-            self._watchers.add(watcher)
-            watcher.add_done_callback(self._watchers.discard)
-            async for chunk in _queued(queue, replica):
-                done = chunk.finished or chunk.error is not None
-                yield chunk
-        except DecoderFailure:
-            done = True  # the channel or the call broke: nothing left to cancel
-            raise
-        finally:
-            hub.release(rid)
-            if not done:
-                stream.cancel()
-
-    async def _decode_stream(self, request: DecodeRequest) -> AsyncIterator[DecodeChunk]:
-        stream = self._decoder.generate.remote(request)
-        done = False
-        try:
-            async for wire in stream:
-                chunk = DecodeChunk.from_wire(wire)
-                done = chunk.finished or chunk.error is not None
-                yield chunk
-        except RayError as e:
-            done = True
-            raise DecoderFailure(decoder_failed(e)) from e
-        finally:
-            if not done:
-                stream.cancel()
-        if not done:
-            raise DecoderFailure("decoder stream ended before the request finished")
+            self.links.release(request.request_id, abort=not done)
 
 
-async def _queued(queue: asyncio.Queue[Item], replica: str) -> AsyncIterator[DecodeChunk]:
-    """A request's chunks from its queue up to its last one; a lost channel or link
-    (``ChannelLost``) raises ``DecoderFailure`` (of ``replica``)."""
+async def _queued(queue: asyncio.Queue[DecodeChunk | LinkLost], replica: str
+                  ) -> AsyncIterator[DecodeChunk]:
+    """A request's chunks from its queue up to its last one; a lost link (``LinkLost``)
+    raises ``DecoderFailure`` (of ``replica``)."""
     while True:
         item = await queue.get()
-        if isinstance(item, ChannelLost):
+        if isinstance(item, LinkLost):
             raise DecoderFailure(item.message, replica)
         yield item
         if item.finished or item.error is not None:
             return
-
-
-async def _watch(stream: Any, queue: asyncio.Queue[Item], replica: str,
-                 is_open: Callable[[], bool]) -> None:
-    """The rest of a channel request's ``generate`` call: it ends when the request does; if
-    it fails first (the replica died), the request's queue learns it. Once it has ended,
-    the request's last chunk is on the channel: if the request is still open
-    ``LAST_CHUNK_GRACE_S`` later (``is_open``), that chunk was lost, and the request fails
-    instead of waiting forever."""
-    try:
-        async for _ in stream:
-            pass
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:  # RayError: the replica died; after a cancel nobody reads this
-        queue.put_nowait(ChannelLost(decoder_failed(e, replica)))
-        return
-
-    def overdue() -> None:
-        if is_open():
-            queue.put_nowait(ChannelLost(
-                f"decoder {replica} finished the request, but its last chunk did not "
-                f"arrive within {LAST_CHUNK_GRACE_S:.0f} s"))
-
-    asyncio.get_running_loop().call_later(LAST_CHUNK_GRACE_S, overdue)
-
-
-def decoder_failed(error: BaseException, replica: str = "") -> str:
-    """What a request whose decoder call failed is told."""
-    who = f"decoder {replica}" if replica else "decoder"
-    return f"{who} failed: {type(error).__name__}: {error}"
 
 
 def _event(index: int, chunk: DecodeChunk) -> ChoiceEvent:

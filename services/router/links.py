@@ -2,15 +2,16 @@
 
 The hub reads the live links from the Redis registry every ``poll_s`` and keeps one stream
 open to each. A request goes to the attached link whose replica has the fewest outstanding
-tokens (prefix affinity first for deterministic requests, ``TokenLedger``, as the Ray Serve
-request router does for handle calls); its chunks come back on that stream with every
-other request's of the same engine step and are handed to the request's queue.
+tokens (prefix affinity first for deterministic requests, ``TokenLedger``), avoiding the
+replicas that already failed it while another is attached; its chunks come back on that
+stream with every other request's of the same engine step and are handed to the request's
+queue.
 
 A link that breaks (the replica died, or did not attach within ``attach_timeout_s``) gives
-each of its requests ``ChannelLost``, which the dispatcher turns into a failure or a
-deterministic replay; its record is tried again only after ``retry_s``. With no
-attached link (a router that just started, a registry that cannot be read) ``pick``
-returns None and the dispatcher sends the request through Ray Serve instead.
+each of its requests ``LinkLost``, which the dispatcher turns into a failure or a
+deterministic replay; its record is tried again only after ``retry_s``. While no link is
+attached (a router that just started, replicas restarting) ``wait`` waits for one, for a
+bounded time.
 """
 
 from __future__ import annotations
@@ -19,73 +20,87 @@ import asyncio
 import contextvars
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import redis
 
-from services.decoder.link import ABORT, KEEPALIVE, METHOD, SUBMIT, TOKEN_KEY, dumps, loads
-from services.decoder.messages import DecodeRequest
+from services.cluster_auth import ClusterAuth
+from services.decoder import link_codec as codec
+from services.decoder import link_pb2 as pb
+from services.decoder.link import KEEPALIVE, METHOD
+from services.decoder.messages import DecodeChunk, DecodeRequest
 from services.registry import LinkRecord, Registry
-from services.router.channels import ChannelLost, Item, deliver_wires
 from services.router.load_ledger import TokenLedger
 
 log = logging.getLogger(__name__)
 
 
 # what one message carries at most: frames, and prompt tokens over its submit frames (a
-# token pickles to at most 5 bytes: a burst of long prompts stays far below the link's
+# token encodes in at most 10 bytes: a burst of long prompts stays far below the link's
 # 64 MiB message limit; a frame larger than this still goes, alone)
 MESSAGE_FRAMES = 256
 MESSAGE_TOKENS = 1 << 20
 
 
-def _tokens(frame: tuple[str, Any]) -> int:
-    kind, payload = frame
-    return len(payload.prompt_token_ids) if kind == SUBMIT else 0
+@dataclass(frozen=True)
+class LinkLost:
+    """Put into a request's queue instead of its remaining chunks."""
+
+    message: str
+
+
+Item = DecodeChunk | LinkLost
+
+
+def _tokens(frame: pb.RouterFrame) -> int:
+    return len(frame.submit.prompt_token_ids) if frame.HasField("submit") else 0
 
 
 class _Link:
     """One stream to one decoder replica; frames to send go through one writer task, which
     sends every frame queued by the time it runs as one message (a burst of requests costs
-    one gRPC write, not one each: a write holds this router's event loop for ~1 ms)."""
+    one gRPC write, not one each)."""
 
     def __init__(self, hub: LinkHub, record: LinkRecord) -> None:
         self.hub = hub
         self.record = record
         self.attached = False
         self.listed = True           # still in the registry
-        self._out: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._out: asyncio.Queue[pb.RouterFrame] = asyncio.Queue()
         self._write_error = ""       # why the writer stopped (it then ends the link)
-        self._channel = grpc.aio.insecure_channel(record.address, options=KEEPALIVE)
+        self._channel = hub.auth.aio_channel(record.address, options=KEEPALIVE)
         # a context of its own: no request's cancellation reaches the link
         self.task = asyncio.create_task(self._run(), context=contextvars.Context())
 
-    def send(self, frame: tuple[str, Any]) -> None:
+    def send(self, frame: pb.RouterFrame) -> None:
         self._out.put_nowait(frame)
 
     async def _run(self) -> None:
         error = "the link ended"
-        call = self._channel.stream_stream(METHOD)(
-            metadata=((TOKEN_KEY, self.record.token),))
+        handshake = self.hub.auth.handshake(self.record.address)
+        call = self._channel.stream_stream(METHOD)(metadata=handshake.metadata)
         writer: asyncio.Task[None] | None = None
         try:
             first = await asyncio.wait_for(call.read(), self.hub.attach_timeout_s)
             if first is grpc.aio.EOF:
                 raise ConnectionError("closed before it attached")
+            if not handshake.verify(await call.initial_metadata()):
+                raise ConnectionError("the server did not prove it holds the cluster secret")
             self.attached = True
+            self.hub.attached_changed()
             writer = asyncio.create_task(self._write(call))
             while True:
                 data = await call.read()
                 if data is grpc.aio.EOF:
                     break
-                deliver_wires(self.hub.queues, loads(data))
+                self.hub.deliver(codec.decode_chunks(data))
         except asyncio.CancelledError:
             error = self._write_error or "closed by the router"
             raise
         except TimeoutError:
             error = f"not attached within {self.hub.attach_timeout_s:.0f} s"
-        except Exception as e:  # grpc.aio.AioRpcError: the replica died or refused
+        except Exception as e:  # grpc.aio.AioRpcError (died, refused), codec.FrameError
             error = f"{type(e).__name__}: {e}"
         finally:
             self.attached = False
@@ -104,10 +119,10 @@ class _Link:
                        and tokens < MESSAGE_TOKENS):
                     frames.append(self._out.get_nowait())
                     tokens += _tokens(frames[-1])
-                await call.write(dumps(frames))
+                await call.write(codec.encode_frames(frames))
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # the stream broke, or a frame would not pickle
+        except Exception as e:  # the stream broke
             log.debug("link to %s: write failed: %s", self.record.replica, e)
             # end the link rather than leave it attached with no writer, where every
             # request sent over it would wait forever: its open requests fail over
@@ -116,9 +131,10 @@ class _Link:
 
 
 class LinkHub:
-    def __init__(self, redis_url: str, *, poll_s: float = 1.0, attach_timeout_s: float = 5.0,
-                 retry_s: float = 10.0) -> None:
+    def __init__(self, redis_url: str, auth: ClusterAuth, *, poll_s: float = 1.0,
+                 attach_timeout_s: float = 5.0, retry_s: float = 10.0) -> None:
         self._registry = Registry(redis_url)
+        self.auth = auth
         self.poll_s = poll_s
         self.attach_timeout_s = attach_timeout_s
         self.retry_s = retry_s
@@ -127,6 +143,7 @@ class LinkHub:
         self.queues: dict[str, asyncio.Queue[Item]] = {}   # request -> its chunks
         self._link_of: dict[str, _Link] = {}                # request -> the link it went on
         self._ledger = TokenLedger()
+        self._changed = asyncio.Event()              # set when a link attaches
         self._poller: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -148,8 +165,8 @@ class LinkHub:
         while True:
             try:
                 self.refresh(await asyncio.to_thread(self._registry.live_links))
-            except redis.RedisError as e:  # links already open stay in use
-                log.warning("cannot read decoder links: %s", e)
+            except Exception as e:  # RedisError, a record that does not parse: links
+                log.warning("cannot read decoder links: %s", e)  # already open stay in use
             await asyncio.sleep(self.poll_s)
 
     def refresh(self, records: list[LinkRecord]) -> None:
@@ -165,25 +182,57 @@ class LinkHub:
         for replica, record in listed.items():
             if replica not in self._links and record not in self._failed:
                 self._links[replica] = _Link(self, record)
+        self.attached_changed()  # a link listed again is a choice again
+
+    def attached_changed(self) -> None:
+        self._changed.set()
 
     def pick(self, request: DecodeRequest) -> str | None:
-        """The replica whose link should take ``request``, or None when no link is up."""
+        """The replica whose link should take ``request``, or None when no link is up. A
+        replay (``request.avoid``) goes to a replica that has not failed it, while one is
+        attached."""
         candidates = self.attached
+        others = [r for r in candidates if r not in request.avoid]
         if not candidates:
             return None
-        return str(self._ledger.rank(candidates, request.affinity)[0])
+        return str(self._ledger.rank(others or candidates, request.affinity)[0])
+
+    async def wait(self, request: DecodeRequest, timeout_s: float) -> str | None:
+        """``pick``, waiting up to ``timeout_s`` for a link to attach if none is; a replay
+        waits that long for a replica it has not failed on before taking one it has."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            replica = self.pick(request)
+            fresh = replica is not None and replica not in request.avoid
+            remaining = deadline - time.monotonic()
+            if fresh or remaining <= 0:
+                return replica
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                pass
 
     def submit(self, request: DecodeRequest, replica: str) -> asyncio.Queue[Item]:
         """Send ``request`` over ``replica``'s link (from ``pick``); its chunks arrive in the
-        queue returned, or ``ChannelLost`` if the link breaks first."""
+        queue returned, or ``LinkLost`` if the link breaks first. Raises ValueError if the
+        request cannot be encoded (nothing is sent)."""
+        frame = codec.encode_submit(request)
         link = self._links[replica]
         rid = request.request_id
         queue: asyncio.Queue[Item] = asyncio.Queue()
         self.queues[rid] = queue
         self._link_of[rid] = link
         self._ledger.routed(rid, replica, request.cost_tokens, request.affinity)
-        link.send((SUBMIT, request))
+        link.send(frame)
         return queue
+
+    def deliver(self, chunks: list[DecodeChunk]) -> None:
+        """A decoder's message into the queues of the requests still waiting for it."""
+        for chunk in chunks:
+            queue = self.queues.get(chunk.request_id)
+            if queue is not None:
+                queue.put_nowait(chunk)
 
     def release(self, request_id: str, abort: bool) -> None:
         """The request is over for the router; ``abort``: the decoder should end it too."""
@@ -191,7 +240,7 @@ class LinkHub:
         self._ledger.completed(request_id)
         link = self._link_of.pop(request_id, None)
         if link is not None and abort and link.attached:
-            link.send((ABORT, request_id))
+            link.send(codec.encode_abort(request_id))
 
     def lost(self, link: _Link, error: str) -> None:
         replica = link.record.replica
@@ -200,10 +249,9 @@ class LinkHub:
         self._ledger.forget(replica)
         self._failed[link.record] = time.monotonic()
         bound = [rid for rid, on in self._link_of.items() if on is link]
-        if bound:
-            log.warning("link to decoder %s lost: %s", replica, error)
+        log.warning("link to decoder %s lost (%d open requests): %s", replica, len(bound),
+                    error)
         for rid in bound:
             queue = self.queues.get(rid)
             if queue is not None:
-                queue.put_nowait(ChannelLost(f"decoder {replica}: {error}"))
-
+                queue.put_nowait(LinkLost(f"decoder {replica}: {error}"))

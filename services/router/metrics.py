@@ -107,7 +107,7 @@ class RouterMetrics:
         self.replays = Counter(PREFIX + "deterministic_replays",
                                "deterministic sequences replayed on another decoder", registry=r)
         # how sequences reached their decoder: "link" (the decoder's gRPC link,
-        # services.decoder.link) or "handle" (Ray Serve handle calls)
+        # services.decoder.link, the only path)
         self.dispatch = Counter(PREFIX + "router_dispatch", "sequences sent to a decoder",
                                 ["path"], registry=r)
         self.links = Gauge(PREFIX + "router_decoder_links",

@@ -51,15 +51,15 @@ class OpenStream:
 
 class RouterService:
     def __init__(self, ctx: ModelContext, limits: ServingLimits, decoder: Any,
-                 channels: bool = True, links: LinkHub | None = None) -> None:
-        """``links``: the decoders' links to send through while one is attached."""
+                 links: LinkHub) -> None:
+        """``decoder``: a Ray Serve handle to the decoders, for health probes only;
+        ``links``: the decoders' links, which carry every request."""
         self.ctx = ctx
         self.limits = limits
         self.metrics = RouterMetrics()
-        if links is not None:
-            self.metrics.links.set_function(lambda: len(links.attached))
+        self.metrics.links.set_function(lambda: len(links.attached))
         self.admission = Admission(limits.max_outstanding, limits.retry_after_s)
-        self.dispatcher = Dispatcher(decoder, self.metrics, channels=channels, links=links)
+        self.dispatcher = Dispatcher(links, self.metrics)
         self.health = DecoderHealth(decoder, self.metrics)
 
     async def open(self, job: Job) -> OpenStream:
@@ -84,5 +84,7 @@ class RouterService:
             if isinstance(e, DecoderFailure):
                 self.metrics.failures.labels("decoder_failed").inc()
                 raise decoder_failed(e) from e
+            if isinstance(e, APIError) and e.status == 503:  # no decoder link in time
+                self.metrics.failures.labels("unavailable").inc()
             raise
         return OpenStream(first, events, slot)

@@ -24,6 +24,7 @@ import redis
 
 from detserve.executor.runner import ModelRunner
 from detserve.lane import LanePass, LaneResult
+from services.cluster_auth import ClusterAuth
 from services.kv_handle import KVExporter, KVHandle
 from services.registry import DEFAULT_PREFIX, DecoderRecord, Registry, VerifierRecord
 from services.verifier import codec
@@ -50,12 +51,13 @@ class RemoteVerifier:
     # stream order: the engine finishes its batch in flight before submitting a pass
     stream_ordered = False
 
-    def __init__(self, registry: Registry, record: DecoderRecord, *,
+    def __init__(self, registry: Registry, record: DecoderRecord, auth: ClusterAuth, *,
                  failover_timeout_s: float = 30.0, hello_timeout_s: float = 10.0,
                  pass_timeout_s: float = 120.0, retry_bad_after_s: float = 2.0,
                  publish_block_tables: bool = True) -> None:
         self.registry = registry
         self.record = record
+        self.auth = auth  # what verifiers ask of their callers
         self.failover_timeout_s = failover_timeout_s
         self.hello_timeout_s = hello_timeout_s
         self.pass_timeout_s = pass_timeout_s
@@ -150,7 +152,7 @@ class RemoteVerifier:
     def _open(self, verifier: VerifierRecord) -> str | None:
         """Say hello; on Ready, re-send the pending passes. Returns an error or None."""
         self._generation += 1
-        stream = LaneStream(verifier, self._generation, self._events)
+        stream = LaneStream(verifier, self._generation, self._events, self.auth)
         stream.send(codec.encode_hello(self.record))
         deadline = time.monotonic() + self.hello_timeout_s
         while True:
@@ -233,7 +235,8 @@ class RemoteVerifier:
 
 
 def make_verifier_factory(redis_url: str, decoder_id: str, kv_handle: KVHandle | KVExporter,
-                          weights_hash: str, *, prefix: str = DEFAULT_PREFIX,
+                          weights_hash: str, *, auth: ClusterAuth,
+                          prefix: str = DEFAULT_PREFIX,
                           connect: bool = True, **options: float | bool
                           ) -> Callable[[ModelRunner], RemoteVerifier]:
     """``LLMEngine(verifier_factory=...)``: when the engine has built its runner over the
@@ -255,7 +258,7 @@ def make_verifier_factory(redis_url: str, decoder_id: str, kv_handle: KVHandle |
                                codec.numerics_profile(runner))
         registry = Registry(redis_url, prefix)
         registry.publish_decoder(record)
-        verifier = RemoteVerifier(registry, record, **options)  # type: ignore[arg-type]
+        verifier = RemoteVerifier(registry, record, auth, **options)  # type: ignore[arg-type]
         if connect:
             verifier.connect()
         return verifier

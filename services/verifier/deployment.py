@@ -31,6 +31,7 @@ from typing import Any
 
 from ray import serve
 
+from services.cluster_auth import ClusterAuth
 from services.registry import DEFAULT_PREFIX
 from services.verifier.replica import VerifierReplica
 
@@ -89,7 +90,8 @@ class Verifier:
         if device.startswith("cuda"):
             device = "cuda:0"  # Ray exposes the assigned GPU as the only visible one
         lane_init = limit_sms(device, sm_fraction, confine)
-        self.replica = VerifierReplica(model, redis_url, dtype=dtype, device=device,
+        self.replica = VerifierReplica(model, redis_url, ClusterAuth.from_env(), dtype=dtype,
+                                       device=device,
                                        ttl_s=ttl_s, prefix=prefix, lane_thread_init=lane_init)
 
     def check_health(self) -> None:

@@ -19,8 +19,7 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 
-import grpc
-
+from services.cluster_auth import ClusterAuth
 from services.registry import DEFAULT_PREFIX, Heartbeat, Registry, VerifierRecord
 from services.verifier import verifier_pb2 as pb
 from services.verifier import verifier_pb2_grpc as pb_grpc
@@ -30,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class VerifierReplica:
-    def __init__(self, model: str, redis_url: str, *, dtype: str = "float32",
+    def __init__(self, model: str, redis_url: str, auth: ClusterAuth, *, dtype: str = "float32",
                  device: str = "cpu", host: str = "127.0.0.1", port: int = 0,
                  ttl_s: float = 3.0, prefix: str = DEFAULT_PREFIX,
                  lane_thread_init: Callable[[], None] | None = None) -> None:
@@ -41,10 +40,12 @@ class VerifierReplica:
         weights, info = load_model_once(model, dtype, device)
         self.servicer = VerifierServicer(weights, info, self.registry, device, self.verifier_id,
                                          lane_thread_init=lane_thread_init)
-        self.server = VerifierServer(self.servicer, host, port).start()
+        self.auth = auth
+        self.server = VerifierServer(self.servicer, auth, host, port).start()
         advertise = socket.gethostbyname(socket.gethostname()) if host == "0.0.0.0" else host
         self.record = VerifierRecord(self.verifier_id, f"{advertise}:{self.server.port}",
                                      socket.gethostname(), device, info.weights_hash)
+        self.server.gate.allow(self.record.address)  # where decoders dial it
         self.heartbeat = Heartbeat(self.registry, self.record, ttl_s).start()
         self._closed = False
         log.info("verifier %s serving %s on %s", self.verifier_id, info.name, self.record.address)
@@ -59,8 +60,10 @@ class VerifierReplica:
             raise RuntimeError("verifier is shut down")
         if not self.heartbeat.registered:
             raise RuntimeError("the registration in Redis is not being refreshed")
-        with grpc.insecure_channel(self.address) as ch:
-            reply = pb_grpc.VerifierStub(ch).Health(pb.HealthRequest(), timeout=5.0)
+        with self.auth.channel(self.address) as ch:
+            reply = pb_grpc.VerifierStub(ch).Health(
+                pb.HealthRequest(), timeout=5.0,
+                metadata=self.auth.handshake(self.address).metadata)
         if not reply.serving:
             raise RuntimeError("gRPC server reports not serving")
 
@@ -77,7 +80,7 @@ class VerifierReplica:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Run one detserve verifier replica.")
     ap.add_argument("--model", required=True)
-    ap.add_argument("--redis-url", required=True)
+    ap.add_argument("--redis-url", required=True)  # the cluster secret: from the environment
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--host", default="127.0.0.1")
@@ -86,7 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--prefix", default=DEFAULT_PREFIX)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    replica = VerifierReplica(args.model, args.redis_url, dtype=args.dtype, device=args.device,
+    replica = VerifierReplica(args.model, args.redis_url, ClusterAuth.from_env(),
+                              dtype=args.dtype, device=args.device,
                               host=args.host, port=args.port, ttl_s=args.ttl, prefix=args.prefix)
     print(f"READY {replica.verifier_id} {replica.address}", flush=True)
     stop = threading.Event()

@@ -28,6 +28,7 @@ from detserve.lane import LanePass, LaneResult
 from detserve.model.identity import ModelInfo
 from detserve.model.llama import LlamaModel
 from detserve.model.loader import load_model
+from services.cluster_auth import ClusterAuth
 from services.kv_handle import KVHandle, open_kv
 from services.registry import Registry
 from services.verifier import codec
@@ -218,21 +219,25 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
 
 class VerifierServer:
-    """A gRPC server around one servicer, on ``host:port`` (port 0: any free port)."""
+    """A gRPC server around one servicer, on ``host:port`` (port 0: any free port); it
+    answers only callers with the cluster secret (``auth``), over TLS where configured."""
 
-    def __init__(self, servicer: VerifierServicer, host: str = "127.0.0.1", port: int = 0,
-                 max_streams: int = 32) -> None:
+    def __init__(self, servicer: VerifierServicer, auth: ClusterAuth, host: str = "127.0.0.1",
+                 port: int = 0, max_streams: int = 32) -> None:
         self.servicer = servicer
         self.host = host
+        self.gate = auth.gate()  # callers must hold the cluster secret
         # one thread per open stream, plus room for Health checks
         self._server = grpc.server(ThreadPoolExecutor(max_workers=max_streams + 4,
                                                       thread_name_prefix="verifier-grpc"),
                                    maximum_concurrent_rpcs=max_streams + 4,
-                                   options=_SERVER_OPTIONS)
+                                   options=_SERVER_OPTIONS,
+                                   interceptors=[self.gate.interceptor()])
         pb_grpc.add_VerifierServicer_to_server(servicer, self._server)
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        self.port = auth.add_port(self._server, f"{host}:{port}")
         if self.port == 0:
             raise RuntimeError(f"could not bind the verifier's gRPC server on {host}:{port}")
+        self.gate.allow(self.address)
 
     @property
     def address(self) -> str:

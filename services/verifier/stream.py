@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.cluster_auth import ClusterAuth
 from services.registry import VerifierRecord
 from services.verifier import verifier_pb2 as pb
 from services.verifier import verifier_pb2_grpc as pb_grpc
@@ -41,13 +42,15 @@ Event = tuple[int, "pb.LaneReply | Closed"]
 
 class LaneStream:
     def __init__(self, verifier: VerifierRecord, generation: int,
-                 events: queue.Queue[Event]) -> None:
+                 events: queue.Queue[Event], auth: ClusterAuth) -> None:
         self.verifier = verifier
         self.generation = generation
         self._events = events
         self._outbox: queue.Queue[pb.LaneRequest | None] = queue.Queue()
-        self._channel = grpc.insecure_channel(verifier.address, options=CHANNEL_OPTIONS)
-        self._call = pb_grpc.VerifierStub(self._channel).Verify(self._requests())
+        self._channel = auth.channel(verifier.address, options=CHANNEL_OPTIONS)
+        self._handshake = auth.handshake(verifier.address)
+        self._call = pb_grpc.VerifierStub(self._channel).Verify(
+            self._requests(), metadata=self._handshake.metadata)
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name=f"verifier-stream-{generation}")
         self._reader.start()
@@ -69,8 +72,17 @@ class LaneStream:
             yield item
 
     def _read(self) -> None:
+        verified = False
         try:
             for reply in self._call:
+                verified = verified or self._handshake.verify(self._call.initial_metadata())
+                if not verified:
+                    # nothing from a server that cannot prove the secret is trusted
+                    self._call.cancel()
+                    self._events.put((self.generation, Closed(
+                        grpc.StatusCode.UNAUTHENTICATED,
+                        "the verifier did not prove it holds the cluster secret")))
+                    return
                 self._events.put((self.generation, reply))
             self._events.put((self.generation, Closed(None, "stream ended")))
         except grpc.RpcError as e:
