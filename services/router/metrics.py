@@ -132,7 +132,8 @@ class RouterMetrics:
         r.register(self.engines)
 
     def count_request(self, deterministic: bool, source: str) -> None:
-        """One request accepted for serving; ``source``: one of DETERMINISM_SOURCES."""
+        """One valid request, counted before admission; ``source``: one of
+        DETERMINISM_SOURCES."""
         self.determinism.labels("true" if deterministic else "false", source).inc()
 
     def render(self) -> bytes:
