@@ -98,6 +98,15 @@ def _args(p: argparse.ArgumentParser) -> None:
                         "kernels run side by side on a shared GPU instead of time-slicing "
                         "(an 8B served llm42 run went from 0.87x to 0.99x of the offline "
                         "engine: docs/benchmarks/gpu/README.md)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (default: --model)")
+    p.add_argument("--deterministic-model-name", default=None,
+                   help="a second name of the model, listed by /v1/models, whose requests "
+                        "are all deterministic (default: the served name + ':deterministic')")
+    p.add_argument("--deterministic-by-default", action="store_true",
+                   help="requests that do not say otherwise are deterministic (a request "
+                        "opts out with is_deterministic: false or the header "
+                        "X-Detserve-Deterministic: false)")
     p.add_argument("--host", default="0.0.0.0", help="HTTP bind address")
     p.add_argument("--port", type=int, default=d["http_port"], help="HTTP port")
     p.add_argument("--grpc-port", type=int, default=d["grpc_port"])
@@ -129,6 +138,11 @@ def serve_config_from(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
         overrides["switch_interval"] = a.switch_interval
     if a.verifier_confine:
         overrides["verifier_confine"] = True
+    for name in ("served_model_name", "deterministic_model_name"):
+        if getattr(a, name) is not None:
+            overrides[name] = getattr(a, name)
+    if a.deterministic_by_default:
+        overrides["deterministic_by_default"] = True
     for name in ("lane_bound_fraction", "parked_seq_headroom"):
         if getattr(a, name) is not None:
             overrides[name] = getattr(a, name)

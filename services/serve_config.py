@@ -70,6 +70,13 @@ OPTIONAL_ARGS: Mapping[str, Any] = {"fastpath_perturbation": 0.0, "stream_interv
                                     "lane_prefill_lookahead":
                                         SchedulerConfig.lane_prefill_lookahead,
                                     "switch_interval": 0.0,
+                                    # the model's name in the API (None: the model arg)
+                                    # and its second, deterministic name (None: that
+                                    # name + ":deterministic"); whether requests that
+                                    # do not say are deterministic
+                                    "served_model_name": None,
+                                    "deterministic_model_name": None,
+                                    "deterministic_by_default": False,
                                     # None (absent): the engine's default for its device
                                     "prefill_batch_tokens": None}
 
@@ -213,7 +220,15 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
     if "prefill_batch_tokens" in args:  # (up to a whole model length of prompt tokens)
         _check_int("prefill_batch_tokens", args["prefill_batch_tokens"], lo=0,
                    hi=args["max_model_len"])
-    for name in ("pipeline_lane_prefill", "lane_partial_windows", "verifier_confine"):
+    for name in ("served_model_name", "deterministic_model_name"):
+        value = args.get(name)
+        if value is not None and (not isinstance(value, str) or not value
+                                  or any(c.isspace() for c in value)):
+            raise ValueError(f"{name} must be a non-empty string without spaces, got {value!r}")
+    if args.get("deterministic_model_name") == (args.get("served_model_name") or args["model"]):
+        raise ValueError("deterministic_model_name must differ from the served model name")
+    for name in ("pipeline_lane_prefill", "lane_partial_windows", "verifier_confine",
+                 "deterministic_by_default"):
         if name in args and not isinstance(args[name], bool):
             raise ValueError(f"{name} must be a boolean")
     for name in ("switch_interval", "lane_bound_fraction", "parked_seq_headroom",

@@ -40,7 +40,7 @@ class GrpcRefused(Exception):
 class Router:
     async def __init__(self, args: Mapping[str, Any], decoder: Any,  # type: ignore[misc]
                        limits: ServingLimits | None = None, verifier: Any = None) -> None:
-        ctx = ModelContext.load(str(args["model"]), int(args["max_model_len"]))
+        ctx = ModelContext.from_args(args)
         links = LinkHub(str(args["redis_url"]), ClusterAuth.from_env())
         self.service = RouterService(ctx, limits or ServingLimits.from_args(args), decoder,
                                      links)
@@ -55,8 +55,9 @@ class Router:
                        grpc_context: Any = None) -> AsyncIterator[pb.GenerateResponse]:
         rid, accepted = request.request_id, time.monotonic()
         try:
-            job = job_from_proto(request, self.service.ctx,
-                                 self.service.limits).accepted_at(accepted)
+            metadata = grpc_context.invocation_metadata() if grpc_context is not None else ()
+            job = job_from_proto(request, self.service.ctx, self.service.limits,
+                                 metadata).accepted_at(accepted)
             rid = rid or job.id
             stream = await self.service.open(job)
         except APIError as e:

@@ -4,13 +4,14 @@ Ray Serve's gRPC proxy registers the service through ``add_CompletionsServicer_t
 (listed in ``services.serve_config.GRPC_SERVICER_FUNCTIONS``) and calls the Router
 deployment's ``Generate`` / ``Health`` methods, which use the functions here. A request is
 converted to the equivalent OpenAI body and validated by the same code as HTTP, so both
-APIs accept and refuse exactly the same things.
+APIs accept and refuse exactly the same things. The HTTP header that asks for determinism
+travels as request metadata of the same name, lower-cased (``DETERMINISM_METADATA``).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import grpc
@@ -23,10 +24,18 @@ from services.router.dispatch import ChoiceEvent
 from services.router.errors import APIError, from_validation_error, invalid
 from services.router.limits import ServingLimits
 from services.router.model_context import ModelContext
-from services.router.prepare import Job, prepare_chat, prepare_completion
+from services.router.prepare import (
+    DETERMINISM_HEADER,
+    Job,
+    parse_determinism_header,
+    prepare_chat,
+    prepare_completion,
+)
 from services.router.schemas import ChatCompletionRequest, CompletionRequest
 
 __all__ = ["add_CompletionsServicer_to_server", "job_from_proto", "status_code"]
+
+DETERMINISM_METADATA = DETERMINISM_HEADER.lower()  # gRPC metadata keys are lower case
 
 # Ray Serve's gRPC proxy pickles the request message to the Router replica, by its class's
 # module name. The stubs are generated from proto/ (proto/gen.py), which registers their
@@ -45,8 +54,10 @@ def status_code(error: APIError) -> grpc.StatusCode:
     return _STATUS.get(error.status, grpc.StatusCode.INTERNAL)
 
 
-def job_from_proto(req: pb.GenerateRequest, ctx: ModelContext, limits: ServingLimits) -> Job:
-    """Validate like the HTTP API; raises APIError."""
+def job_from_proto(req: pb.GenerateRequest, ctx: ModelContext, limits: ServingLimits,
+                   metadata: Iterable[tuple[str, str | bytes]] = ()) -> Job:
+    """Validate like the HTTP API; raises APIError. ``metadata``: the call's invocation
+    metadata (``DETERMINISM_METADATA`` is read from it)."""
     if len(req.request_id) > limits.max_request_id_chars or not req.request_id.isprintable():
         raise invalid(f"request_id must be printable and <= {limits.max_request_id_chars} "
                       "chars", param="request_id")
@@ -54,10 +65,11 @@ def job_from_proto(req: pb.GenerateRequest, ctx: ModelContext, limits: ServingLi
         raise APIError(413, f"request exceeds {limits.max_body_bytes} bytes",
                        code="request_too_large")
     body = _openai_body(req, ctx)
+    header = parse_determinism_header(_metadata_value(metadata, DETERMINISM_METADATA))
     try:
         if "messages" in body:
-            return prepare_chat(ChatCompletionRequest.model_validate(body), ctx, limits)
-        return prepare_completion(CompletionRequest.model_validate(body), ctx, limits)
+            return prepare_chat(ChatCompletionRequest.model_validate(body), ctx, limits, header)
+        return prepare_completion(CompletionRequest.model_validate(body), ctx, limits, header)
     except ValidationError as e:
         raise from_validation_error(e) from e
 
@@ -67,8 +79,9 @@ def _openai_body(req: pb.GenerateRequest, ctx: ModelContext) -> dict[str, Any]:
     if len(given) != 1:
         raise invalid("set exactly one of prompt, prompt_token_ids, messages", param="prompt")
     body: dict[str, Any] = {"model": req.model or ctx.model_id, "stream": True,
-                            "is_deterministic": req.is_deterministic,
                             "ignore_eos": req.ignore_eos}
+    if req.HasField("is_deterministic"):  # unset: the metadata, name or default decide
+        body["is_deterministic"] = req.is_deterministic
     if given[0] == "messages":
         body["messages"] = [{"role": m.role, "content": m.content} for m in req.messages]
     else:
@@ -90,6 +103,15 @@ def _openai_body(req: pb.GenerateRequest, ctx: ModelContext) -> dict[str, Any]:
             raise invalid("echo takes a prompt or prompt_token_ids, not messages", param="echo")
         body["echo"] = True
     return body
+
+
+def _metadata_value(metadata: Iterable[tuple[str, str | bytes]], key: str) -> str | None:
+    """The last value of ``key`` in gRPC metadata (binary values decoded as UTF-8)."""
+    found = None
+    for name, value in metadata:
+        if name.lower() == key:
+            found = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+    return found
 
 
 def _is_set(req: pb.GenerateRequest, name: str) -> bool:

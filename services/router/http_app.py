@@ -1,4 +1,9 @@
-"""The OpenAI-compatible HTTP API (FastAPI), built around a ``RouterService``."""
+"""The OpenAI-compatible HTTP API (FastAPI), built around a ``RouterService``.
+
+Besides OpenAI's routes: vLLM's tokenizer routes (``services.router.tokenizer_api``),
+``/health`` and ``/metrics``. /v1/models lists the model twice: under its served name and
+under its deterministic name, whose requests are all deterministic.
+"""
 
 from __future__ import annotations
 
@@ -17,9 +22,22 @@ from starlette.exceptions import HTTPException
 from services.router.dispatch import DecoderFailure
 from services.router.errors import APIError, from_validation_error, invalid
 from services.router.openai_format import DONE, ChoiceResult, Formatter, sse
-from services.router.prepare import Job, prepare_chat, prepare_completion
+from services.router.prepare import (
+    DETERMINISM_HEADER,
+    Job,
+    parse_determinism_header,
+    prepare_chat,
+    prepare_completion,
+)
 from services.router.schemas import ChatCompletionRequest, CompletionRequest
 from services.router.service import OpenStream, RouterService, decoder_failed
+from services.router.tokenizer_api import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
+    tokenizer_info,
+)
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -33,22 +51,40 @@ def build_http_app(service: RouterService) -> FastAPI:
     async def completions(request: Request) -> Response:
         accepted = time.monotonic()
         req = _parse(CompletionRequest, await read_json(request, service.limits.max_body_bytes))
-        return await _respond(
-            service, prepare_completion(req, service.ctx, service.limits).accepted_at(accepted))
+        job = prepare_completion(req, service.ctx, service.limits, _header(request))
+        return await _respond(service, job.accepted_at(accepted))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         accepted = time.monotonic()
         body = await read_json(request, service.limits.max_body_bytes)
         req = _parse(ChatCompletionRequest, body)
-        return await _respond(
-            service, prepare_chat(req, service.ctx, service.limits).accepted_at(accepted))
+        job = prepare_chat(req, service.ctx, service.limits, _header(request))
+        return await _respond(service, job.accepted_at(accepted))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": service.ctx.model_id, "object": "model", "created": int(time.time()),
-                "owned_by": "detserve", "max_model_len": service.ctx.max_model_len}
-        return {"object": "list", "data": [card]}
+        ctx, created = service.ctx, int(time.time())
+        cards = [{"id": name, "object": "model", "created": created, "owned_by": "detserve",
+                  "root": ctx.model_id, "parent": None if name == ctx.model_id else ctx.model_id,
+                  "max_model_len": ctx.max_model_len,
+                  "deterministic": name == ctx.deterministic_id or ctx.deterministic_by_default}
+                 for name in (ctx.model_id, ctx.deterministic_id)]
+        return {"object": "list", "data": cards}
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict[str, Any]:
+        body = await read_json(request, service.limits.max_body_bytes)
+        return tokenize(_parse(TokenizeRequest, body), service.ctx)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict[str, Any]:
+        body = await read_json(request, service.limits.max_body_bytes)
+        return detokenize(_parse(DetokenizeRequest, body), service.ctx)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route() -> dict[str, Any]:
+        return tokenizer_info(service.ctx)
 
     @app.get("/health")
     async def health() -> Response:
@@ -83,6 +119,10 @@ async def read_json(request: Request, limit: int) -> Any:
     if not isinstance(value, dict):
         raise invalid("the request body must be a JSON object")
     return value
+
+
+def _header(request: Request) -> bool | None:
+    return parse_determinism_header(request.headers.get(DETERMINISM_HEADER))
 
 
 def _parse(model: type[M], body: dict[str, Any]) -> M:

@@ -40,6 +40,9 @@ ENGINE_COUNTERS = {
     "perturbed_tokens": "fast-path tokens corrupted by fault injection",
     "steps": "engine steps",
 }
+# how a request's determinism was decided (``services.router.prepare``): the body's field,
+# the request header, the model's deterministic name, or the server's default
+DETERMINISM_SOURCES = ("field", "header", "alias", "default")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                     60.0, 120.0)
 
@@ -104,6 +107,14 @@ class RouterMetrics:
                                ["finished_reason"], registry=r)
         self.failures = Counter(PREFIX + "request_failures", "failed requests by error type",
                                 ["type"], registry=r)
+        # requests (not choices) by whether they are deterministic and what decided it; the
+        # series that can occur start at 0 (the deterministic name cannot opt out)
+        self.determinism = Counter(PREFIX + "determinism_requests",
+                                   "requests by determinism and how it was asked for",
+                                   ["deterministic", "source"], registry=r)
+        for source in DETERMINISM_SOURCES:
+            for on in ("true", "false") if source != "alias" else ("true",):
+                self.determinism.labels(on, source)
         self.replays = Counter(PREFIX + "deterministic_replays",
                                "deterministic sequences replayed on another decoder", registry=r)
         # how sequences reached their decoder: "link" (the decoder's gRPC link,
@@ -119,6 +130,11 @@ class RouterMetrics:
                                   registry=r, buckets=_LAG_BUCKETS)
         self.engines = EngineCounters()
         r.register(self.engines)
+
+    def count_request(self, deterministic: bool, source: str) -> None:
+        """One valid request, counted before admission; ``source``: one of
+        DETERMINISM_SOURCES."""
+        self.determinism.labels("true" if deterministic else "false", source).inc()
 
     def render(self) -> bytes:
         return prometheus_client.generate_latest(self.registry)

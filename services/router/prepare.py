@@ -2,7 +2,14 @@
 
 Everything that can be refused is refused here, before any decoder sees the request:
 unknown model, unsupported features, prompt and output lengths, sampling values (via
-``SamplingParams``). Errors are ``APIError``s (HTTP 4xx) naming the offending field.
+``SamplingParams``), contradictory determinism asks. Errors are ``APIError``s (HTTP 4xx)
+naming the offending field.
+
+Whether a request is deterministic is asked in one of four ways (the ``source`` label of
+``detserve:determinism_requests_total``): the body's ``is_deterministic`` field, the
+``X-Detserve-Deterministic`` header (gRPC: metadata of that name), the model's
+deterministic name (``smollm2:deterministic``), or, when none of them says, the server's
+default. Asks that disagree are refused.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from detserve.params import SamplingParams
 from services.decoder.messages import DecodeRequest
@@ -17,6 +25,17 @@ from services.router.errors import APIError, invalid
 from services.router.limits import ServingLimits
 from services.router.model_context import ModelContext
 from services.router.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+R = TypeVar("R", bound=SamplingFields)
+
+DETERMINISM_HEADER = "X-Detserve-Deterministic"
+# the seed of a deterministic request that sends none; choice i of a request samples with
+# seed + i (mod 2**63), so the choices differ and each stays reproducible
+DEFAULT_SEED = 0
+_SEED_SPACE = 2**63
+_FLAGS = {"true": True, "1": True, "false": False, "0": False}
+_SOURCE_NAMES = {"field": "is_deterministic", "header": DETERMINISM_HEADER,
+                 "alias": "the model name"}
 
 
 @dataclass(frozen=True)
@@ -32,6 +51,8 @@ class Job:
     top_logprobs: int | None                   # None: no logprobs requested
     is_deterministic: bool
     n: int = 1                                 # choices per prompt
+    # how ``is_deterministic`` was decided: one of ``metrics.DETERMINISM_SOURCES``
+    determinism_source: str = "default"
     # completions with ``echo``: each choice's prompt text, sent before its output (and,
     # with logprobs, its prompt tokens' logprobs before the output's)
     echo: tuple[str, ...] = ()
@@ -53,9 +74,48 @@ def check_model(name: str, ctx: ModelContext) -> None:
                        code="model_not_found")
 
 
+def parse_determinism_header(value: str | None) -> bool | None:
+    """The ``X-Detserve-Deterministic`` header's value: None when absent."""
+    if value is None:
+        return None
+    flag = _FLAGS.get(value.strip().lower())
+    if flag is None:
+        raise invalid(f"{DETERMINISM_HEADER} must be true or false, got {value!r}",
+                      param=DETERMINISM_HEADER)
+    return flag
+
+
+def resolve_determinism(req: SamplingFields, ctx: ModelContext,
+                        header: bool | None = None) -> tuple[bool, str]:
+    """``(deterministic, source)`` of a request; 400 when its asks disagree."""
+    asked: list[tuple[str, bool]] = []
+    if "is_deterministic" in req.model_fields_set:
+        asked.append(("field", req.is_deterministic))
+    if header is not None:
+        asked.append(("header", header))
+    if ctx.names_deterministic(req.model):
+        asked.append(("alias", True))
+    if len({value for _, value in asked}) > 1:
+        said = ", ".join(f"{_SOURCE_NAMES[s]} says {str(v).lower()}" for s, v in asked)
+        raise invalid(f"contradictory determinism: {said}", param="is_deterministic",
+                      code="determinism_conflict")
+    if asked:
+        source, value = asked[0]
+        return value, source
+    return ctx.deterministic_by_default, "default"
+
+
+def _with_determinism(req: R, ctx: ModelContext, header: bool | None) -> tuple[R, str]:
+    """``req`` with ``is_deterministic`` resolved, and what decided it."""
+    on, source = resolve_determinism(req, ctx, header)
+    return req.model_copy(update={"is_deterministic": on}), source
+
+
 def prepare_completion(req: CompletionRequest, ctx: ModelContext,
-                       limits: ServingLimits) -> Job:
+                       limits: ServingLimits, header: bool | None = None) -> Job:
+    """``header``: the parsed ``X-Detserve-Deterministic`` (None: absent)."""
     check_model(req.model, ctx)
+    req, source = _with_determinism(req, ctx, header)
     _check_common(req, limits)
     prompts = completion_prompts(req.prompt, ctx, limits)
     if len(prompts) * req.n > limits.max_choices:
@@ -68,7 +128,7 @@ def prepare_completion(req: CompletionRequest, ctx: ModelContext,
     choices = [decode_request(f"{job_id}-{p * req.n + i}", ids, req,
                               req.max_tokens, req.logprobs, ctx, i, prompt_lps)
                for p, ids in enumerate(prompts) for i in range(req.n)]
-    job = _job(job_id, "completion", req, choices, req.logprobs)
+    job = _job(job_id, "completion", req, choices, req.logprobs, source)
     if not req.echo:
         return job
     texts = [item if isinstance(item, str) else ctx.tokenizer.decode(ids)
@@ -76,8 +136,10 @@ def prepare_completion(req: CompletionRequest, ctx: ModelContext,
     return replace(job, echo=tuple(t for t in texts for _ in range(req.n)))
 
 
-def prepare_chat(req: ChatCompletionRequest, ctx: ModelContext, limits: ServingLimits) -> Job:
+def prepare_chat(req: ChatCompletionRequest, ctx: ModelContext, limits: ServingLimits,
+                 header: bool | None = None) -> Job:
     check_model(req.model, ctx)
+    req, source = _with_determinism(req, ctx, header)
     _check_common(req, limits)
     ids = chat_prompt(req, ctx, limits)
     if req.top_logprobs is not None and not req.logprobs:
@@ -89,14 +151,14 @@ def prepare_chat(req: ChatCompletionRequest, ctx: ModelContext, limits: ServingL
     job_id = f"chatcmpl-{uuid.uuid4().hex}"
     choices = [decode_request(f"{job_id}-{i}", ids, req, max_tokens, top, ctx, i)
                for i in range(req.n)]
-    return _job(job_id, "chat", req, choices, top)
+    return _job(job_id, "chat", req, choices, top, source)
 
 
 def _job(job_id: str, kind: str, req: SamplingFields, choices: list[DecodeRequest],
-         top: int | None) -> Job:
+         top: int | None, source: str) -> Job:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return Job(job_id, kind, req.model, tuple(choices), req.stream, include_usage, top,
-               req.is_deterministic, req.n)
+               req.is_deterministic, req.n, determinism_source=source)
 
 
 def _check_common(req: SamplingFields, limits: ServingLimits) -> None:
@@ -190,9 +252,9 @@ def decode_request(request_id: str, ids: list[int], req: SamplingFields, max_tok
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
                     index: int, bias: dict[int, float] | None = None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
-    seed = req.seed
-    if index and (seed is not None or req.is_deterministic):
-        seed = (seed or 0) + index  # choices differ, and stay reproducible
+    seed = DEFAULT_SEED if req.seed is None and req.is_deterministic else req.seed
+    if seed is not None and index:
+        seed = (seed + index) % _SEED_SPACE  # choices differ, and stay reproducible
     top_k = req.top_k if req.top_k not in (None, -1) else 0
     try:
         return SamplingParams(

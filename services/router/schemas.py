@@ -1,9 +1,11 @@
 """OpenAI request bodies (pydantic, strict types) plus our extra fields.
 
-Extra fields: ``is_deterministic`` (bit-exact reproducible output), vLLM's ``top_k``,
-``min_tokens``, ``ignore_eos`` and ``skip_special_tokens``. Unknown fields are ignored, as
-OpenAI does; known-but-unsupported features (tools, suffix, best_of, ...) are
-refused with a 400 naming the field rather than silently ignored.
+Extra fields: ``is_deterministic`` (bit-exact reproducible output; when absent, the model
+name, the ``X-Detserve-Deterministic`` header or the server's default decide: see
+``services.router.prepare``), vLLM's ``top_k``, ``min_tokens``, ``ignore_eos`` and
+``skip_special_tokens``. Unknown fields are ignored, as OpenAI does; known-but-unsupported
+features (tools, suffix, best_of, ...) are refused with a 400 naming the field rather than
+silently ignored.
 """
 
 from __future__ import annotations
@@ -17,15 +19,17 @@ from detserve.model.tokenizer import CHAT_ROLES
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """Strict types (no coercion of "1" to 1); unknown fields ignored."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingFields(_Strict):
+class SamplingFields(StrictModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str
@@ -69,12 +73,12 @@ class CompletionRequest(SamplingFields):
         return bad
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -88,7 +92,7 @@ class ChatMessage(_Strict):
         return self.role in CHAT_ROLES
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     type: str
 
 

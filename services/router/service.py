@@ -64,6 +64,7 @@ class RouterService:
 
     async def open(self, job: Job) -> OpenStream:
         """Raises APIError: 503 no decoder ready, 429 overloaded, 4xx/502 from the decoder."""
+        self.metrics.count_request(job.is_deterministic, job.determinism_source)
         if not await self.health.ensure_ready():
             self.metrics.failures.labels("unavailable").inc()
             raise unavailable(f"no decoder is ready ({self.health.last_error})")
