@@ -45,7 +45,8 @@ def _completion(model: str, **kw: Any) -> CompletionRequest:
 
 def _serve(ctx: ModelContext) -> tuple[TestClient, FakeDecoder, RouterService]:
     decoder = FakeDecoder(hello)
-    service = RouterService(ctx, LIMITS, decoder, channels=False)
+    links: Any = decoder  # the fake is its own links
+    service = RouterService(ctx, LIMITS, decoder, links)
     return TestClient(build_http_app(service)), decoder, service
 
 
