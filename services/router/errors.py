@@ -14,6 +14,7 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None,
                  headers: Mapping[str, str] | None = None) -> None:
+        message, param = _encodable(message), None if param is None else _encodable(param)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -51,6 +52,12 @@ def unavailable(message: str) -> APIError:
 
 def server_error(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="internal_error")
+
+
+def _encodable(text: str) -> str:
+    """``text`` as valid Unicode: what a client sent (a field name, a model name) may hold
+    lone surrogates, which no UTF-8 response body or gRPC status can carry."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def _is_type_tag(part: object) -> bool:
