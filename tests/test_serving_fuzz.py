@@ -99,6 +99,8 @@ def _http_answer(case: HttpCase, resp: httpx.Response) -> str:
             raise AssertionError(f"no OpenAI error body for {what}: {resp.text[:500]}") from e
         assert set(error) >= {"message", "type", "param", "code"}, (what, error)
         assert isinstance(error["message"], str) and error["message"], (what, error)
+    elif resp.is_redirect:  # a trailing slash: sent on to the path without it
+        assert resp.headers["location"], what
     elif resp.headers.get("content-type", "").startswith("text/event-stream"):
         events = [json.loads(line[6:]) for line in resp.text.splitlines()
                   if line.startswith("data: {")]

@@ -16,7 +16,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from services.router.dispatch import DecoderFailure
-from services.router.errors import APIError, from_validation_error, invalid, server_error
+from services.router.errors import (
+    APIError,
+    excerpt,
+    from_validation_error,
+    invalid,
+    server_error,
+)
 from services.router.openai_format import DONE, ChoiceResult, Formatter, sse
 from services.router.prepare import Job, prepare_chat, prepare_completion
 from services.router.schemas import ChatCompletionRequest, CompletionRequest
@@ -114,7 +120,7 @@ def _check_content_type(value: str | None) -> None:
     media = value.split(";", 1)[0].strip().lower()
     if media != "application/json" and not (media.startswith("application/")
                                              and media.endswith("+json")):
-        raise APIError(415, f"Content-Type must be application/json, got {value[:100]!r}",
+        raise APIError(415, f"Content-Type must be application/json, got {excerpt(value)!r}",
                        code="unsupported_media_type")
 
 

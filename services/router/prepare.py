@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from detserve.params import SamplingParams
 from services.decoder.messages import DecodeRequest
-from services.router.errors import APIError, invalid
+from services.router.errors import APIError, excerpt, invalid
 from services.router.limits import ServingLimits
 from services.router.model_context import ModelContext
 from services.router.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -49,7 +49,7 @@ class Job:
 
 def check_model(name: str, ctx: ModelContext) -> None:
     if not ctx.serves(name):
-        raise APIError(404, f"The model `{name}` does not exist.", param="model",
+        raise APIError(404, f"The model `{excerpt(name)}` does not exist.", param="model",
                        code="model_not_found")
 
 
@@ -158,7 +158,7 @@ def chat_prompt(req: ChatCompletionRequest, ctx: ModelContext,
     messages = []
     for i, m in enumerate(req.messages):
         if not m.valid_role():
-            raise invalid(f"messages[{i}].role: unknown role {m.role!r}",
+            raise invalid(f"messages[{i}].role: unknown role {excerpt(m.role)!r}",
                           param=f"messages.{i}.role")
         messages.append({"role": m.role, "content": m.text()})
     try:
@@ -232,7 +232,7 @@ def logit_bias(req: SamplingFields, ctx: ModelContext) -> dict[int, float] | Non
         tid = int(token) if token.isascii() and token.isdigit() and len(token) < 20 else -1
         if not 0 <= tid < vocab:
             raise invalid(f"logit_bias keys must be token ids in [0, {vocab}), "
-                          f"got {key[:40]!r}", param="logit_bias")
+                          f"got {excerpt(key)!r}", param="logit_bias")
         out[tid] = value
     return out
 
