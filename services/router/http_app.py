@@ -225,5 +225,5 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def unexpected_error(request: Request, e: Exception) -> JSONResponse:
         # the server's own fault (bad input is an APIError before this): a 500 with an
         # OpenAI error body instead of a plain-text one
-        log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+        log.error("%s %s failed: %r", request.method, request.url.path, e)
         return JSONResponse(server_error("internal server error").body(), status_code=500)
