@@ -508,7 +508,7 @@ def test_a_server_fault_is_a_500_with_an_openai_error_body(
 
 def test_undecodable_grpc_requests_are_invalid_argument(ctx: ModelContext) -> None:
     """The registered deserializers hand bytes that are no message to the servicer, which
-    refuses them (a deserializer that raised would make gRPC answer INTERNAL)."""
+    refuses them (a deserializer that raised would make gRPC answer UNKNOWN)."""
     import grpc
 
     from services.router import detserve_pb2 as pb

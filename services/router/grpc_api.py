@@ -47,7 +47,7 @@ _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND
 class Undecodable:
     """A request whose bytes are not its message (invalid UTF-8 in a string field, a
     truncated or mistyped field): the servicer refuses it with INVALID_ARGUMENT. A
-    deserializer that raised instead would make gRPC answer INTERNAL."""
+    deserializer that raised instead would make gRPC answer UNKNOWN."""
 
     reason: str
 
