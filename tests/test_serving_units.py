@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,13 +21,15 @@ from services.decoder.deltas import DeltaTracker
 from services.decoder.engine_loop import EngineLoop
 from services.decoder.messages import DecodeChunk, DecodeRequest, coalesce
 from services.router.admission import Admission
-from services.router.errors import APIError
+from services.router.errors import MAX_MESSAGE_CHARS, APIError
+from services.router.http_app import build_http_app, parse_json_object
 from services.router.limits import ServingLimits
 from services.router.load_ledger import TokenLedger
 from services.router.model_context import ModelContext
 from services.router.prepare import prepare_chat, prepare_completion
 from services.router.replay import ReplayDiverged, SentState
 from services.router.schemas import ChatCompletionRequest, CompletionRequest
+from services.router.service import RouterService
 from services.serve_config import DEFAULT_ARGS, default_serve_config
 
 
@@ -341,6 +344,116 @@ def test_chat_defaults_max_tokens_to_the_remaining_context(ctx: ModelContext) ->
     (choice,) = job.choices
     assert len(choice.prompt_token_ids) + choice.params.max_tokens == 64
     assert job.top_logprobs == 2 and choice.params.logprobs == 2
+
+
+# ---- hostile input ----------------------------------------------------------------------
+@pytest.mark.parametrize("body, says", [
+    (b'{"prompt": "\\ud800"}', "surrogate"),                      # lone surrogate escape
+    (b'{"messages": [{"role": "user", "content": "a\\udc80"}]}', "surrogate"),
+    (b'{"logit_bias": {"\\udfff": 1}}', "surrogate"),             # ... in a key
+    (b'{"temperature": NaN}', "NaN"),
+    (b'{"logit_bias": {"5": -Infinity}}', "Infinity"),
+    (b'{"temperature": 1e400}', "float range"),                  # overflows to inf
+    (b'{"seed": ' + b"9" * 5000 + b"}", "malformed"),             # too long for int()
+    (b'{"prompt": "caf\xe9"}', "UTF-8"),                          # Latin-1, not UTF-8
+    ('{"prompt": "x"}'.encode("utf-16"), "UTF-8"),
+    (b"\xef\xbb\xbf{}", "malformed"),                             # a byte-order mark
+    (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested"),
+    (b"[1, 2]", "JSON object"),
+])
+def test_hostile_json_bodies_are_refused_with_400(body: bytes, says: str) -> None:
+    with pytest.raises(APIError) as info:
+        parse_json_object(body)
+    assert info.value.status == 400 and says in info.value.message, info.value.message
+
+
+def test_json_bodies_keep_surrogate_pairs_and_big_finite_numbers() -> None:
+    body = parse_json_object(b'{"prompt": "\\ud83d\\ude00", "seed": 18446744073709551616, '
+                             b'"top_p": 1e308}')
+    assert body == {"prompt": "\U0001f600", "seed": 2**64, "top_p": 1e308}
+
+
+@pytest.fixture(scope="module")
+def http(ctx: ModelContext) -> Any:
+    from fastapi.testclient import TestClient
+
+    # no decoder: every request here is refused or fails before one is asked
+    no_decoder = SimpleNamespace(options=lambda **_: SimpleNamespace())
+    service = RouterService(ctx, ServingLimits(max_model_len=64), no_decoder, channels=False)
+    return TestClient(build_http_app(service), raise_server_exceptions=False)
+
+
+@pytest.mark.parametrize("path, body, content_type, status", [
+    ("/v1/completions", '{"model": "M", "prompt": "\\ud800"}', "application/json", 400),
+    ("/v1/chat/completions", '{"model": "M", "messages": [{"role": "user", '
+     '"content": "\\ud800"}]}', "application/json", 400),
+    ("/v1/completions", '{"model": "\\ud800", "prompt": "x"}', "application/json", 400),
+    ("/v1/completions", '{"model": "M", "prompt": "x", "logit_bias": {"\\u00b2": 1}}',
+     "application/json", 400),                                   # "²".isdigit() is True
+    ("/v1/completions", '{"model": "M", "prompt": "x"}', "text/plain", 415),
+    ("/v1/completions", '{"model": "M", "prompt": "x"}', "application/x-www-form-urlencoded",
+     415),
+    ("/v1/completions", '{"model": "' + "m" * 5000 + '", "prompt": "x"}', "application/json",
+     404),
+])
+def test_http_refusals_carry_an_openai_error_body(http: Any, path: str, body: str,
+                                                  content_type: str, status: int) -> None:
+    resp = http.post(path, content=body.replace('"M"', f'"{tiny_model()}"'),
+                     headers={"content-type": content_type})
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert 0 < len(error["message"]) <= MAX_MESSAGE_CHARS + 3  # client values are cut
+
+
+def test_a_server_fault_is_a_500_with_an_openai_error_body(
+        http: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken(_: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(RouterService, "open", lambda self, job: broken(job))
+    resp = http.post("/v1/completions", json={"model": tiny_model(), "prompt": "hi"})
+    assert resp.status_code == 500
+    assert resp.json()["error"]["type"] == "server_error"
+
+
+def test_undecodable_grpc_requests_are_invalid_argument(ctx: ModelContext) -> None:
+    """The registered deserializers hand bytes that are no message to the servicer, which
+    refuses them (a deserializer that raised would make gRPC answer UNKNOWN)."""
+    import grpc
+
+    from services.router import detserve_pb2 as pb
+    from services.router.grpc_api import (
+        Undecodable,
+        add_CompletionsServicer_to_server,
+        job_from_proto,
+        status_code,
+    )
+
+    class Server:
+        handlers: dict[str, Any] = {}
+
+        def add_generic_rpc_handlers(self, _: Any) -> None:
+            pass
+
+        def add_registered_method_handlers(self, _: str, handlers: dict[str, Any]) -> None:
+            self.handlers = handlers
+
+    server = Server()
+    add_CompletionsServicer_to_server(SimpleNamespace(Generate=None, Health=None), server)
+    parse = server.handlers["Generate"].request_deserializer
+    good = pb.GenerateRequest(prompt="hi", max_tokens=2)
+    assert parse(good.SerializeToString()) == good
+    for data in (b"\x12\x03a\xffb",          # prompt: invalid UTF-8
+                 b"\x12\x03\xed\xa0\x80",    # prompt: an encoded surrogate
+                 b"\x12\x7fab",              # prompt: longer than the message
+                 b"\x30" + b"\xff" * 10):    # max_tokens: a varint of 11 bytes
+        req = parse(data)
+        assert isinstance(req, Undecodable)
+        with pytest.raises(APIError) as info:
+            job_from_proto(req, ctx, ServingLimits(max_model_len=64))
+        assert status_code(info.value) == grpc.StatusCode.INVALID_ARGUMENT
+    assert isinstance(server.handlers["Health"].request_deserializer(b"\xff"), Undecodable)
 
 
 # ---- serve config ---------------------------------------------------------------------

@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import grpc
 from fastapi import FastAPI
 from ray import serve
 
@@ -15,6 +16,7 @@ from services.router import detserve_pb2 as pb
 from services.router.dispatch import DecoderFailure
 from services.router.errors import APIError
 from services.router.grpc_api import (
+    Undecodable,
     chunk_message,
     complete_message,
     error_message,
@@ -51,9 +53,10 @@ class Router:
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_http_app(self.service)
 
-    async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 (gRPC method name)
+    async def Generate(self, request: pb.GenerateRequest | Undecodable,  # noqa: N802
                        grpc_context: Any = None) -> AsyncIterator[pb.GenerateResponse]:
-        rid, accepted = request.request_id, time.monotonic()
+        accepted = time.monotonic()
+        rid = "" if isinstance(request, Undecodable) else request.request_id
         try:
             metadata = grpc_context.invocation_metadata() if grpc_context is not None else ()
             job = job_from_proto(request, self.service.ctx, self.service.limits,
@@ -81,8 +84,14 @@ class Router:
         finally:
             await stream.close()
 
-    async def Health(self, request: pb.HealthRequest,  # noqa: N802 (gRPC method name)
+    async def Health(self, request: pb.HealthRequest | Undecodable,  # noqa: N802
                      grpc_context: Any = None) -> pb.HealthResponse:
+        if isinstance(request, Undecodable):
+            message = f"the request is not a valid HealthRequest: {request.reason}"
+            if grpc_context is not None:
+                grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+                grpc_context.set_details(message)
+            raise GrpcRefused(message)
         health = self.service.health
         ready = await health.ensure_ready()
         return pb.HealthResponse(ready=ready, decoders_ready=health.decoders_ready,

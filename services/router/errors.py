@@ -7,6 +7,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+MAX_MESSAGE_CHARS = 500  # an error message or param longer than this is cut
+
 
 class APIError(Exception):
     """An error answered to the client; ``status`` is the HTTP status."""
@@ -14,6 +16,7 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None,
                  headers: Mapping[str, str] | None = None) -> None:
+        message, param = _clean(message), None if param is None else _clean(param)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -51,6 +54,18 @@ def unavailable(message: str) -> APIError:
 
 def server_error(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="internal_error")
+
+
+def excerpt(text: str, limit: int = 80) -> str:
+    """A client's value (a model name, a role) shortened to quote in an error message."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _clean(text: str) -> str:
+    """``text`` short and valid Unicode: a gRPC status travels in a trailer (8 KiB by
+    default, non-ASCII bytes percent-encoded), and what a client sent may hold lone
+    surrogates, which no UTF-8 body or status can carry."""
+    return excerpt(text, MAX_MESSAGE_CHARS).encode("utf-8", "replace").decode("utf-8")
 
 
 def _is_type_tag(part: object) -> bool:

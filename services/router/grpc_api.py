@@ -11,15 +11,16 @@ travels as request metadata of the same name, lower-cased (``DETERMINISM_METADAT
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from pydantic import ValidationError
 
 from detserve.outputs import TokenLogprob
 from services.router import detserve_pb2 as pb
-from services.router.detserve_pb2_grpc import add_CompletionsServicer_to_server
 from services.router.dispatch import ChoiceEvent
 from services.router.errors import APIError, from_validation_error, invalid
 from services.router.limits import ServingLimits
@@ -33,7 +34,8 @@ from services.router.prepare import (
 )
 from services.router.schemas import ChatCompletionRequest, CompletionRequest
 
-__all__ = ["add_CompletionsServicer_to_server", "job_from_proto", "status_code"]
+__all__ = ["Undecodable", "add_CompletionsServicer_to_server", "job_from_proto",
+           "status_code"]
 
 DETERMINISM_METADATA = DETERMINISM_HEADER.lower()  # gRPC metadata keys are lower case
 
@@ -50,14 +52,52 @@ _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND
            503: grpc.StatusCode.UNAVAILABLE}
 
 
+@dataclass(frozen=True)
+class Undecodable:
+    """A request whose bytes are not its message (invalid UTF-8 in a string field, a
+    truncated or mistyped field): the servicer refuses it with INVALID_ARGUMENT. A
+    deserializer that raised instead would make gRPC answer UNKNOWN."""
+
+    reason: str
+
+
+def _lenient(message: type[Message]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Message | Undecodable:
+        try:
+            return message.FromString(data)
+        except DecodeError as e:
+            return Undecodable(str(e))
+    return parse
+
+
+def add_CompletionsServicer_to_server(servicer: Any, server: Any) -> None:  # noqa: N802
+    """The generated registration, with deserializers that hand undecodable requests to
+    the servicer as ``Undecodable`` (Ray Serve keeps each handler's deserializer)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Health": grpc.unary_unary_rpc_method_handler(
+            servicer.Health, request_deserializer=_lenient(pb.HealthRequest),
+            response_serializer=pb.HealthResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("detserve.Completions", handlers),))
+    server.add_registered_method_handlers("detserve.Completions", handlers)
+
+
 def status_code(error: APIError) -> grpc.StatusCode:
     return _STATUS.get(error.status, grpc.StatusCode.INTERNAL)
 
 
-def job_from_proto(req: pb.GenerateRequest, ctx: ModelContext, limits: ServingLimits,
+def job_from_proto(req: pb.GenerateRequest | Undecodable, ctx: ModelContext,
+                   limits: ServingLimits,
                    metadata: Iterable[tuple[str, str | bytes]] = ()) -> Job:
     """Validate like the HTTP API; raises APIError. ``metadata``: the call's invocation
     metadata (``DETERMINISM_METADATA`` is read from it)."""
+    if isinstance(req, Undecodable):
+        raise invalid(f"the request is not a valid GenerateRequest: {req.reason}",
+                      code="invalid_protobuf")
     if len(req.request_id) > limits.max_request_id_chars or not req.request_id.isprintable():
         raise invalid(f"request_id must be printable and <= {limits.max_request_id_chars} "
                       "chars", param="request_id")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
@@ -20,7 +21,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from services.router.dispatch import DecoderFailure
-from services.router.errors import APIError, from_validation_error, invalid
+from services.router.errors import (
+    APIError,
+    excerpt,
+    from_validation_error,
+    invalid,
+    server_error,
+)
 from services.router.openai_format import DONE, ChoiceResult, Formatter, sse
 from services.router.prepare import (
     DETERMINISM_HEADER,
@@ -102,8 +109,10 @@ def build_http_app(service: RouterService) -> FastAPI:
     return app
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON; 413 above ``limit`` bytes, 400 when it is not a JSON object."""
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object: 415 for a Content-Type other than JSON, 413 above
+    ``limit`` bytes, 400 for anything ``parse_json_object`` refuses."""
+    _check_content_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
@@ -112,17 +121,87 @@ async def read_json(request: Request, limit: int) -> Any:
         body += part
         if len(body) > limit:
             raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+    return parse_json_object(bytes(body))
+
+
+def parse_json_object(data: bytes) -> dict[str, Any]:
+    """``data`` as a JSON object (RFC 8259: UTF-8 text, finite numbers), else a 400: invalid
+    UTF-8, NaN / Infinity or a number beyond the float range, an integer too long to
+    convert, nesting deeper than the parser's recursion, a lone UTF-16 surrogate escape
+    (``"\\ud800"``: not Unicode text, no tokenizer takes it), a value that is no object."""
     try:
-        value = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise invalid(f"the request body is not valid UTF-8 (byte {e.start})",
+                      code="invalid_json") from e
+    try:
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError as e:
+        raise invalid("the request body is nested too deeply", code="invalid_json") from e
+    except ValueError as e:  # JSONDecodeError, and the refusals of the two hooks above
         raise invalid(f"malformed JSON body: {e}", code="invalid_json") from e
     if not isinstance(value, dict):
         raise invalid("the request body must be a JSON object")
+    where = _lone_surrogate(value)
+    if where is not None:
+        raise invalid(f"{where or 'body'}: a string holds a lone UTF-16 surrogate, which is "
+                      "not valid Unicode", param=where or None)
     return value
 
 
 def _header(request: Request) -> bool | None:
     return parse_determinism_header(request.headers.get(DETERMINISM_HEADER))
+
+
+def _check_content_type(value: str | None) -> None:
+    """JSON media types (``application/json``, ``application/*+json``) or none at all."""
+    if value is None:
+        return
+    media = value.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/")
+                                             and media.endswith("+json")):
+        raise APIError(415, f"Content-Type must be application/json, got {excerpt(value)!r}",
+                       code="unsupported_media_type")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is beyond the float range")
+    return value
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The dotted path of the first string (key or value) in ``value`` that holds a lone
+    surrogate, or None. Iterative: the parser bounds the depth, not this walk."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not _is_unicode(item):
+                return ".".join(path)
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                if not _is_unicode(key):
+                    return ".".join(path)
+                stack.append((sub, (*path, key)))
+        elif isinstance(item, list):
+            stack.extend((sub, (*path, str(i))) for i, sub in enumerate(item))
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _parse(model: type[M], body: dict[str, Any]) -> M:
@@ -160,6 +239,9 @@ async def _sse(stream: OpenStream, fmt: Formatter, job: Job) -> AsyncIterator[by
         err = e if isinstance(e, APIError) else decoder_failed(e)
         log.warning("stream %s failed: %s", job.id, err.message)
         yield sse(err.body())
+    except Exception:  # a fault of ours after the 200: the stream still ends with an error
+        log.exception("stream %s failed", job.id)
+        yield sse(server_error("internal error while streaming").body())
     finally:
         await stream.close()
     yield DONE
@@ -178,3 +260,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         return JSONResponse(invalid(str(e)).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, e: Exception) -> JSONResponse:
+        # the server's own fault (bad input is an APIError before this): a 500 with an
+        # OpenAI error body instead of a plain-text one
+        log.error("%s %s failed: %r", request.method, request.url.path, e)
+        return JSONResponse(server_error("internal server error").body(), status_code=500)

@@ -21,7 +21,7 @@ from typing import TypeVar
 
 from detserve.params import SamplingParams
 from services.decoder.messages import DecodeRequest
-from services.router.errors import APIError, invalid
+from services.router.errors import APIError, excerpt, invalid
 from services.router.limits import ServingLimits
 from services.router.model_context import ModelContext
 from services.router.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -70,7 +70,7 @@ class Job:
 
 def check_model(name: str, ctx: ModelContext) -> None:
     if not ctx.serves(name):
-        raise APIError(404, f"The model `{name}` does not exist.", param="model",
+        raise APIError(404, f"The model `{excerpt(name)}` does not exist.", param="model",
                        code="model_not_found")
 
 
@@ -187,7 +187,7 @@ def completion_prompts(prompt: str | list, ctx: ModelContext,
         raise invalid(f"at most {limits.max_prompts} prompts per request", param="prompt")
     out = []
     for item in items:
-        ids = ctx.tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) \
+        ids = encode(item, ctx, add_special_tokens=True) if isinstance(item, str) \
             else list(item)
         out.append(check_prompt_ids(ids, ctx))
     return out
@@ -220,15 +220,25 @@ def chat_prompt(req: ChatCompletionRequest, ctx: ModelContext,
     messages = []
     for i, m in enumerate(req.messages):
         if not m.valid_role():
-            raise invalid(f"messages[{i}].role: unknown role {m.role!r}",
+            raise invalid(f"messages[{i}].role: unknown role {excerpt(m.role)!r}",
                           param=f"messages.{i}.role")
         messages.append({"role": m.role, "content": m.text()})
     try:
         text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except ValueError as e:
         raise invalid(str(e), param="messages") from e
-    return check_prompt_ids(ctx.tokenizer.encode(text, add_special_tokens=False), ctx,
-                            param="messages")
+    return check_prompt_ids(encode(text, ctx, add_special_tokens=False, param="messages"),
+                            ctx, param="messages")
+
+
+def encode(text: str, ctx: ModelContext, add_special_tokens: bool,
+           param: str = "prompt") -> list[int]:
+    """Token ids of ``text``; a text the tokenizer cannot take is the client's error."""
+    try:
+        return ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except (TypeError, ValueError) as e:  # the tokenizers library's refusals
+        raise invalid(f"{param}: the tokenizer cannot encode this text ({e})",
+                      param=param) from e
 
 
 def decode_request(request_id: str, ids: list[int], req: SamplingFields, max_tokens: int | None,
@@ -279,10 +289,13 @@ def logit_bias(req: SamplingFields, ctx: ModelContext) -> dict[int, float] | Non
     out: dict[int, float] = {}
     for key, value in req.logit_bias.items():
         token = key.strip()
-        if not token.isdigit() or not 0 <= int(token) < vocab:
-            raise invalid(f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}",
-                          param="logit_bias")
-        out[int(token)] = value
+        # ASCII digits only (str.isdigit also takes superscripts and other scripts' digits),
+        # and few enough for int() (it refuses thousands of digits)
+        tid = int(token) if token.isascii() and token.isdigit() and len(token) < 20 else -1
+        if not 0 <= tid < vocab:
+            raise invalid(f"logit_bias keys must be token ids in [0, {vocab}), "
+                          f"got {excerpt(key)!r}", param="logit_bias")
+        out[tid] = value
     return out
 
 
