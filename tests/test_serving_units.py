@@ -379,7 +379,8 @@ def http(ctx: ModelContext) -> Any:
 
     # no decoder: every request here is refused or fails before one is asked
     no_decoder = SimpleNamespace(options=lambda **_: SimpleNamespace())
-    service = RouterService(ctx, ServingLimits(max_model_len=64), no_decoder, channels=False)
+    no_links: Any = SimpleNamespace(attached=[])
+    service = RouterService(ctx, ServingLimits(max_model_len=64), no_decoder, no_links)
     return TestClient(build_http_app(service), raise_server_exceptions=False)
 
 
