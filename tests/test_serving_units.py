@@ -13,9 +13,9 @@ import pytest
 from serving_cluster import tiny_model
 
 from detserve.engine import LLMEngine
+from detserve.output_processor import DeltaCursor
 from detserve.outputs import RequestOutput, TokenLogprob
 from detserve.params import SamplingParams
-from services.decoder.deltas import DeltaTracker
 from services.decoder.engine_loop import EngineLoop
 from services.decoder.messages import DecodeChunk, DecodeRequest, coalesce
 from services.router.admission import Admission
@@ -29,19 +29,20 @@ from services.router.schemas import ChatCompletionRequest, CompletionRequest
 from services.serve_config import DEFAULT_ARGS, default_serve_config
 
 
-def _out(text: str, ids: list[int], finished: bool = False) -> RequestOutput:
-    return RequestOutput("r", [1], ids, text, finished, "stop" if finished else None,
-                         [TokenLogprob(t, -0.5) for t in ids], False)
+def _out(cursor: DeltaCursor, text: str, ids: list[int],
+         finished: bool = False) -> tuple[str, tuple[int, ...], tuple[TokenLogprob, ...] | None]:
+    d = cursor.advance(text, ids, [TokenLogprob(t, -0.5) for t in ids], finished)
+    return d.text, d.token_ids, d.logprobs
 
 
 # ---- deltas ---------------------------------------------------------------------------
 def test_deltas_hold_back_partial_characters_and_stop_prefixes() -> None:
-    t = DeltaTracker(stop=("END",))
-    assert t.update(_out("ab\ufffd", [1, 2])) == ("a", (1, 2), (TokenLogprob(1, -0.5),
-                                                                TokenLogprob(2, -0.5)))
-    text, ids, _ = t.update(_out("abcdE", [1, 2, 3]))
+    t = DeltaCursor(stop=("END",))
+    assert _out(t, "ab\ufffd", [1, 2]) == ("a", (1, 2), (TokenLogprob(1, -0.5),
+                                                         TokenLogprob(2, -0.5)))
+    text, ids, _ = _out(t, "abcdE", [1, 2, 3])
     assert (text, ids) == ("bc", (3,))  # "dE" may start "END"
-    text, ids, _ = t.update(_out("abcd", [1, 2, 3, 4], finished=True))
+    text, ids, _ = _out(t, "abcd", [1, 2, 3, 4], finished=True)
     assert (text, ids) == ("d", (4,))
 
 
