@@ -1,9 +1,13 @@
 """The engine: requests in, committed tokens out, deterministic where asked.
 
-Per step: the scheduler plans a fast batch and maybe a lane pass; the lane pass goes to the
-verifier, the fast batch to the runner; lane decisions are applied as they come back.
-Only committed tokens ever leave the engine: fast-path candidates of deterministic
-requests stay internal until a lane pass confirms or replaces them.
+A step is schedule -> run -> apply: the scheduler plans a fast batch and maybe a lane
+pass; the fast batch goes to the runner, the lane pass to the verifier; the tokens read
+back and the lane's decisions go to the scheduler, which applies them and the stop
+conditions; the output processor turns what changed into outputs. Only committed tokens
+ever leave the engine: fast-path candidates of deterministic requests stay internal until
+a lane pass confirms or replaces them. Around it: ``request`` (validation, seeds),
+``output_processor`` (text, stop strings, deltas), ``stats`` (read on demand), ``faults``
+(test-only fault injection).
 """
 
 from __future__ import annotations
