@@ -16,7 +16,6 @@ import hashlib
 import itertools
 import json
 import platform
-import time
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -42,7 +41,7 @@ from detserve.params import SamplingParams
 from detserve.request import SeedPolicy, new_sequence, prompt_ids
 from detserve.scheduler import FastItem, LaneItem, Scheduler, SchedulerOutput
 from detserve.sequence import PLACEHOLDER, Sequence
-from detserve.stats import report
+from detserve.stats import StepClock, report
 from detserve.verifier import InProcessVerifier, ThreadedVerifier, Verifier
 
 
@@ -233,22 +232,19 @@ class LLMEngine:
         it could not know).
         """
         with self._on_fast_stream():
-            t0 = time.perf_counter()
+            clock = StepClock(self.counters)
             plan, yield_to_lane = self._schedule()
-            t1 = time.perf_counter()
-            self.counters["schedule_us"] += int((t1 - t0) * 1e6)
+            clock.lap("schedule")
             self._run_fast(plan.fast)
-            t2 = time.perf_counter()
             if plan.fast:
                 kind = "decode_step" if all(i.end - i.start == 1 for i in plan.fast) else "mixed_step"
                 self.counters[f"{kind}s"] += 1
-                self.counters[f"{kind}_us"] += int((t2 - t1) * 1e6)
+                clock.lap(kind)
             for result in self._run_lane(plan, yield_to_lane):
                 self._apply_lane(result)
-            t3 = time.perf_counter()
-            self.counters["lane_wait_us"] += int((t3 - t2) * 1e6)
+            clock.lap("lane_wait")
             outputs = self._outputs()
-            self.counters["output_us"] += int((time.perf_counter() - t3) * 1e6)
+            clock.lap("output")
             return outputs
 
     def _schedule(self) -> tuple[SchedulerOutput, bool]:

@@ -9,6 +9,7 @@ serving metrics read).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 from detserve.block_manager import BlockManager
@@ -29,6 +30,20 @@ COUNTS = (
 # prefill rows), submitting lane passes and waiting for or applying their results,
 # building outputs (reported as ``<name>_seconds``)
 TIMES = ("schedule", "decode_step", "mixed_step", "lane_wait", "output")
+
+
+class StepClock:
+    """Wall time of a step's phases: each ``lap(phase)`` adds the time since the previous
+    lap (or the start) to the counter ``<phase>_us``."""
+
+    def __init__(self, counters: Counter[str]) -> None:
+        self._counters = counters
+        self._t = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        t = time.perf_counter()
+        self._counters[f"{phase}_us"] += int((t - self._t) * 1e6)
+        self._t = t
 
 
 def report(c: Counter[str], scheduler: Scheduler, runner: ModelRunner,

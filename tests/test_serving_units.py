@@ -371,6 +371,26 @@ def test_sent_state_drops_replayed_prefix_and_detects_divergence() -> None:
         sent.new_part(DecodeChunk("r", "d2", text="hex", token_ids=(1, 9)))
 
 
+def test_sent_state_replay_overlap_spans_several_chunks() -> None:
+    """A replay's chunks are cut elsewhere than the first attempt's: what the client has
+    is dropped across chunk boundaries, the rest goes out once, logprobs with their tokens."""
+    lp = {t: TokenLogprob(t, -0.1 * t) for t in range(1, 6)}
+    sent = SentState()
+    sent.new_part(DecodeChunk("r", "d0", text="ab", token_ids=(1,), logprobs=(lp[1],)))
+    sent.new_part(DecodeChunk("r", "d0", text="cd", token_ids=(2, 3), logprobs=(lp[2], lp[3])))
+    sent.restart()
+    parts = [sent.new_part(DecodeChunk("r", "d1", text=t, token_ids=ids,
+                                       logprobs=tuple(lp[i] for i in ids)))
+             for t, ids in (("a", (1,)), ("bc", (2,)), ("def", (3, 4)), ("g", (5,)))]
+    assert [(p.text, p.token_ids) for p in parts] == [("", ()), ("", ()), ("ef", (4,)),
+                                                      ("g", (5,))]
+    assert parts[2].logprobs == (lp[4],) and parts[3].logprobs == (lp[5],)
+    assert (sent.text, sent.token_ids) == ("abcdefg", [1, 2, 3, 4, 5])
+    sent.restart()
+    with pytest.raises(ReplayDiverged, match="text differs at offset 0"):
+        sent.new_part(DecodeChunk("r", "d2", text="aX", token_ids=(1,)))
+
+
 def test_admission_sheds_above_the_bound() -> None:
     adm = Admission(3, retry_after_s=2)
     slot = adm.acquire(2)
