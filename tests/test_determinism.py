@@ -484,15 +484,15 @@ def test_pipelined_prompt_chunks_equal_the_oracle(model: str, threaded: bool,
             for i, p in enumerate(prompts)] + _others(3, det=False, seed=8)
     oracle, _, o = run_engine(model, reqs[:3], mode="lane_only", window=8, group=4)
     o.close()
-    real = LLMEngine._submit_lane
+    real = LLMEngine._lane_pass  # (builds each pass the engine submits)
     for batch in (reqs, reqs[:1]):  # with others, and a long prompt alone
         peak = {True: 0, False: 0}
         for pipeline in (True, False):
             def submit(self, items, _p=pipeline, _peak=peak):  # type: ignore[no-untyped-def]
                 _peak[_p] = max([_peak[_p], *(it.seq.lane_items for it in items)])
-                real(self, items)
+                return real(self, items)
 
-            monkeypatch.setattr(LLMEngine, "_submit_lane", submit)
+            monkeypatch.setattr(LLMEngine, "_lane_pass", submit)
             outs, stats, eng = run_engine(model, batch, window=8, group=4, perturbation=0.2,
                                           lane_threaded=threaded, pipeline_lane_prefill=pipeline)
             eng.close()
