@@ -633,3 +633,33 @@ def test_prompt_wait_is_off_by_default_outside_the_engine_and_on_cpu() -> None:
     assert {i.seq.request_id for i in s.schedule().fast} == {"s0", "s1"}
     with pytest.raises(ValueError, match="prefill_batch_tokens"):
         SchedulerConfig(prefill_batch_tokens=-1)
+
+
+def test_stop_conditions_are_applied_with_the_step_results() -> None:
+    """The scheduler closes a step (``take_updates``) by applying the stop conditions to
+    the tokens it settled: a stop token (the output cut after it), ``max_tokens``, a stop
+    string (the caller's text check); only the sequences with outputs are listed. Control:
+    a sequence hitting none of them runs on and gets no output while its token is unread."""
+    cfg = SchedulerConfig(mode="nondeterministic", max_model_len=128)
+    s = Scheduler(cfg, BlockManager(64, 4), eos_token_ids=[EOS],
+                  stop_string_hit=lambda seq: seq.token_ids[-1] == 11)
+    seqs = [Sequence(f"s{i}", [3, 4, 5], SamplingParams(max_tokens=mt, stop=stop),
+                     uses_lane=False, deterministic=False, arrival=i)
+            for i, (mt, stop) in enumerate([(2, ()), (9, ()), (9, ("!",)), (9, ())])]
+    for seq in seqs:
+        s.add(seq)
+    tokens = {"s0": [7, 7], "s1": [EOS, 7], "s2": [8, 11], "s3": [8, 8]}
+    for step in range(2):
+        out = s.schedule()
+        for item in out.fast:
+            assert s.place(item)
+        if step == 0:  # s3's token stays on the device: no output for it yet
+            assert [(q.request_id, n) for q, n in s.take_updates()] == []
+        for item in out.fast:
+            s.on_token_read(item, tokens[item.seq.request_id][step], None)
+        updates = s.take_updates()
+        s.check_integrity()
+    finished = {q.request_id: (q.finish_reason, q.committed_output) for q in seqs if q.finished}
+    assert finished == {"s0": ("length", [7, 7]), "s1": ("stop", [EOS]), "s2": ("stop", [8, 11])}
+    assert [q.request_id for q, _ in updates] == ["s0", "s2", "s3"]
+    assert not seqs[3].finished and seqs[3].committed_output == [8, 8]
