@@ -107,7 +107,6 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
                               lane_priority=args.lane_priority, lane_sms=args.lane_sms,
                               sm_carveout=args.sm_carveout, blas_library=args.blas_library,
                               lane_overlap=args.lane_overlap,
-                              lane_riders=args.lane_riders,
                               lane_decode_in_mixed_steps=not args.lane_decode_sits_out,
                               pipeline_lane_prefill=not args.no_pipeline_lane_prefill,
                               decode_past_queued_windows=not args.no_decode_past_queued_windows,
@@ -166,7 +165,6 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     buckets = engine.alignment.buckets if engine.alignment else None
     lane_sizes = engine.runner.lane_sizes() if engine.scheduler.cfg.uses_lane else None
     async_scheduling = engine.async_scheduling
-    lane_riders = bool(engine.lane_riders)
     prefill_batch_tokens = engine.scheduler.cfg.prefill_batch_tokens
     engine.close()
     del engine
@@ -198,8 +196,6 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "lane_ahead_admissions": stats["lane_ahead_admissions"],
         "partial_windows": stats["partial_windows"],
         "partial_fill_passes": stats["partial_fill_passes"],
-        "lane_riders": lane_riders,
-        "rider_passes": stats["rider_passes"], "rider_rows": stats["rider_rows"],
         "seq_capped_steps": stats["seq_capped_steps"],
         "duration_s": elapsed,
         "request_throughput": len(shapes) / elapsed,
@@ -337,10 +333,6 @@ def main(argv: list[str] | None = None) -> int:
                         "probe of the step sizes that may run unsplit)")
     p.add_argument("--lane-priority", choices=("high", "normal", "low"), default="high",
                    help="CUDA stream priority of the lane")
-    p.add_argument("--lane-riders", action=argparse.BooleanOptionalAction,
-                   default=EngineConfig.lane_riders,
-                   help="llm42: a step that plans a lane pass runs its decode rows in the "
-                        "pass's padding rows (EngineConfig.lane_riders, off by default)")
     p.add_argument("--lane-overlap", action=argparse.BooleanOptionalAction,
                    default=EngineConfig.lane_overlap,
                    help="lane passes beside the fast path's steps (--no-lane-overlap: each "
@@ -539,8 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'':>16} lane: {r['verify_passes']} passes, "
                   f"{r['lane_rows_computed_per_pass']:.0f} rows computed a pass, "
                   f"{r['lane_computed_padding_fraction']:.1%} of them padding, "
-                  f"{r['lane_seconds']:.2f} s; {r['rider_passes']:.0f} passes carried "
-                  f"{r['rider_rows']:.0f} decode rows; {r['parked_admissions']:.0f} admissions in "
+                  f"{r['lane_seconds']:.2f} s; {r['parked_admissions']:.0f} admissions in "
                   f"parked sequences' slots, {r['seq_capped_steps']:.0f} steps full at "
                   f"max-num-seqs; {r['lane_ahead_admissions']:.0f} prompts admitted ahead "
                   f"into spare lane rows; {r['partial_windows']:.0f} partial windows, "

@@ -244,17 +244,6 @@ class EngineConfig:
     # (False: on a GPU each pass then runs alone, as LLM-42's prototype ran verification,
     # and every sequence's decoding stalls for its length; a measurement, not a default)
     lane_overlap: bool = True
-    # a step that plans a lane pass while none is in flight runs its decode rows in the
-    # pass's padding rows ("riders": one forward on the fast path's stream, the step's
-    # decode step saved; the scheduler leaves room for them). A row's result depends on
-    # that row alone in the lane, so riders change no verified token; they get the lane's
-    # bits. Only with an in-process verifier on the engine's runner, lane_overlap, no
-    # lane_sms, and steps whose fast rows are all decode rows. Off by default: on an H200
-    # at 10 % deterministic traffic (8B shape) llm42 read 7,824.6 out tok/s with riders
-    # against 7,996.9 without (docs/benchmarks/gpu/README.md): such a step first waits for
-    # the previous one's tokens (the pass's windows need them), the riders' attention runs
-    # the lane's multi-row kernel, and the room left for them made passes emptier
-    lane_riders: bool = False
     cuda_graphs: bool = True        # CUDA: graphs for decode batches and the lane pass
     cuda_graph_max_batch: int = 256  # largest decode batch captured (bigger ones run eagerly)
     # CUDA: steps that carry prompt chunks of up to this many rows (capped by the token

@@ -501,28 +501,3 @@ def test_decode_bucket_products_get_the_lane_chunks_bits(chunk: int) -> None:
             assert torch.equal(ops.linear(x[:b], w), ref[:b]), (tuple(w.shape), b)
         for b in al.pads.get((w.shape[0], w.shape[1]), {}):
             assert not torch.equal(torch.nn.functional.linear(x[:b], w), ref[:b])
-
-
-@pytest.mark.parametrize("riders", [True, False])
-def test_decode_rows_riding_in_lane_passes_on_gpu(model: str, riders: bool) -> None:
-    """Decode rows riding in lane passes' padding (``lane_riders``, off by default) leave
-    every deterministic output equal to lane_only's, under fast-path perturbation, with the
-    lane graph and asynchronous scheduling; the runs with riders do carry them. Control:
-    riders off carry none."""
-    reqs = [Req(r.prompt, dataclasses.replace(r.params, is_deterministic=i % 2 == 0),
-                r.arrival) for i, r in enumerate(_reqs(det=False))]
-    oracle, _, o = run_engine(model, reqs, mode="lane_only", **CUDA)
-    dvr, stats, eng = run_engine(model, reqs, perturbation=0.2, lane_riders=riders, **CUDA)
-    assert eng.runner.lane_graph is not None and bool(eng.lane_riders) == riders
-    assert stats["rollbacks"] > 0
-    assert (stats["rider_rows"] > 0) == riders
-    for i, (a, b) in enumerate(zip(oracle, dvr, strict=True)):
-        if reqs[i].params.is_deterministic:
-            assert signature(a) == signature(b), i
-    clean, stats, c = run_engine(model, reqs, lane_riders=riders, **CUDA)
-    assert stats["rider_rows"] > 0 if riders else stats["rider_rows"] == 0
-    for i, (a, b) in enumerate(zip(oracle, clean, strict=True)):
-        if reqs[i].params.is_deterministic:
-            assert signature(a) == signature(b), i
-    for e in (o, eng, c):
-        e.close()

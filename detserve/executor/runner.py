@@ -524,32 +524,18 @@ class ModelRunner:
 
     def run_lane(self, lane_pass: LanePass) -> LaneResult:
         """One fixed-shape pass of exactly ``lane_rows`` rows; decides every segment."""
-        return self.launch_lane(lane_pass)[0].finish()
+        return self.launch_lane(lane_pass).finish()
 
     @torch.inference_mode()
-    def launch_lane(self, lane_pass: LanePass, riders: Sequence[RowSegment] = (),
-                    rider_specs: Sequence[SamplingSpec | None] = (),
-                    rider_penalties: Sequence[PenaltyRow | None] = ()
-                    ) -> tuple[LaneLaunch, LaunchedBatch]:
-        """Queue a lane pass on the current stream without waiting for it.
-
-        ``riders``: fast-path decode rows (one row each) that run in the pass's padding
-        rows, sampled with ``rider_specs`` (None: not sampled). A row's result depends on
-        that row alone in the lane (fixed-shape products, per-row attention, norms and
-        sampling), so riders change no lane row's bits; they get lane bits themselves. The
-        pass runs at the lane size that holds all its rows. Returns the pass (``finish()``
-        decides it) and the riders' launch (as ``launch_batch`` returns one)."""
+    def launch_lane(self, lane_pass: LanePass) -> LaneLaunch:
+        """Queue a lane pass on the current stream without waiting for it; ``finish()``
+        decides it. The pass runs at the lane size that holds all its rows."""
         t0 = time.perf_counter()
         if lane_pass.rows != self.lane_rows:
             raise ValueError(f"lane pass has {lane_pass.rows} rows, lane is {self.lane_rows}")
-        if len(rider_specs) != len(riders) or any(len(r.input_ids) != 1 for r in riders):
-            raise ValueError("riders are decode rows (one input token each), one spec each")
-        used = lane_pass.used_rows + len(riders)
-        if used > self.lane_rows:
-            raise ValueError(f"{used} rows (with riders) exceed the lane's {self.lane_rows}")
         segs = [RowSegment(s.input_ids, s.start, s.block_table) for s in lane_pass.segments]
-        batch = build_rows([*segs, *riders], self.pool.block_size, self.device,
-                           pad_to=self.lane_run_rows(used))
+        batch = build_rows(segs, self.pool.block_size, self.device,
+                           pad_to=self.lane_run_rows(lane_pass.used_rows))
         hidden = None
         if self.lane_graph is not None:
             from detserve.executor.graphs import GraphCaptureError
@@ -563,33 +549,22 @@ class ModelRunner:
             hidden = self._forward(batch, self.lane_ops, "lane")
         rows = [batch.seg_offsets[i] + r for i, s in enumerate(lane_pass.segments)
                 for r in s.sample_rows]
-        n_lane = len(rows)
-        want = [k for k, spec in enumerate(rider_specs) if spec is not None]
-        rows += [batch.seg_offsets[len(segs) + k] for k in want]
-        logits = (self.model.logits(hidden[torch.tensor(rows, device=self.device)],
-                                    self.lane_logit_ops) if rows else None)
-        picked = rider_picked = None
-        if logits is not None and n_lane:
+        picked = None
+        if rows:
+            logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)],
+                                       self.lane_logit_ops)
             vocab = logits.shape[-1]
             counts = ([token_counts(s.output_history(r), vocab, self.device)
                        if s.spec.penalized else None
                        for s in lane_pass.segments for r in s.sample_rows]
                       if any(s.spec.penalized for s in lane_pass.segments) else [])
-            picked = launch_rows(logits[:n_lane],
+            picked = launch_rows(logits,
                                  [s.spec for s in lane_pass.segments for _ in s.sample_rows],
                                  [s.start + r + 1 for s in lane_pass.segments
                                   for r in s.sample_rows], cfg=self.sampling, counts=counts)
-        if logits is not None and want:
-            rider_picked = launch_rows(logits[n_lane:],
-                                       [cast(SamplingSpec, rider_specs[k]) for k in want],
-                                       [riders[k].start + 1 for k in want], cfg=self.sampling,
-                                       counts=self._step_counts(list(riders), want,
-                                                                rider_penalties, None,
-                                                                logits.shape[-1]))
         prompt = self._prompt_logprobs(
             hidden, list(batch.seg_offsets),
             [(s.prompt_logprobs, s.prompt_targets)
              if s.prompt_logprobs is not None and s.prompt_targets else None
              for s in lane_pass.segments], self.lane_logit_ops, exact=True)
-        return (LaneLaunch(lane_pass, picked, t0, prompt),
-                LaunchedBatch(len(riders), want, rider_picked))
+        return LaneLaunch(lane_pass, picked, t0, prompt)
