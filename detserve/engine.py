@@ -16,7 +16,6 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -39,6 +38,7 @@ from detserve.lane import LanePass, LaneResult, LaneSegment
 from detserve.model.llama import LlamaModel
 from detserve.model.loader import ModelInfo, load_model
 from detserve.model.tokenizer import Tokenizer
+from detserve.numerics import LaneNumerics
 from detserve.outputs import RequestOutput
 from detserve.params import SamplingParams
 from detserve.sampler import SamplingSpec
@@ -58,18 +58,6 @@ class _Launch:
     fed: torch.Tensor | None = None       # the tokens the next step is fed (on the device)
     dropped: set[int] = field(default_factory=set)  # id(sequence): rows after a stop
     lane: LaneLaunch | None = None        # the lane pass these rows rode in, undecided
-
-
-def apply_blas_settings(config: EngineConfig) -> None:
-    """Set the process-wide cuBLAS SM carveout and preferred BLAS library (CUDA)."""
-    torch._C._set_sm_carveout_experimental(config.sm_carveout)
-    torch.backends.cuda.preferred_blas_library(config.blas_library)
-
-
-def blas_tag(config: EngineConfig) -> str:
-    """The ``kernels`` tag of non-default BLAS settings (they change GEMM bits)."""
-    tag = f"+carve{config.sm_carveout}" if config.sm_carveout else ""
-    return tag + (f"+blas-{config.blas_library}" if config.blas_library != "default" else "")
 
 
 class LLMEngine:
@@ -101,47 +89,24 @@ class LLMEngine:
         cuda = config.device.startswith("cuda")
         if sc.prefill_batch_tokens is None:
             sc = replace(sc, prefill_batch_tokens=sc.max_num_batched_tokens // 4 if cuda else 0)
-        self.scheduler = Scheduler(sc, self.blocks, eos, prefix_caching=cc.enable_prefix_caching)
-        if cuda:  # before the alignment's probes: they must see the GEMMs the steps run
-            apply_blas_settings(config)
         self.alignment = self._alignment() if cuda and sc.uses_lane else None
+        # the lane's GEMM chunk, resolved: the probed one on CUDA (nondeterministic mode has
+        # no lane to align with: its decode rows take split-KV attention, the faster kernel)
         self.lane_gemm_rows = (self.alignment.chunk if self.alignment else
                                config.lane_gemm_rows if sc.uses_lane else 0)
-        self.runner = ModelRunner(self.model, self.pool, sc.lane_rows, sc.verify_window,
-                                  config.batch_invariant_rows, self.lane_gemm_rows,
-                                  # nondeterministic mode has no lane to align with: its
-                                  # decode rows take split-KV attention, the faster kernel
-                                  align_fast_path=cuda and config.align_fast_path
-                                  and sc.uses_lane,
-                                  decode_buckets=self.alignment.buckets if self.alignment else None,
-                                  single_call=self.alignment.single_call if self.alignment else None,
-                                  lane_one_calls=config.lane_one_calls,
-                                  lane_size_step=config.lane_size_step,
-                                  lane_attention_split=config.lane_attention_split,
-                                  lane_full_tiles=config.lane_full_tiles,
-                                  aligned_decode_lane=config.aligned_decode_lane,
-                                  lane_dot_sums=config.lane_dot_sums,
-                                  fused_silu_mul=config.fused_silu_mul,
-                                  fused_add_rmsnorm=config.fused_add_rmsnorm,
-                                  decode_pads=self.alignment.pads if self.alignment else None,
-                                  sampling=config.sampling)
-        if cuda:
-            self.runner.kernel_set += blas_tag(config)
-        self.scheduler.lane_run_rows = self.runner.lane_run_rows
-        # lane_priority "low": the fast path's work (graph capture, steps) goes to a stream of
-        # high priority; the lane's stream keeps the normal one
-        self._fast_stream = (torch.cuda.Stream(device=torch.device(config.device), priority=-1)
-                             if cuda and sc.uses_lane and config.lane_priority == "low" else None)
+        self.numerics = LaneNumerics.from_config(config, self.lane_gemm_rows)
+        self.runner = ModelRunner(self.model, self.pool, self.numerics, self.alignment)
+        self.scheduler = Scheduler(sc, self.blocks, eos, prefix_caching=cc.enable_prefix_caching,
+                                   lane_sizes=self.numerics.lane_sizes)
         if cuda and config.cuda_graphs:
             mode = config.mode
             decode = {"llm42": "fast", "nondeterministic": "fast", "batch_invariant": "bi"}.get(mode)
-            with self._on_fast_stream():
-                self.runner.enable_cuda_graphs(
-                    decode, lane=mode in ("llm42", "lane_only"),
-                    max_batch=min(sc.max_num_seqs, config.cuda_graph_max_batch),
-                    max_blocks=-(-sc.max_model_len // cc.block_size),
-                    step_rows=min(config.cuda_graph_step_rows, sc.max_num_batched_tokens),
-                    plain=config.plain_decode_graphs)
+            self.runner.enable_cuda_graphs(
+                decode, lane=mode in ("llm42", "lane_only"),
+                max_batch=min(sc.max_num_seqs, config.cuda_graph_max_batch),
+                max_blocks=-(-sc.max_model_len // cc.block_size),
+                step_rows=min(config.cuda_graph_step_rows, sc.max_num_batched_tokens),
+                plain=config.plain_decode_graphs)
         if verifier_factory is None:
             verifier_factory = self._default_verifier_factory(config)
         self.verifier: Verifier = verifier_factory(self.runner)
@@ -167,7 +132,7 @@ class LLMEngine:
                                  else config.async_scheduling)
         self._launch: _Launch | None = None  # the fast batch whose tokens are unread
         self._lane_done: list[LaneResult] = []  # decided passes that carried riders
-        self.lane_riders = (config.lane_riders and config.mode == "llm42" and config.lane_overlap
+        self.lane_riders = (config.lane_riders and config.mode == "llm42"
                             and config.lane_sms is None
                             and getattr(self.verifier, "runner", None) is self.runner)
 
@@ -191,8 +156,7 @@ class LLMEngine:
         """Lane on its own thread/stream (green context of ``lane_sms`` SMs) when asked or on
         CUDA; on CPU the in-process verifier keeps runs reproducible step by step."""
         if config.lane_threaded or config.device.startswith("cuda"):
-            return partial(ThreadedVerifier, lane_sms=config.lane_sms,
-                           high_priority=config.lane_priority == "high")
+            return partial(ThreadedVerifier, lane_sms=config.lane_sms)
         return InProcessVerifier
 
     @classmethod
@@ -262,17 +226,10 @@ class LLMEngine:
         return (self.scheduler.has_work() or bool(self._inflight) or bool(self._touched)
                 or self._launch is not None)
 
-    def _on_fast_stream(self) -> AbstractContextManager[object]:
-        """The fast path's stream as the current one (``lane_priority`` "low"), else no-op."""
-        if self._fast_stream is None:
-            return nullcontext()
-        return torch.cuda.stream(self._fast_stream)
-
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Plan and run one step; returns the outputs it released (see ``_step``)."""
-        with self._on_fast_stream():
-            return self._step()
+        return self._step()
 
     def _step(self) -> list[RequestOutput]:
         """Plan and run one step; returns the outputs it released.
@@ -341,7 +298,6 @@ class LLMEngine:
             wait = yield_to_lane or (not self.scheduler.lane_prefill_ready()
                                      and (not out.fast or self.scheduler.lane_bound()))
             c["lane_bound_waits"] += yield_to_lane or (wait and bool(out.fast))
-            wait = wait or not self.config.lane_overlap
         results = self.verifier.poll(wait=wait)
         if results and self._launch is not None and self._launch.lane is not None:
             self._settle(self._launch)  # its pass ran first: its decisions go first
@@ -656,7 +612,6 @@ class LLMEngine:
         out["parked_admissions"] = self.scheduler.parked_admissions
         out["lane_ahead_admissions"] = self.scheduler.lane_ahead_admissions
         out["partial_windows"] = self.scheduler.partial_windows
-        out["partial_fill_passes"] = self.scheduler.partial_fill_passes
         out["seq_capped_steps"] = self.scheduler.seq_capped_steps
         out["lane_padding_fraction"] = c["lane_padding_rows"] / c["lane_rows"] if c["lane_rows"] else 0.0
         out["lane_seconds"] = c["lane_seconds_us"] / 1e6
@@ -697,25 +652,18 @@ class LLMEngine:
             kind = torch.cuda.get_device_name(torch.device(dev))
         else:
             kind = f"cpu-{platform.machine()}-{torch.get_num_threads()}threads"
-        sc = self.config.scheduler
         prof: dict[str, object] = {
             "model": self.model_info.name,
             "weights_sha256": self.model_info.weights_hash,
             "dtype": self.config.dtype,
-            "verify_window": sc.verify_window,
-            "verify_group": sc.verify_group,
-            "block_size": self.config.cache.block_size,
             "mode": self.config.mode,
             "kernels": f"{self.runner.kernel_set}/torch-{torch.__version__}",
             "device": kind,
             "tp_size": 1,
+            **self.numerics.profile(self.config.mode),
         }
-        if self.config.mode == "batch_invariant":
-            prof["batch_invariant_rows"] = self.config.batch_invariant_rows
         if dev.startswith("cuda"):
             prof["cuda_graphs"] = self.config.cuda_graphs  # the lane's GEMMs replayed or eager
-        if self.lane_gemm_rows:
-            prof["lane_gemm_rows"] = self.lane_gemm_rows
         blob = json.dumps(prof, sort_keys=True).encode()
         prof["fingerprint"] = hashlib.sha256(blob).hexdigest()[:16]
         return prof

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from detserve.block_manager import BlockManager
 from detserve.config import SchedulerConfig
+from detserve.numerics import lane_run_rows
 from detserve.sequence import Sequence, Status
 
 # chunks of one prompt in the lane at once when they pipeline: two hide the round trip
@@ -82,7 +83,11 @@ LANE_STATES = ("fast", "prefill", "window", "capped")
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager,
-                 eos_token_ids: Iterable[int] = (), prefix_caching: bool = True) -> None:
+                 eos_token_ids: Iterable[int] = (), prefix_caching: bool = True,
+                 lane_sizes: Iterable[int] = ()) -> None:
+        """``lane_sizes``: the row counts a lane pass runs at, ascending (the runner's
+        ``LaneNumerics.lane_sizes``; default: the whole pass); a pass's spare rows are the
+        ones past its used rows up to the smallest size that holds them."""
         self.cfg = cfg
         self.blocks = blocks
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -104,10 +109,7 @@ class Scheduler:
         self.lane_ahead_admissions = 0
         # windows sent with fewer candidates than a full one, into a pass's spare rows
         self.partial_windows = 0
-        self.partial_fill_passes = 0  # passes sent because mid-window candidates filled them
-        # the rows a lane pass of n used rows runs at (the engine sets its runner's
-        # ``lane_run_rows``): its spare rows are the ones past n up to that
-        self.lane_run_rows: Callable[[int], int] = lambda used: cfg.lane_rows
+        self.lane_sizes = tuple(lane_sizes) or (cfg.lane_rows,)
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -298,16 +300,10 @@ class Scheduler:
         rows_left = self.cfg.lane_rows - (self._rider_room() if riders else 0)
         queued = self._ahead_queue(rows_left - wanted)
         wanted += sum(s.num_committed for s in queued)
-        partial = self.cfg.lane_partial_fill  # (only with lane_partial_windows: validated)
-        mid_rows = 0
-        if partial:  # (a row for each one's last committed token, one a candidate)
-            mid_rows = sum(s.num_candidates + 1 for s in self._mid_window(idle, ready))
-        if wanted + mid_rows < rows_left and still_decoding and (
+        if wanted < rows_left and still_decoding and (
                 self.step_count - oldest < self.cfg.lane_max_wait_steps
                 or (not prefills and all(self._decodes_past_window(s) for s in windows))):
             return []  # wait for more windows to fill the fixed-size pass
-        if wanted < rows_left <= wanted + mid_rows:
-            self.partial_fill_passes += 1  # (mid-window candidates made it go now)
         items: list[LaneItem] = []
         windows.sort(key=lambda s: (s.ready_step, s.arrival))
         for s in windows:
@@ -330,7 +326,7 @@ class Scheduler:
                 break
             rows_left -= self._send_prefill(s, s.num_lane_kv, rows_left, items)
         if self.cfg.lane_partial_windows:
-            self._send_partial_windows(idle, rows_left, items, to_the_end=partial)
+            self._send_partial_windows(idle, rows_left, items)
         for it in items:
             it.seq.ready_step = None
         return items
@@ -352,12 +348,11 @@ class Scheduler:
                 and not self.window_ready(s)]
 
     def _send_partial_windows(self, idle: list[Sequence], rows_left: int,
-                              items: list[LaneItem], to_the_end: bool = False) -> None:
+                              items: list[LaneItem]) -> None:
         """Fill the pass's spare rows (``lane_partial_windows``), up to the size it runs
-        at (``to_the_end``: all of them), with the candidates so far of lane sequences in
-        the middle of a window."""
+        at, with the candidates so far of lane sequences in the middle of a window."""
         used = sum(it.rows for it in items)
-        spare = rows_left if to_the_end else min(rows_left, self.lane_run_rows(used) - used)
+        spare = min(rows_left, lane_run_rows(self.lane_sizes, used) - used)
         mid = self._mid_window(idle, [it.seq for it in items])
         for s in sorted(mid, key=lambda s: (-s.num_candidates, s.arrival)):
             if spare < 2:  # (a window row for the last committed token, one per candidate)

@@ -112,7 +112,7 @@ def test_deployment_overrides() -> None:
 
 
 def test_serve_config_module_does_not_import_ray() -> None:
-    source = (ROOT / "detserve" / "serve_config.py").read_text()
+    source = (ROOT / "services" / "serve_config.py").read_text()
     assert not re.search(r"^\s*(import|from)\s+ray\b", source, re.MULTILINE)
 
 

@@ -75,22 +75,23 @@ class _QueueSink:
 class Decoder:
     async def __init__(self, args: Mapping[str, Any]) -> None:  # type: ignore[misc]
         self.settings = DecoderSettings.from_args(args)
-        if self.settings.switch_interval:  # this process is the replica's alone
-            sys.setswitchinterval(self.settings.switch_interval)
+        if self.settings.serve.switch_interval:  # this process is the replica's alone
+            sys.setswitchinterval(self.settings.serve.switch_interval)
         self.replica = _replica_id()
         engine, self._close = build_engine(self.settings, self.replica)
         self._event_loop = asyncio.get_running_loop()
         self.loop = EngineLoop(engine, self.replica, deliver=deliver_on_event_loops,
-                               stream_interval=self.settings.stream_interval,
+                               stream_interval=self.settings.serve.stream_interval,
                                on_failure=self._engine_failed)
         self._channels: dict[str, Channel] = {}
         self.loop.start()
         self.link: LinkServer | None = None
         self._link_beat: Heartbeat | None = None
-        if self.settings.decoder_link:
+        if self.settings.serve.decoder_link:
             await self._start_link()
-        log.info("decoder %s ready (%s, mode %s, link %s)", self.replica, self.settings.model,
-                 self.settings.mode, self.link.address if self.link else "off")
+        cfg = self.settings.engine
+        log.info("decoder %s ready (%s, mode %s, link %s)", self.replica, cfg.model,
+                 cfg.mode, self.link.address if self.link else "off")
 
     async def _start_link(self) -> None:
         """Serve a link (``services.decoder.link``) and publish it in Redis; without Redis
@@ -100,7 +101,7 @@ class Decoder:
         link = await LinkServer(self.loop).start(ray.util.get_node_ip_address())
         try:
             record = LinkRecord(self.replica, link.address, link.token)
-            self._link_beat = Heartbeat(Registry(self.settings.redis_url), record).start()
+            self._link_beat = Heartbeat(Registry(self.settings.serve.redis_url), record).start()
         except redis.RedisError as e:
             log.warning("decoder %s: link not published (%s); Ray Serve calls only",
                         self.replica, e)
