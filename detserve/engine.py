@@ -18,7 +18,6 @@ import json
 import platform
 from collections import Counter
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -35,6 +34,7 @@ from detserve.lane import LanePass, LaneResult, LaneSegment
 from detserve.model.llama import LlamaModel
 from detserve.model.loader import ModelInfo, load_model
 from detserve.model.tokenizer import Tokenizer
+from detserve.numerics import LaneNumerics
 from detserve.output_processor import OutputProcessor
 from detserve.outputs import RequestOutput
 from detserve.params import SamplingParams
@@ -55,18 +55,6 @@ class _Launch:
     offsets: dict[int, int] = field(default_factory=dict)  # fault injection per row
     fed: torch.Tensor | None = None       # the tokens the next step is fed (on the device)
     dropped: set[int] = field(default_factory=set)  # id(sequence): rows after a stop
-
-
-def apply_blas_settings(config: EngineConfig) -> None:
-    """Set the process-wide cuBLAS SM carveout and preferred BLAS library (CUDA)."""
-    torch._C._set_sm_carveout_experimental(config.sm_carveout)
-    torch.backends.cuda.preferred_blas_library(config.blas_library)
-
-
-def blas_tag(config: EngineConfig) -> str:
-    """The ``kernels`` tag of non-default BLAS settings (they change GEMM bits)."""
-    tag = f"+carve{config.sm_carveout}" if config.sm_carveout else ""
-    return tag + (f"+blas-{config.blas_library}" if config.blas_library != "default" else "")
 
 
 class LLMEngine:
@@ -98,50 +86,27 @@ class LLMEngine:
         cuda = config.device.startswith("cuda")
         if sc.prefill_batch_tokens is None:
             sc = replace(sc, prefill_batch_tokens=sc.max_num_batched_tokens // 4 if cuda else 0)
-        if cuda:  # before the alignment's probes: they must see the GEMMs the steps run
-            apply_blas_settings(config)
         self.alignment = self._alignment() if cuda and sc.uses_lane else None
+        # the lane's GEMM chunk, resolved: the probed one on CUDA (nondeterministic mode has
+        # no lane to align with: its decode rows take split-KV attention, the faster kernel)
         self.lane_gemm_rows = (self.alignment.chunk if self.alignment else
                                config.lane_gemm_rows if sc.uses_lane else 0)
-        self.runner = ModelRunner(self.model, self.pool, sc.lane_rows, sc.verify_window,
-                                  config.batch_invariant_rows, self.lane_gemm_rows,
-                                  # nondeterministic mode has no lane to align with: its
-                                  # decode rows take split-KV attention, the faster kernel
-                                  align_fast_path=cuda and config.align_fast_path
-                                  and sc.uses_lane,
-                                  decode_buckets=self.alignment.buckets if self.alignment else None,
-                                  single_call=self.alignment.single_call if self.alignment else None,
-                                  lane_one_calls=config.lane_one_calls,
-                                  lane_size_step=config.lane_size_step,
-                                  lane_attention_split=config.lane_attention_split,
-                                  lane_full_tiles=config.lane_full_tiles,
-                                  aligned_decode_lane=config.aligned_decode_lane,
-                                  lane_dot_sums=config.lane_dot_sums,
-                                  fused_silu_mul=config.fused_silu_mul,
-                                  fused_add_rmsnorm=config.fused_add_rmsnorm,
-                                  decode_pads=self.alignment.pads if self.alignment else None,
-                                  sampling=config.sampling)
-        if cuda:
-            self.runner.kernel_set += blas_tag(config)
+        self.numerics = LaneNumerics.from_config(config, self.lane_gemm_rows)
+        self.runner = ModelRunner(self.model, self.pool, self.numerics, self.alignment)
         self.outputs = OutputProcessor(self.tokenizer)
         eos = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
         self.scheduler = Scheduler(sc, self.blocks, eos, prefix_caching=cc.enable_prefix_caching,
-                                   lane_run_rows=self.runner.lane_run_rows,
+                                   lane_sizes=self.numerics.lane_sizes,
                                    stop_string_hit=self.outputs.stop_string_hit)
-        # lane_priority "low": the fast path's work (graph capture, steps) goes to a stream of
-        # high priority; the lane's stream keeps the normal one
-        self._fast_stream = (torch.cuda.Stream(device=torch.device(config.device), priority=-1)
-                             if cuda and sc.uses_lane and config.lane_priority == "low" else None)
         if cuda and config.cuda_graphs:
             mode = config.mode
             decode = {"llm42": "fast", "nondeterministic": "fast", "batch_invariant": "bi"}.get(mode)
-            with self._on_fast_stream():
-                self.runner.enable_cuda_graphs(
-                    decode, lane=mode in ("llm42", "lane_only"),
-                    max_batch=min(sc.max_num_seqs, config.cuda_graph_max_batch),
-                    max_blocks=-(-sc.max_model_len // cc.block_size),
-                    step_rows=min(config.cuda_graph_step_rows, sc.max_num_batched_tokens),
-                    plain=config.plain_decode_graphs)
+            self.runner.enable_cuda_graphs(
+                decode, lane=mode in ("llm42", "lane_only"),
+                max_batch=min(sc.max_num_seqs, config.cuda_graph_max_batch),
+                max_blocks=-(-sc.max_model_len // cc.block_size),
+                step_rows=min(config.cuda_graph_step_rows, sc.max_num_batched_tokens),
+                plain=config.plain_decode_graphs)
         if verifier_factory is None:
             verifier_factory = self._default_verifier_factory(config)
         self.verifier: Verifier = verifier_factory(self.runner)
@@ -182,8 +147,7 @@ class LLMEngine:
         """Lane on its own thread/stream (green context of ``lane_sms`` SMs) when asked or on
         CUDA; on CPU the in-process verifier keeps runs reproducible step by step."""
         if config.lane_threaded or config.device.startswith("cuda"):
-            return partial(ThreadedVerifier, lane_sms=config.lane_sms,
-                           high_priority=config.lane_priority == "high")
+            return partial(ThreadedVerifier, lane_sms=config.lane_sms)
         return InProcessVerifier
 
     @classmethod
@@ -213,12 +177,6 @@ class LLMEngine:
         # (aborted requests still owe their final output to the next step)
         return self.scheduler.has_work() or bool(self._inflight) or self._launch is not None
 
-    def _on_fast_stream(self) -> AbstractContextManager[object]:
-        """The fast path's stream as the current one (``lane_priority`` "low"), else no-op."""
-        if self._fast_stream is None:
-            return nullcontext()
-        return torch.cuda.stream(self._fast_stream)
-
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Plan and run one step; returns the outputs it released.
@@ -232,21 +190,20 @@ class LLMEngine:
         planned after what turns out to be a stop token is dropped (the step that planned
         it could not know).
         """
-        with self._on_fast_stream():
-            clock = StepClock(self.counters)
-            plan, yield_to_lane = self._schedule()
-            clock.lap("schedule")
-            self._run_fast(plan.fast)
-            if plan.fast:
-                kind = "decode_step" if all(i.end - i.start == 1 for i in plan.fast) else "mixed_step"
-                self.counters[f"{kind}s"] += 1
-                clock.lap(kind)
-            for result in self._run_lane(plan, yield_to_lane):
-                self._apply_lane(result)
-            clock.lap("lane_wait")
-            outputs = self._outputs()
-            clock.lap("output")
-            return outputs
+        clock = StepClock(self.counters)
+        plan, yield_to_lane = self._schedule()
+        clock.lap("schedule")
+        self._run_fast(plan.fast)
+        if plan.fast:
+            kind = "decode_step" if all(i.end - i.start == 1 for i in plan.fast) else "mixed_step"
+            self.counters[f"{kind}s"] += 1
+            clock.lap(kind)
+        for result in self._run_lane(plan, yield_to_lane):
+            self._apply_lane(result)
+        clock.lap("lane_wait")
+        outputs = self._outputs()
+        clock.lap("output")
+        return outputs
 
     def _schedule(self) -> tuple[SchedulerOutput, bool]:
         """The step's plan, and whether it gives the GPU to the lane pass in flight instead
@@ -299,7 +256,6 @@ class LLMEngine:
             wait = yield_to_lane or (not self.scheduler.lane_prefill_ready()
                                      and (not plan.fast or self.scheduler.lane_bound()))
             self.counters["lane_bound_waits"] += yield_to_lane or (wait and bool(plan.fast))
-            wait = wait or not self.config.lane_overlap
         return self.verifier.poll(wait=wait)
 
     def _outputs(self) -> list[RequestOutput]:
@@ -421,25 +377,18 @@ class LLMEngine:
             kind = torch.cuda.get_device_name(torch.device(dev))
         else:
             kind = f"cpu-{platform.machine()}-{torch.get_num_threads()}threads"
-        sc = self.config.scheduler
         prof: dict[str, object] = {
             "model": self.model_info.name,
             "weights_sha256": self.model_info.weights_hash,
             "dtype": self.config.dtype,
-            "verify_window": sc.verify_window,
-            "verify_group": sc.verify_group,
-            "block_size": self.config.cache.block_size,
             "mode": self.config.mode,
             "kernels": f"{self.runner.kernel_set}/torch-{torch.__version__}",
             "device": kind,
             "tp_size": 1,
+            **self.numerics.profile(self.config.mode),
         }
-        if self.config.mode == "batch_invariant":
-            prof["batch_invariant_rows"] = self.config.batch_invariant_rows
         if dev.startswith("cuda"):
             prof["cuda_graphs"] = self.config.cuda_graphs  # the lane's GEMMs replayed or eager
-        if self.lane_gemm_rows:
-            prof["lane_gemm_rows"] = self.lane_gemm_rows
         blob = json.dumps(prof, sort_keys=True).encode()
         prof["fingerprint"] = hashlib.sha256(blob).hexdigest()[:16]
         return prof

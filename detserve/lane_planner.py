@@ -81,7 +81,6 @@ class LanePlanner:
         self.lane_ahead_admissions = 0
         # windows sent with fewer candidates than a full one, into a pass's spare rows
         self.partial_windows = 0
-        self.partial_fill_passes = 0  # passes sent because mid-window candidates filled them
 
     # ---- windows ----------------------------------------------------------------------
     def candidate_cap(self, seq: Sequence) -> int:
@@ -168,16 +167,10 @@ class LanePlanner:
         rows_left = cfg.lane_rows
         queued = self._ahead_queue(rows_left - wanted)
         wanted += sum(s.num_committed for s in queued)
-        partial = cfg.lane_partial_fill  # (only with lane_partial_windows: validated)
-        mid_rows = 0
-        if partial:  # (a row for each one's last committed token, one a candidate)
-            mid_rows = sum(s.num_candidates + 1 for s in self._mid_window(idle, ready))
-        if wanted + mid_rows < rows_left and still_decoding and (
+        if wanted < rows_left and still_decoding and (
                 host.step_count - oldest < cfg.lane_max_wait_steps
                 or (not prefills and all(self.decodes_past_window(s) for s in windows))):
             return []  # wait for more windows to fill the fixed-size pass
-        if wanted < rows_left <= wanted + mid_rows:
-            self.partial_fill_passes += 1  # (mid-window candidates made it go now)
         items: list[LaneItem] = []
         windows.sort(key=lambda s: (s.ready_step, s.arrival))
         for s in windows:
@@ -200,7 +193,7 @@ class LanePlanner:
                 break
             rows_left -= self._send_prefill(s, s.num_lane_kv, rows_left, items)
         if cfg.lane_partial_windows:
-            self._send_partial_windows(idle, rows_left, items, to_the_end=partial)
+            self._send_partial_windows(idle, rows_left, items)
         for it in items:
             it.seq.ready_step = None
         return items
@@ -222,12 +215,11 @@ class LanePlanner:
                 and not self.window_ready(s)]
 
     def _send_partial_windows(self, idle: list[Sequence], rows_left: int,
-                              items: list[LaneItem], to_the_end: bool = False) -> None:
+                              items: list[LaneItem]) -> None:
         """Fill the pass's spare rows (``lane_partial_windows``), up to the size it runs
-        at (``to_the_end``: all of them), with the candidates so far of lane sequences in
-        the middle of a window."""
+        at, with the candidates so far of lane sequences in the middle of a window."""
         used = sum(it.rows for it in items)
-        spare = rows_left if to_the_end else min(rows_left, self.lane_run_rows(used) - used)
+        spare = min(rows_left, self.lane_run_rows(used) - used)
         mid = self._mid_window(idle, [it.seq for it in items])
         for s in sorted(mid, key=lambda s: (-s.num_candidates, s.arrival)):
             if spare < 2:  # (a window row for the last committed token, one per candidate)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from detserve.block_manager import BlockManager
 from detserve.config import SchedulerConfig
 from detserve.lane_planner import LaneItem, LanePlanner
+from detserve.numerics import lane_run_rows
 from detserve.outputs import TokenLogprob
 from detserve.sequence import PLACEHOLDER, Sequence, Status
 
@@ -62,12 +63,13 @@ LANE_STATES = ("fast", "prefill", "window", "capped")
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager,
                  eos_token_ids: Iterable[int] = (), prefix_caching: bool = True,
-                 lane_run_rows: Callable[[int], int] | None = None,
+                 lane_sizes: Iterable[int] = (),
                  stop_string_hit: Callable[[Sequence], bool] | None = None) -> None:
-        """``lane_run_rows(used)``: the rows a lane pass of ``used`` rows runs at (the
-        runner's lane sizes; default: all of them). ``stop_string_hit(seq)``: whether the
-        committed text of ``seq`` holds one of its stop strings (the output processor's
-        check; None: stop strings are not checked)."""
+        """``lane_sizes``: the row counts a lane pass runs at, ascending (the runner's
+        ``LaneNumerics.lane_sizes``; default: the whole pass); a pass's spare rows are the
+        ones past its used rows up to the smallest size that holds them.
+        ``stop_string_hit(seq)``: whether the committed text of ``seq`` holds one of its
+        stop strings (the output processor's check; None: stop strings are not checked)."""
         self.cfg = cfg
         self.blocks = blocks
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -76,7 +78,8 @@ class Scheduler:
         self.step_count = 0
         self.prefix_caching = prefix_caching
         self.prefix_hit_tokens = 0
-        self.lane = LanePlanner(self, lane_run_rows)
+        sizes = tuple(lane_sizes) or (cfg.lane_rows,)
+        self.lane = LanePlanner(self, lambda used: lane_run_rows(sizes, used))
         self._stop_string_hit = stop_string_hit
         # where the running lane sequences sat, summed over the steps that planned fast
         # rows ("steps"; see _count_lane_states)

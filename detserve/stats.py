@@ -58,7 +58,6 @@ def report(c: Counter[str], scheduler: Scheduler, runner: ModelRunner,
     out["parked_admissions"] = scheduler.parked_admissions
     out["lane_ahead_admissions"] = scheduler.lane.lane_ahead_admissions
     out["partial_windows"] = scheduler.lane.partial_windows
-    out["partial_fill_passes"] = scheduler.lane.partial_fill_passes
     out["seq_capped_steps"] = scheduler.seq_capped_steps
     out["lane_padding_fraction"] = (c["lane_padding_rows"] / c["lane_rows"]
                                     if c["lane_rows"] else 0.0)

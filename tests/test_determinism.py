@@ -327,19 +327,16 @@ def test_nondeterministic_mode_ignores_flag(model: str) -> None:
     assert not outs[0].is_deterministic
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_threaded_lane_verifier_equals_oracle(model: str, overlap: bool) -> None:
-    """Lane passes on a worker thread (asynchronous decisions) change nothing in the output;
-    nor does waiting for every pass before the next step (``lane_overlap`` False), which
-    leaves no pass in flight when a step is planned."""
+def test_threaded_lane_verifier_equals_oracle(model: str) -> None:
+    """Lane passes on a worker thread (asynchronous decisions, steps planned while a pass
+    is in flight) change nothing in the output."""
     reqs = [Req(TARGET, SAMPLED)] + _others(6, det=True, seed=14)
     oracle, _, _ = run_engine(model, reqs, mode="lane_only")
-    outs, stats, engine = run_engine(model, reqs, perturbation=0.2, lane_threaded=True,
-                                     lane_overlap=overlap)
+    outs, stats, engine = run_engine(model, reqs, perturbation=0.2, lane_threaded=True)
     in_flight_at_plan = engine.counters["lane_in_flight_at_plan"]
     engine.close()
     assert stats["rollbacks"] > 0
-    assert (in_flight_at_plan == 0) == (not overlap)
+    assert in_flight_at_plan > 0
     for a, b in zip(oracle, outs, strict=True):
         assert signature(a) == signature(b)
 
@@ -604,12 +601,3 @@ def test_partial_windows_in_spare_lane_rows_keep_the_oracle(model: str, async_: 
                              "partial_windows", async_scheduling=async_)
 
 
-def test_passes_that_partial_windows_fill_keep_the_oracle(model: str) -> None:
-    """With ``lane_partial_fill`` a pass goes out as soon as mid-window candidates fill
-    it, and partial windows fill it to the last row: windows start elsewhere again, and
-    every deterministic output still equals lane_only's with a perturbed fast path.
-    Control: only the run with the option sent a pass for its mid-window candidates."""
-    reqs = ([Req(TARGET, SAMPLED)] + _others(6, det=True, seed=43)
-            + _others(4, det=False, seed=44))
-    _oracle_with_and_without(model, reqs, 4, "lane_partial_fill", (True, False),
-                             "partial_fill_passes", lane_partial_windows=True)

@@ -633,12 +633,12 @@ def test_scheduler_switch_reaches_the_decoders_engine(name: str) -> None:
     parse = build_parser().parse_args
     on = serve_config_from(parse(["serve"]), "redis://127.0.0.1:1/0")["applications"][0]["args"]
     assert name not in on
-    assert getattr(DecoderSettings.from_args(on).engine_config().scheduler, name) is True
+    assert getattr(DecoderSettings.from_args(on).engine.scheduler, name) is True
     flag = "--no-" + name.replace("_", "-")
     off = serve_config_from(parse(["serve", flag]),
                             "redis://127.0.0.1:1/0")["applications"][0]["args"]
     assert off[name] is False
-    assert getattr(DecoderSettings.from_args(off).engine_config().scheduler, name) is False
+    assert getattr(DecoderSettings.from_args(off).engine.scheduler, name) is False
     for bad in (0, "no", None):
         with pytest.raises(ValueError, match=name):
             default_serve_config(**{name: bad})
@@ -658,13 +658,13 @@ def test_scheduler_fraction_reaches_the_decoders_engine(name: str) -> None:
     parse = build_parser().parse_args
     plain = serve_config_from(parse(["serve"]), "redis://127.0.0.1:1/0")["applications"][0]["args"]
     assert name not in plain
-    assert (getattr(DecoderSettings.from_args(plain).engine_config().scheduler, name)
+    assert (getattr(DecoderSettings.from_args(plain).engine.scheduler, name)
             == getattr(SchedulerConfig, name))
     flag = "--" + name.replace("_", "-")
     set_ = serve_config_from(parse(["serve", flag, "0.6"]),
                              "redis://127.0.0.1:1/0")["applications"][0]["args"]
     assert set_[name] == 0.6
-    assert getattr(DecoderSettings.from_args(set_).engine_config().scheduler, name) == 0.6
+    assert getattr(DecoderSettings.from_args(set_).engine.scheduler, name) == 0.6
     for bad in (-0.1, 1.5, "half", None, True, float("nan")):
         with pytest.raises(ValueError, match=name):
             default_serve_config(**{name: bad})
@@ -689,12 +689,12 @@ def test_scheduler_count_reaches_the_decoders_engine(name: str, value: int, defa
     parse = build_parser().parse_args
     plain = serve_config_from(parse(["serve"]), "redis://127.0.0.1:1/0")["applications"][0]["args"]
     assert name not in plain
-    assert getattr(DecoderSettings.from_args(plain).engine_config().scheduler, name) == default
+    assert getattr(DecoderSettings.from_args(plain).engine.scheduler, name) == default
     flag = "--" + name.replace("_", "-")
     set_ = serve_config_from(parse(["serve", flag, str(value)]),
                              "redis://127.0.0.1:1/0")["applications"][0]["args"]
     assert set_[name] == value
-    assert getattr(DecoderSettings.from_args(set_).engine_config().scheduler, name) == value
+    assert getattr(DecoderSettings.from_args(set_).engine.scheduler, name) == value
     for v in bad:
         with pytest.raises(ValueError, match=name):
             default_serve_config(**{name: v})
@@ -709,10 +709,11 @@ def test_switch_interval_reaches_the_decoder_settings() -> None:
 
     parse = build_parser().parse_args
     plain = serve_config_from(parse(["serve"]), "redis://127.0.0.1:1/0")["applications"][0]["args"]
-    assert "switch_interval" not in plain and DecoderSettings.from_args(plain).switch_interval == 0
+    assert "switch_interval" not in plain
+    assert DecoderSettings.from_args(plain).serve.switch_interval == 0
     set_ = serve_config_from(parse(["serve", "--switch-interval", "0.0005"]),
                              "redis://127.0.0.1:1/0")["applications"][0]["args"]
-    assert DecoderSettings.from_args(set_).switch_interval == 0.0005
+    assert DecoderSettings.from_args(set_).serve.switch_interval == 0.0005
     for bad in (-1e-3, 2.0, "fast", None, False):
         with pytest.raises(ValueError, match="switch_interval"):
             default_serve_config(switch_interval=bad)
