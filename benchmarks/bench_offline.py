@@ -33,7 +33,8 @@ from detserve.config import EngineConfig
 from detserve.engine import LLMEngine
 from detserve.flags import add_engine_flags, engine_kwargs, engine_options
 from detserve.kernels.config import TABLE, lane_variant
-from detserve.model.loader import load_model, resolve_dtype
+from detserve.model.config import auto_dtype
+from detserve.model.loader import load_model, read_model_config, resolve_dtype
 from detserve.model.random_init import random_model
 from detserve.params import SamplingParams
 from detserve.scheduler import LANE_STATES
@@ -309,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--aligned-decode-lane: {e}")
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
+    if args.dtype == "auto":  # resolved once: the loaded weights and every engine agree
+        args.dtype = auto_dtype(read_model_config(args.model), args.device)
     dtype = resolve_dtype(args.dtype)
     if args.model.startswith("random:"):
         loaded = random_model(args.model.split(":", 1)[1], dtype, args.device, args.seed)
