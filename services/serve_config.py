@@ -253,8 +253,9 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
             _check_number(name, args[name], lo=0.0, hi=1.0)
     for name, value in args.items():
         OPTIONS[name].check(value)
-    try:
-        engine_config(args)
+    try:  # (not the model's dtype: validation reads no checkpoint, e.g. rendering manifests)
+        EngineConfig.create(args["model"], **{**engine_kwargs(args), "dtype": (
+            "float32" if args["dtype"] == "auto" else args["dtype"])})
     except (TypeError, ValueError) as e:
         raise ValueError(f"bad engine options: {e}") from None
     return {name: args[name] for name in (*ARG_NAMES, *OPTIONAL_ARGS) if name in args}

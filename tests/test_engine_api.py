@@ -112,7 +112,8 @@ def test_kernel_tags_and_fingerprint_entries_come_from_the_lane_numerics() -> No
         "verify_window": 64, "verify_group": 8, "block_size": 16,
         "batch_invariant_rows": 32, "lane_gemm_rows": 16}
     cfg = EngineConfig.create("m", verify_window=8, verify_group=4, lane_dot_sums=False,
-                              logprob_kernel=False, block_size=32)
+                              logprob_kernel=False, block_size=32, dtype="float32",
+                              max_model_len=2048)
     got = LaneNumerics.from_config(cfg, lane_gemm_rows=16)
     assert (got.lane_rows, got.lane_gemm_rows, got.block_size) == (32, 16, 32)
     assert got.lane_sizes == (16, 32) and LaneNumerics.from_config(cfg, 0).lane_sizes == (32,)

@@ -48,15 +48,22 @@ def test_generate_serve_and_bench_offline_flags_agree() -> None:
     serve = _engine_flags(_subparser("serve"))
     bench = _engine_flags(bench_offline.build_parser())
     assert set(generate) == set(serve) == set(engine_options())
-    assert generate == serve
-    # bench_offline: the mode is per run (--modes) and the model a random-weight one
+    # one difference, on purpose: a served engine's length is concrete (the router's limits
+    # are built from it); offline it is the model's (None: EngineConfig.create reads it)
+    own = ("max_model_len",)
+    assert {k: v for k, v in generate.items() if k not in own} == {
+        k: v for k, v in serve.items() if k not in own}
+    assert generate["max_model_len"][1] is None and serve["max_model_len"][1] == 2048
+    # bench_offline: the mode is per run (--modes), the model a random-weight one, and the
+    # length the one its recorded runs used
     assert set(bench) == set(generate) - {"mode"}
-    assert {k: v for k, v in bench.items() if k != "model"} == {
-        k: v for k, v in generate.items() if k not in ("mode", "model")}
+    assert {k: v for k, v in bench.items() if k not in ("model", *own)} == {
+        k: v for k, v in generate.items() if k not in ("mode", "model", *own)}
     assert bench["model"] == (generate["model"][0], "random:tiny")
+    assert bench["max_model_len"][1] == 2048
     for name, (strings, default) in generate.items():
         assert strings[0] == "--" + name.replace("_", "-")
-        if name != "num_blocks":  # (None: EngineConfig.create chooses it)
+        if name not in ("num_blocks", "max_model_len"):  # (None: EngineConfig.create's)
             assert default == engine_options()[name].default
     assert generate["verify_window"][0] == ("--verify-window", "-W")
     assert generate["verify_group"][0] == ("--verify-group", "-G")
@@ -72,7 +79,8 @@ def test_parsed_flags_build_the_engine_config_and_the_serve_args() -> None:
 
     a = _subparser("generate").parse_args(
         ["--prompt", "x", "-W", "8", "-G", "2", "--no-lane-dot-sums", "--gumbel-chunk-rows",
-         "3", "--num-blocks", "300", "--no-lane-decode-in-mixed-steps", "--lane-sms", "16"])
+         "3", "--num-blocks", "300", "--max-model-len", "256",
+         "--no-lane-decode-in-mixed-steps", "--lane-sms", "16"])
     cfg = EngineConfig.create(a.model, **engine_kwargs(a))
     assert (cfg.scheduler.verify_window, cfg.scheduler.verify_group) == (8, 2)
     assert not cfg.lane_dot_sums and cfg.sampling.gumbel_chunk_rows == 3
@@ -92,7 +100,7 @@ def test_parsed_flags_build_the_engine_config_and_the_serve_args() -> None:
 def test_flag_types_follow_the_fields() -> None:
     """Booleans as --x/--no-x, optional values absent as None, choices from the config's
     validation constants; an option's value check names it."""
-    from detserve.config import DTYPES, MODES
+    from detserve.config import DTYPE_CHOICES, MODES
 
     p = argparse.ArgumentParser()
     add_flags(p, engine_options())
@@ -100,7 +108,7 @@ def test_flag_types_follow_the_fields() -> None:
     assert p.parse_args(["--no-async-scheduling"]).async_scheduling is False
     assert p.parse_args(["--prefill-batch-tokens", "7"]).prefill_batch_tokens == 7
     opts = engine_options()
-    assert opts["mode"].choices == MODES and opts["dtype"].choices == DTYPES
+    assert opts["mode"].choices == MODES and opts["dtype"].choices == DTYPE_CHOICES
     with pytest.raises(SystemExit):
         p.parse_args(["--mode", "turbo"])
     with pytest.raises(ValueError, match="lane_dot_sums"):
