@@ -60,7 +60,7 @@ class RouterService:
         self.metrics.links.set_function(lambda: len(links.attached))
         self.admission = Admission(limits.max_outstanding, limits.retry_after_s)
         self.dispatcher = Dispatcher(links, self.metrics)
-        self.health = DecoderHealth(decoder, self.metrics)
+        self.health = DecoderHealth(decoder, self.metrics, links)
 
     async def open(self, job: Job) -> OpenStream:
         """Raises APIError: 503 no decoder ready, 429 overloaded, 4xx/502 from the decoder."""

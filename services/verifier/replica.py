@@ -58,8 +58,8 @@ class VerifierReplica:
         """Raise if this replica cannot serve: Ray Serve then replaces it."""
         if self._closed or not self.servicer.serving:
             raise RuntimeError("verifier is shut down")
-        if not self.heartbeat.registered:
-            raise RuntimeError("the registration in Redis is not being refreshed")
+        if not self.heartbeat.alive:  # Redis away is not this replica's fault: it re-registers
+            raise RuntimeError("the registration heartbeat stopped")
         with self.auth.channel(self.address) as ch:
             reply = pb_grpc.VerifierStub(ch).Health(
                 pb.HealthRequest(), timeout=5.0,

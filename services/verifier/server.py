@@ -7,6 +7,8 @@ and builds a ``ModelRunner`` over it, cached per decoder and epoch. Then it answ
 lane pass, in order, with the runner's decisions; the lane writes its K/V in place into the
 decoder's pool. Passes of all streams run one at a time on a single lane thread (one
 device, one model copy), which also keeps the gRPC threads free for Health checks.
+While Redis is away, open streams go on and a decoder already attached at the same epoch
+may say hello again; a new one is refused with UNAVAILABLE until the registry answers.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
+import redis
 import torch
 
 from detserve.config import SamplerConfig
@@ -146,12 +149,21 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             handle = KVHandle.from_json(hello.kv_handle)
         except (ValueError, KeyError, TypeError) as e:
             raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV handle: {e}") from e
-        self._check_current(hello, handle)
-        self._check_compatible(hello, handle)
         with self._lock:
             cached = self._attached.get(hello.decoder_id)
-            if cached is not None and cached.epoch == hello.epoch and cached.handle == handle:
-                return cached.runner
+        known = cached is not None and cached.epoch == hello.epoch and cached.handle == handle
+        try:
+            self._check_current(hello, handle)
+        except redis.RedisError as e:
+            # Redis away: a decoder this verifier already attached at this very epoch and
+            # pool reconnects (a broken stream); anyone else waits until it can be checked
+            if not known:
+                raise HelloRefused(grpc.StatusCode.UNAVAILABLE,
+                                   f"the registry is unreachable: {e}") from e
+        self._check_compatible(hello, handle)
+        if known:
+            assert cached is not None
+            return cached.runner
         try:
             storage = open_kv(handle)
         except FileNotFoundError as e:
