@@ -297,8 +297,14 @@ class Heartbeat:
                                         daemon=True)
         self.last_ok = 0.0  # time.monotonic() of the last successful refresh
 
-    def start(self) -> Heartbeat:
-        self._refresh()
+    def start(self, required: bool = True) -> Heartbeat:
+        """Write the record and start refreshing it; ``required=False``: a Redis that does
+        not answer now is no error, the record is written once it does."""
+        try:
+            self._refresh()
+        except redis.RedisError:
+            if required:
+                raise
         self._thread.start()
         return self
 

@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+import ray
 import torch
 from serving_cluster import Cluster, G, W, serving_cluster
 
@@ -41,6 +42,8 @@ PERTURBATION = 0.2
 OUTAGE_S = 8.0       # Redis stays away this long: beyond a link's and a verifier's TTL (3 s)
 STREAM_TIMEOUT_S = 120.0  # a stream open when Redis died ends within this (no hang)
 RECOVERY_S = 5.0     # Redis back empty -> every record written again (heartbeats: 1 s)
+PROBE_S = 2.0        # the router's health probe period (services.router.health)
+UNAVAILABLE_S = 3 * PROBE_S  # requests would fail -> /health 503 within this
 LONG, SHORT = "Redis goes away while this streams", "After the outage"
 LONG_TOKENS, SHORT_TOKENS = 600, 24
 
@@ -155,6 +158,10 @@ def test_streams_and_new_requests_are_served_while_redis_is_away(
     statuses = [code for _, code in out["health"]]
     assert len(statuses) >= OUTAGE_S / 0.5 and set(statuses) == {200}, statuses
     assert out["grpc_health"].ready, out["grpc_health"].status
+    after = sum(len(e["choices"][0]["token_ids"]) for t, e in det if t > out["killed_at"])
+    print(f"\nredis away: the deterministic stream got {after} of {LONG_TOKENS} tokens after "
+          f"the kill; both streams done {out['streams_done_at'] - out['killed_at']:.2f} s "
+          f"after it; {len(statuses)} health probes, all 200", flush=True)
 
 
 def _recovered(registry: Registry) -> bool:
@@ -207,3 +214,53 @@ def test_cluster_recovers_by_itself_when_redis_comes_back_empty(
               f"deterministic request served {served_s:.2f} s after", flush=True)
     finally:
         registry.close()
+
+
+def _kill_verifiers() -> int:
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if "#Verifier#" in a["name"]]
+    for name in names:
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    return len(names)
+
+
+def _wait_health(client: httpx.Client, status: int, since: float, bound_s: float
+                 ) -> tuple[float, httpx.Response]:
+    while True:
+        resp = client.get("/health")
+        if resp.status_code == status:
+            return time.monotonic() - since, resp
+        assert time.monotonic() - since < bound_s, f"/health still {resp.status_code}: {resp.text}"
+        time.sleep(0.1)
+
+
+def test_health_turns_unavailable_when_verification_cannot_continue(
+        cluster: Cluster, offline: LLM) -> None:
+    """Redis away AND the verifier lost: no decoder can find another verifier, so
+    deterministic requests would fail: /health says so (503, ``no_verifier``) within
+    ``UNAVAILABLE_S``, while non-deterministic requests are still served. Redis back
+    (empty): the restarted verifier registers, /health is ready again within
+    ``RECOVERY_S`` + one probe period, and the decoder fails over to the new verifier (its
+    hello checked against the restored registry) with the same deterministic output."""
+    redis = cluster.redis
+    with httpx.Client(base_url=cluster.http_url, timeout=60) as client:
+        assert client.get("/health").status_code == 200
+        os.kill(redis.pid, signal.SIGKILL)
+        lost = time.monotonic()
+        assert _kill_verifiers() == 1
+        unavailable_s, health = _wait_health(client, 503, lost, UNAVAILABLE_S)
+        error = health.json()["error"]
+        assert error["code"] == "no_verifier" and "verif" in error["message"], error
+        resp = client.post("/v1/completions", json=body(cluster, SHORT, SHORT_TOKENS, False))
+        assert resp.status_code == 200, resp.text
+        redis.stop()
+        back = time.monotonic()
+        redis.start()
+        ready_s, _ = _wait_health(client, 200, back, RECOVERY_S + 2 * PROBE_S)
+        resp = client.post("/v1/completions", json=body(cluster, SHORT, SHORT_TOKENS, True))
+        served_s = time.monotonic() - back
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["token_ids"] == reference(offline, SHORT, SHORT_TOKENS)
+        print(f"\nredis and verifier lost: /health 503 after {unavailable_s:.2f} s; redis back "
+              f"empty: /health 200 after {ready_s:.2f} s, deterministic request served "
+              f"{served_s:.2f} s after", flush=True)

@@ -8,7 +8,9 @@ re-sends every pass still without a result, in submission order. Re-running a pa
 safe: a request in the lane is touched by nothing else, so the same rows give the same K/V
 bits and the same decisions. Results only ever come from a verifier; if none can be had,
 ``poll`` raises ``VerifierUnavailable`` and the engine stops instead of committing
-anything unverified.
+anything unverified. A stream that breaks with no pass in flight is only dropped: the next
+pass finds a verifier, so an engine serving only non-deterministic requests meanwhile
+never waits for one.
 
 Redis is needed only to find a verifier (a hello is checked against the registry): while
 Redis is away an open stream goes on verifying, the block tables wait to be published, and
@@ -129,9 +131,11 @@ class RemoteVerifier:
         return self._stream.verifier if self._stream else None
 
     @property
-    def connected(self) -> bool:
-        """A verifier stream is open: deterministic requests can be verified now."""
-        return self._stream is not None
+    def ready(self) -> bool:
+        """Deterministic requests can be verified now: a verifier stream is open, or a
+        failover would find a usable verifier in the registry. Safe from any thread."""
+        stream = self._stream
+        return (stream is not None and stream.open) or bool(self._candidates())
 
     def keep_registered(self, ttl_s: float = 3.0) -> None:
         """Keep this decoder's epoch and record in Redis (written again after Redis lost
@@ -232,8 +236,10 @@ class RemoteVerifier:
                 continue
             current = self._stream is not None and gen == self._stream.generation
             if isinstance(event, Closed):
-                if current:
+                if current and self._pending:
                     self._failover(f"stream closed: {event.code}: {event.details}")
+                elif current:  # nothing to verify now: the next pass finds a verifier
+                    self._drop_stream(f"stream closed: {event.code}: {event.details}")
             else:
                 self._take(event)
 
@@ -250,14 +256,16 @@ class RemoteVerifier:
             if self._pending.pop(result.pass_id, None) is not None:
                 self._ready.append(result)
 
-    def _failover(self, reason: str) -> None:
-        old = self._stream
-        self._stream = None
+    def _drop_stream(self, reason: str) -> None:
+        old, self._stream = self._stream, None
         if old is not None:
-            log.warning("verifier %s lost (%s); failing over with %d passes in flight",
-                        old.verifier.address, reason, len(self._pending))
+            log.warning("verifier %s lost (%s); %d passes in flight", old.verifier.address,
+                        reason, len(self._pending))
             self._bad[old.verifier.address] = time.monotonic()
             old.close()
+
+    def _failover(self, reason: str) -> None:
+        self._drop_stream(reason)
         self.failovers += 1
         self.resent_passes += len(self._pending)
         self.connect()

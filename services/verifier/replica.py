@@ -46,7 +46,9 @@ class VerifierReplica:
         self.record = VerifierRecord(self.verifier_id, f"{advertise}:{self.server.port}",
                                      socket.gethostname(), device, info.weights_hash)
         self.server.gate.allow(self.record.address)  # where decoders dial it
-        self.heartbeat = Heartbeat(self.registry, self.record, ttl_s).start()
+        # a replica (re)started while Redis is away does not fail to start: it registers
+        # as soon as Redis answers
+        self.heartbeat = Heartbeat(self.registry, self.record, ttl_s).start(required=False)
         self._closed = False
         log.info("verifier %s serving %s on %s", self.verifier_id, info.name, self.record.address)
 
