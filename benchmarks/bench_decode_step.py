@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_offline import add_fused_flags, hardware
+from benchmarks.bench_offline import hardware
 from benchmarks.stream_profile import kernel_key
 from detserve.config import EngineConfig
 from detserve.engine import LLMEngine
+from detserve.flags import add_flags, engine_kwargs, engine_options
 from detserve.model.random_init import random_model
 from detserve.params import SamplingParams
 
@@ -97,26 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--mode", default="nondeterministic", choices=("nondeterministic", "llm42"))
-    p.add_argument("--eager", action="store_true", help="no CUDA graphs (launch-bound baseline)")
-    p.add_argument("--lane-attention-split", type=int, default=0,
-                   help="llm42: the lane attention kernel's split size (0: no split)")
-    p.add_argument("--lane-full-tiles", action=argparse.BooleanOptionalAction, default=True,
-                   help="llm42: the lane kernel runs whole KV tiles unmasked (the same bits)")
-    p.add_argument("--aligned-decode-lane", default=EngineConfig.aligned_decode_lane,
-                   metavar="BLOCK_M:NUM_WARPS:NUM_STAGES",
-                   help="llm42: the lane kernel's query tile and launch for the decode rows "
-                        "('': the lane's own; auto: 16:2:3 with dot sums)")
-    add_fused_flags(p)
-    p.add_argument("--plain-decode-graphs", action="store_true",
-                   help="llm42: the requests here are not deterministic, so with this the steps "
-                        "replay the plain fast path's graphs as in serving; without it (the "
-                        "default here) the aligned ones, which a step with a deterministic "
-                        "decode row replays")
-    p.add_argument("--no-align", action="store_true",
-                   help="split-KV decode attention for every context (no lane-kernel decode)")
-    p.add_argument("--sync", action="store_true",
-                   help="read each step's tokens before planning the next (no asynchronous "
-                        "scheduling: the host's work between steps is not hidden)")
+    # the engine options this benchmark varies, as every command names them; the requests
+    # here are not deterministic, so by default the steps replay the aligned graphs (those
+    # a step with a deterministic decode row replays), --plain-decode-graphs the plain ones
+    opts = engine_options()
+    add_flags(p, {k: opts[k] for k in ("cuda_graphs", "align_fast_path", "lane_full_tiles",
+                                       "aligned_decode_lane", "fused_silu_mul",
+                                       "fused_add_rmsnorm", "plain_decode_graphs",
+                                       "async_scheduling")},
+              defaults={"plain_decode_graphs": False})
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile the steps: GPU kernel time per step and the "
                         "kernels that take it (shows launch gaps and the slowest kernels)")
@@ -138,14 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                                   max_num_seqs=bsz, max_model_len=a.context + gen + 8,
                                   num_blocks=bsz * (a.context + gen + 32) // 16 + 64,
                                   max_num_batched_tokens=budget,
-                                  cuda_graphs=not a.eager, align_fast_path=not a.no_align,
-                                  lane_attention_split=a.lane_attention_split,
-                                  lane_full_tiles=a.lane_full_tiles,
-                                  aligned_decode_lane=a.aligned_decode_lane,
-                                  fused_silu_mul=a.fused_silu_mul,
-                                  fused_add_rmsnorm=a.fused_add_rmsnorm,
-                                  plain_decode_graphs=a.plain_decode_graphs,
-                                  async_scheduling=False if a.sync else None)
+                                  **engine_kwargs(a, skip=("model", "mode", "device")))
         eng = LLMEngine(cfg, loaded=loaded)
         for i in range(bsz):
             eng.add_request(str(i), None, SamplingParams(max_tokens=gen + 4, ignore_eos=True,

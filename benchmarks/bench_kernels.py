@@ -100,9 +100,6 @@ LANE_SWEEP = [
     LaneConfig(tile=64, block_m=16, num_warps=1, num_stages=3),
     LaneConfig(tile=64, block_m=16, num_warps=1, num_stages=4),
     LaneConfig(tile=64, block_m=128, num_warps=8, num_stages=3),
-    # fixed split sizes: other bits past the first split by design (so "other bits" there)
-    LaneConfig(tile=64, block_m=64, num_warps=4, num_stages=3, split=128),
-    LaneConfig(tile=64, block_m=64, num_warps=4, num_stages=3, split=256),
     # every tile masked (full_tiles off): the default's bits, slower
     LaneConfig(tile=64, block_m=64, num_warps=4, num_stages=3, full_tiles=False),
     LaneConfig(tile=64, block_m=16, num_warps=1, num_stages=2, full_tiles=False),

@@ -38,6 +38,7 @@ from benchmarks.bench_offline import hardware
 from detserve.config import EngineConfig
 from detserve.engine import LLMEngine
 from detserve.executor.attention import RowSegment
+from detserve.flags import add_flags, engine_options
 from detserve.model.random_init import random_model
 from detserve.params import SamplingSpec
 
@@ -91,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--verify-window", "-W", type=int, default=64)
     p.add_argument("--verify-group", "-G", type=int, default=8)
-    p.add_argument("--eager-steps", action="store_true",
-                   help="run the step eagerly, not as a step graph (cuda_graph_step_rows=0)")
+    # 0 runs the step eagerly, not as a step graph (the option as every command names it)
+    add_flags(p, {"cuda_graph_step_rows": engine_options()["cuda_graph_step_rows"]})
     p.add_argument("--profile", action="store_true",
                    help="also the GPU kernel time per step and the top kernels (CUDA)")
     p.add_argument("--out", default=None, help="JSON path")
@@ -116,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                                   max_num_batched_tokens=max(2048, a.decode_rows + a.prefill_tokens),
                                   max_model_len=max(a.context, a.prefill_tokens) + 64,
                                   num_blocks=blocks + 1, block_size=BLOCK,
-                                  cuda_graph_step_rows=(0 if a.eager_steps else
-                                                        EngineConfig.cuda_graph_step_rows))
+                                  cuda_graph_step_rows=a.cuda_graph_step_rows)
         t0 = time.perf_counter()
         eng = LLMEngine(cfg, loaded=loaded)
         start_s = time.perf_counter() - t0  # with graph capture and the alignment probes

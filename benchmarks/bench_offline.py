@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 from benchmarks.stream_profile import cuda_kernels, describe, stream_summary
-from detserve.config import EngineConfig, SamplerConfig, SchedulerConfig
+from detserve.config import EngineConfig
 from detserve.engine import LLMEngine
+from detserve.flags import add_engine_flags, engine_kwargs, engine_options
 from detserve.kernels.config import TABLE, lane_variant
 from detserve.model.loader import load_model, resolve_dtype
 from detserve.model.random_init import random_model
@@ -88,44 +89,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
             profile: tuple[int, int] | None = None) -> dict[str, Any]:
     """One engine run. Prompts are random tokens of ``shapes``' lengths, or ``prompts``.
     ``profile`` (a, b): record the GPU kernels of engine steps a..b-1 (``stream_profile``)."""
-    cfg = EngineConfig.create(args.model, mode, device=args.device, dtype=args.dtype,
-                              gumbel_chunk_rows=args.gumbel_chunk_rows,
-                              gumbel_kernel=args.gumbel_kernel,
-                              logprob_kernel=args.logprob_kernel,
-                              verify_window=args.verify_window, verify_group=args.verify_group,
-                              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                              max_num_batched_tokens=args.max_num_batched_tokens,
-                              num_blocks=args.num_blocks, seed=args.seed,
-                              align_fast_path=not args.no_align,
-                              lane_gemm_rows=args.lane_gemm_rows,
-                              lane_bound_fraction=args.lane_bound_fraction,
-                              parked_seq_headroom=args.parked_seq_headroom,
-                              lane_prefill_ahead=args.lane_prefill_ahead,
-                              lane_prefill_lookahead=args.lane_prefill_lookahead,
-                              lane_partial_windows=args.lane_partial_windows,
-                              lane_partial_fill=args.lane_partial_fill,
-                              lane_priority=args.lane_priority, lane_sms=args.lane_sms,
-                              sm_carveout=args.sm_carveout, blas_library=args.blas_library,
-                              lane_overlap=args.lane_overlap,
-                              lane_riders=args.lane_riders,
-                              lane_decode_in_mixed_steps=not args.lane_decode_sits_out,
-                              pipeline_lane_prefill=not args.no_pipeline_lane_prefill,
-                              decode_past_queued_windows=not args.no_decode_past_queued_windows,
-                              lane_max_wait_steps=args.lane_max_wait_steps,
-                              prefill_batch_tokens=args.prefill_batch_tokens,
-                              probe_single_calls=not args.no_single_calls,
-                              lane_one_calls=not args.no_lane_one_calls,
-                              lane_size_step=args.lane_size_step,
-                              lane_attention_split=args.lane_attention_split,
-                              lane_full_tiles=args.lane_full_tiles,
-                              aligned_decode_lane=args.aligned_decode_lane,
-                              lane_dot_sums=args.lane_dot_sums,
-                              fused_silu_mul=args.fused_silu_mul,
-                              fused_add_rmsnorm=args.fused_add_rmsnorm,
-                              plain_decode_graphs=args.plain_decode_graphs,
-                              async_scheduling=False if args.sync_scheduling else None,
-                              cuda_graph_step_rows=(0 if args.eager_steps else
-                                                    EngineConfig.cuda_graph_step_rows))
+    cfg = EngineConfig.create(args.model, mode, **engine_kwargs(args))
     engine = LLMEngine(cfg, loaded=loaded)
     vocab = engine.model.config.vocab_size
     rng = random.Random(args.seed)
@@ -166,7 +130,6 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     buckets = engine.alignment.buckets if engine.alignment else None
     lane_sizes = engine.runner.lane_sizes() if engine.scheduler.cfg.uses_lane else None
     async_scheduling = engine.async_scheduling
-    lane_riders = bool(engine.lane_riders)
     prefill_batch_tokens = engine.scheduler.cfg.prefill_batch_tokens
     engine.close()
     del engine
@@ -179,27 +142,23 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     return {
         "mode": mode, "deterministic_ratio": ratio, "num_requests": len(shapes),
         "verify_window": args.verify_window, "verify_group": args.verify_group,
-        "align_fast_path": not args.no_align, "lane_gemm_rows": gemm_rows,
-        "single_calls": not args.no_single_calls,
+        "align_fast_path": args.align_fast_path, "lane_gemm_rows": gemm_rows,
+        "single_calls": args.probe_single_calls,
         "lane_one_calls": one_call,
         "lane_sizes": lane_sizes,
-        "pipeline_lane_prefill": not args.no_pipeline_lane_prefill,
-        "decode_past_queued_windows": not args.no_decode_past_queued_windows,
+        "pipeline_lane_prefill": args.pipeline_lane_prefill,
+        "decode_past_queued_windows": args.decode_past_queued_windows,
         "lane_max_wait_steps": args.lane_max_wait_steps,
         "parked_seq_headroom": args.parked_seq_headroom,
         "lane_prefill_ahead": args.lane_prefill_ahead,
         "lane_prefill_lookahead": args.lane_prefill_lookahead,
         "lane_partial_windows": args.lane_partial_windows,
-        "lane_partial_fill": args.lane_partial_fill,
         "variant": getattr(args, "variant", ""),
         "prefill_batch_tokens": prefill_batch_tokens,
         "prefill_held_steps": stats["prefill_held_steps"],
         "parked_admissions": stats["parked_admissions"],
         "lane_ahead_admissions": stats["lane_ahead_admissions"],
         "partial_windows": stats["partial_windows"],
-        "partial_fill_passes": stats["partial_fill_passes"],
-        "lane_riders": lane_riders,
-        "rider_passes": stats["rider_passes"], "rider_rows": stats["rider_rows"],
         "seq_capped_steps": stats["seq_capped_steps"],
         "duration_s": elapsed,
         "request_throughput": len(shapes) / elapsed,
@@ -293,124 +252,25 @@ def profile_range(text: str) -> tuple[int, int]:
     return a, b
 
 
-def add_fused_flags(p: argparse.ArgumentParser) -> None:
-    """--fused-silu-mul / --fused-add-rmsnorm (EngineConfig's, on by default; --no-... for
-    torch's kernels, the same bits), shared by the benchmarks that build an engine."""
-    p.add_argument("--fused-silu-mul", action=argparse.BooleanOptionalAction,
-                   default=EngineConfig.fused_silu_mul,
-                   help="CUDA: SiLU-and-multiply as one Triton kernel "
-                        "(EngineConfig.fused_silu_mul)")
-    p.add_argument("--fused-add-rmsnorm", action=argparse.BooleanOptionalAction,
-                   default=EngineConfig.fused_add_rmsnorm,
-                   help="CUDA: the residual add in the RMSNorm's kernel "
-                        "(EngineConfig.fused_add_rmsnorm)")
-
-
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="random:tiny", help="model spec, or random:<shape>")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    # the engine's options (one flag each, as ``detserve generate`` has them), the model a
+    # random-weight one by default, the mode per run (--modes)
+    add_engine_flags(p, skip=("mode",), defaults={"model": "random:tiny", "max_model_len": 2048})
     p.add_argument("--modes", default="nondeterministic,batch_invariant,llm42")
     p.add_argument("--ratios", default="0,0.1,1.0", help="deterministic ratios for llm42")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--lengths", default="fixed", choices=["fixed", "sharegpt"])
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--verify-window", "-W", type=int, default=64)
-    p.add_argument("--verify-group", "-G", type=int, default=8)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-align", action="store_true",
-                   help="CUDA: no fast-path/lane alignment (split-KV decode, whole-pass lane GEMMs)")
-    p.add_argument("--lane-gemm-rows", type=int, default=0,
-                   help="CUDA: the lane's GEMM row chunk (0: chosen by probing cuBLAS)")
-    p.add_argument("--plain-decode-graphs", action=argparse.BooleanOptionalAction,
-                   default=EngineConfig.plain_decode_graphs,
-                   help="CUDA, llm42: decode steps with no deterministic row replay the plain "
-                        "fast path's graphs, not the aligned ones")
-    p.add_argument("--no-single-calls", action="store_true",
-                   help="CUDA: eager steps split every product around lane decode rows (no "
-                        "probe of the step sizes that may run unsplit)")
-    p.add_argument("--lane-priority", choices=("high", "normal", "low"), default="high",
-                   help="CUDA stream priority of the lane")
-    p.add_argument("--lane-riders", action=argparse.BooleanOptionalAction,
-                   default=EngineConfig.lane_riders,
-                   help="llm42: a step that plans a lane pass runs its decode rows in the "
-                        "pass's padding rows (EngineConfig.lane_riders, off by default)")
-    p.add_argument("--lane-overlap", action=argparse.BooleanOptionalAction,
-                   default=EngineConfig.lane_overlap,
-                   help="lane passes beside the fast path's steps (--no-lane-overlap: each "
-                        "pass runs alone, the next step waits for it; EngineConfig.lane_overlap)")
-    p.add_argument("--lane-sms", type=int, default=None,
-                   help="run the lane in a green context of this many SMs")
-    p.add_argument("--sm-carveout", type=int, default=None,
-                   help="cuBLAS picks GEMM kernels for this many SMs fewer than the GPU has "
-                        "(EngineConfig.sm_carveout; pair it with --lane-sms)")
-    p.add_argument("--blas-library", default=EngineConfig.blas_library,
-                   choices=["default", "cublas", "cublaslt"],
-                   help="torch's preferred BLAS library (EngineConfig.blas_library)")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="Python's thread switch interval in seconds (sys.setswitchinterval): "
                         "how long the engine thread may hold the GIL while the lane thread "
                         "waits for it")
-    p.add_argument("--lane-decode-sits-out", action="store_true",
-                   help="deterministic sequences' decode rows sit out every other step that "
-                        "carries prefill rows (lane_decode_in_mixed_steps=False)")
-    p.add_argument("--no-pipeline-lane-prefill", action="store_true",
-                   help="send a deterministic prompt's next chunk to the lane only after the "
-                        "previous one came back (pipeline_lane_prefill=False)")
-    p.add_argument("--no-decode-past-queued-windows", action="store_true",
-                   help="a full window waiting for the lane pass to fill stalls its sequence "
-                        "and waits at most lane_max_wait_steps steps (decode_past_queued_windows="
-                        "False)")
-    p.add_argument("--prefill-batch-tokens", type=int, default=None,
-                   help="new prompts wait (decode-only steps) until this many of their tokens "
-                        "are pending, at most prefill_max_wait_steps steps; 0: never (default: "
-                        "max_num_batched_tokens // 4 on CUDA, 0 on CPU)")
-    p.add_argument("--no-lane-one-calls", action="store_true",
-                   help="CUDA: the lane runs every product chunk by chunk, even where one call "
-                        "over the pass was probed to give the same bits (lane_one_calls=False)")
-    p.add_argument("--lane-size-step", type=int, default=0,
-                   help="CUDA, with lane one calls: lane pass sizes between the GEMM chunk's "
-                        "multiples, in steps of this many rows; 0: only the multiples")
-    p.add_argument("--lane-attention-split", type=int, default=0,
-                   help="CUDA: the lane attention kernel's split size in positions, for the "
-                        "lane and the fast path's aligned decode rows (0: no split)")
-    p.add_argument("--lane-full-tiles", action=argparse.BooleanOptionalAction, default=True,
-                   help="CUDA: the lane attention kernel runs whole KV tiles unmasked "
-                        "(EngineConfig.lane_full_tiles; the same bits either way)")
-    p.add_argument("--aligned-decode-lane", default=EngineConfig.aligned_decode_lane,
-                   metavar="BLOCK_M:NUM_WARPS:NUM_STAGES",
-                   help="CUDA, llm42: the lane kernel's query tile and launch for the fast "
-                        "path's decode rows ('': the lane's own; auto: 16:2:3 with dot sums; "
-                        "without dot sums worth it only where bench_kernels' lane sweep "
-                        "says it keeps the lane's bits)")
-    p.add_argument("--lane-dot-sums", action=argparse.BooleanOptionalAction,
-                   default=EngineConfig.lane_dot_sums,
-                   help="CUDA: the lane kernel sums probabilities with a matrix product "
-                        "(EngineConfig.lane_dot_sums; other bits, the same for every query "
-                        "tile)")
-    add_fused_flags(p)
-    p.add_argument("--lane-max-wait-steps", type=int,
-                   default=SchedulerConfig.lane_max_wait_steps,
-                   help="llm42: steps a lane pass waits to fill once work is ready for it (a "
-                        "deterministic prompt does not decode until its chunks are in the "
-                        "lane: its wait is that sequence's stall)")
     p.add_argument("--variants", default=None,
                    help="llm42 runs once per variant, each a comma list of flag=value "
                         "(argparse names), variants split by ';', e.g. "
-                        "'lane_max_wait_steps=8;lane_max_wait_steps=16,lane_size_step=32'")
-    p.add_argument("--eager-steps", action="store_true",
-                   help="CUDA: steps that carry prompt chunks run eagerly, not as graphs "
-                        "(cuda_graph_step_rows=0)")
-    p.add_argument("--sync-scheduling", action="store_true",
-                   help="read each step's tokens before planning the next "
-                        "(async_scheduling=False; by default on CUDA the next step is queued "
-                        "first)")
+                        "'lane_max_wait_steps=8;lane_max_wait_steps=16,lane_one_calls=0'")
     p.add_argument("--profile-steps", type=profile_range, default=None, metavar="A:B",
                    help="CUDA: profile engine steps A..B-1 of every timed run and report GPU "
                         "kernel time per stream (lane vs fast path) and their overlap; the "
@@ -419,33 +279,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the whole list of modes this many times, interleaved; the "
                         "summary gives each mode's median (two identical runs can differ "
                         "by 10 %% and more on a GPU)")
-    p.add_argument("--lane-bound-fraction", type=float,
-                   default=SchedulerConfig.lane_bound_fraction,
-                   help="give a step to the lane pass in flight when more than this share of "
-                        "sequences wait on the lane (1: never)")
-    p.add_argument("--lane-prefill-ahead", type=int, default=SchedulerConfig.lane_prefill_ahead,
-                   help="llm42: a lane pass's spare rows take the prompts of deterministic "
-                        "requests still queued, at most this many prefilling at once "
-                        "(SchedulerConfig.lane_prefill_ahead; 0: off)")
-    p.add_argument("--lane-prefill-lookahead", type=int,
-                   default=SchedulerConfig.lane_prefill_lookahead,
-                   help="--lane-prefill-ahead takes prompts among the first this many queued "
-                        "requests "
-                        "(SchedulerConfig.lane_prefill_lookahead)")
-    p.add_argument("--lane-partial-windows", action=argparse.BooleanOptionalAction,
-                   default=SchedulerConfig.lane_partial_windows,
-                   help="llm42: a pass's spare rows carry partial windows of sequences in "
-                        "the middle of one (SchedulerConfig.lane_partial_windows)")
-    p.add_argument("--lane-partial-fill", action=argparse.BooleanOptionalAction,
-                   default=SchedulerConfig.lane_partial_fill,
-                   help="with --lane-partial-windows: a pass goes out once windows, prompts "
-                        "and mid-window candidates fill the lane "
-                        "(SchedulerConfig.lane_partial_fill)")
-    p.add_argument("--parked-seq-headroom", type=float,
-                   default=SchedulerConfig.parked_seq_headroom,
-                   help="llm42: admit up to this share of max-num-seqs more sequences while "
-                        "as many are parked on the lane (0: every running sequence holds a "
-                        "batch slot)")
     p.add_argument("--trace", default=None,
                    help="loadgen JSONL trace (real prompts, e.g. ShareGPT); overrides --lengths")
     p.add_argument("--warmup-requests", type=int, default=4,
@@ -456,22 +289,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="every request's temperature (0: greedy); sampled requests are "
                         "seeded by the engine's seed")
     p.add_argument("--top-k", type=int, default=0, help="every request's top-k (0: off)")
-    p.add_argument("--gumbel-chunk-rows", type=int, default=SamplerConfig.gumbel_chunk_rows,
-                   help="CUDA: sampled rows (no top-p; with logprobs only with "
-                        "--logprob-kernel) picked this many at a time "
-                        "(SamplerConfig.gumbel_chunk_rows); 0: row by row")
-    p.add_argument("--gumbel-kernel", action=argparse.BooleanOptionalAction,
-                   default=SamplerConfig.gumbel_kernel,
-                   help="CUDA: those rows in one Triton pass (SamplerConfig.gumbel_kernel); "
-                        "--no-gumbel-kernel: torch's kernels, --gumbel-chunk-rows at a time")
-    p.add_argument("--logprob-kernel", action=argparse.BooleanOptionalAction,
-                   default=SamplerConfig.logprob_kernel,
-                   help="CUDA: rows with logprobs picked many at a time too, their logprobs "
-                        "from one kernels.logprobs pass (SamplerConfig.logprob_kernel)")
     p.add_argument("--logprobs", type=int, default=None,
                    help="every request's number of top logprobs (default: none)")
     p.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (1: off)")
     p.add_argument("--out", default=None, help="JSON path (markdown written beside it)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.profile_steps and not str(args.device).startswith("cuda"):
         p.error("--profile-steps needs --device cuda (it reports CUDA kernels)")
@@ -539,12 +365,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'':>16} lane: {r['verify_passes']} passes, "
                   f"{r['lane_rows_computed_per_pass']:.0f} rows computed a pass, "
                   f"{r['lane_computed_padding_fraction']:.1%} of them padding, "
-                  f"{r['lane_seconds']:.2f} s; {r['rider_passes']:.0f} passes carried "
-                  f"{r['rider_rows']:.0f} decode rows; {r['parked_admissions']:.0f} admissions in "
+                  f"{r['lane_seconds']:.2f} s; {r['parked_admissions']:.0f} admissions in "
                   f"parked sequences' slots, {r['seq_capped_steps']:.0f} steps full at "
                   f"max-num-seqs; {r['lane_ahead_admissions']:.0f} prompts admitted ahead "
-                  f"into spare lane rows; {r['partial_windows']:.0f} partial windows, "
-                  f"{r['partial_fill_passes']:.0f} passes they filled",
+                  f"into spare lane rows; {r['partial_windows']:.0f} partial windows",
                   flush=True)
         if r.get("profile"):
             for line in describe(r["profile"]):
@@ -571,9 +395,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def parse_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
     """``args`` once per ``--variants`` entry, with its flags set (values parsed as the
-    flag's current type) and ``variant`` naming it; ``[args]`` without the option."""
+    engine option's declared type, else as the flag's current type) and ``variant`` naming
+    it; ``[args]`` without the option."""
     if not args.variants:
         return [args]
+    declared = {name: o.type for name, o in engine_options().items()}
     out = []
     for spec in args.variants.split(";"):
         over: dict[str, Any] = {}
@@ -583,16 +409,17 @@ def parse_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
             if name not in vars(args) or name in ("variants", "out") or not text:
                 raise SystemExit(f"--variants: {part!r} is not flag=value of a known flag")
             cur, text = getattr(args, name), text.strip()
-            if isinstance(cur, bool):
+            kind = declared.get(name, type(cur) if cur is not None else None)
+            if kind is bool:
                 over[name] = text not in ("0", "false", "no", "off")
-            elif cur is None:  # (flags without a default here take numbers)
+            elif kind is None:  # (flags without a default here take numbers)
                 over[name] = int(text) if text.lstrip("-").isdigit() else text
             else:
                 try:
-                    over[name] = type(cur)(text)
+                    over[name] = kind(text)
                 except ValueError:
                     raise SystemExit(f"--variants: {part!r}: {name} takes a "
-                                     f"{type(cur).__name__}") from None
+                                     f"{kind.__name__}") from None
         out.append(argparse.Namespace(**{**vars(args), **over, "variant": spec.strip()}))
     return out
 

@@ -30,8 +30,6 @@
 #                                     # (EngineConfig.fused_silu_mul / fused_add_rmsnorm): GPU
 #                                     # tests (the unfused bits?), decode steps per fusion, the
 #                                     # 10 % workload without/with both
-#   benchmarks/gpu_suite.sh split     # the lane attention split (S=${SPLIT:-256}): its GPU tests,
-#                                     # kernel sweep, llm42 decode step, 10 % target without/with
 # Results go to ${OUT:-results/gpu}; the SmolLM2 GGUF path comes from $SMOLLM2 (default:
 # the local cache, fetched once).
 set -uo pipefail
@@ -54,7 +52,7 @@ case "${1:-}" in
   smoke)
     python -m pytest -q -m gpu tests/test_gpu_engine.py tests/test_kernels_*.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
     python -m benchmarks.bench_decode_step --out "$out/decode-step.json" 2>&1 | tail -6
-    python -m benchmarks.bench_decode_step --eager --batches 1,64 --steps 10 \
+    python -m benchmarks.bench_decode_step --no-cuda-graphs --batches 1,64 --steps 10 \
       --out "$out/decode-step-eager.json" 2>&1 | tail -3 ;;
   kernels)
     timeout 240 python -m benchmarks.bench_kernels --out "$out/kernels.json" 2>&1 | tail -40 ;;
@@ -84,13 +82,13 @@ case "${1:-}" in
     python -m pytest -q -m gpu tests/test_gpu_engine.py 2>&1 | tee "$out/gpu_engine_tests.log" | tail -8 ;;
   align-step)
     python -m benchmarks.bench_decode_step --out "$out/decode-step.json" 2>&1 | tail -6
-    python -m benchmarks.bench_decode_step --no-align --batches 1,64 --out "$out/decode-step-split.json" 2>&1 | tail -3
+    python -m benchmarks.bench_decode_step --no-align-fast-path --batches 1,64 --out "$out/decode-step-split.json" 2>&1 | tail -3
     python -m benchmarks.bench_decode_step --context 2048 --batches 1,8,64 --out "$out/decode-step-ctx2048.json" 2>&1 | tail -4 ;;
   align-smol)
     python -m benchmarks.probe_gemm_classes --model "$smol" --out "$out/gemm-classes-smollm2.json" 2>&1 | tail -8
     common=(--model "$smol" --device cuda --dtype bfloat16 --trace "${TRACE:?a loadgen ShareGPT trace}"
             --num-requests "${NREQ:-512}" --max-num-seqs 128 --num-blocks 16384)
-    python -m benchmarks.bench_offline "${common[@]}" --modes llm42 --ratios 1.0 --no-align \
+    python -m benchmarks.bench_offline "${common[@]}" --modes llm42 --ratios 1.0 --no-align-fast-path \
       --out "$out/table4-smollm2-unaligned.json" 2>&1 | tail -3
     python -m benchmarks.bench_offline "${common[@]}" --modes nondeterministic,llm42 \
       --ratios 0.02,0.05,0.1,0.2,0.5,1.0 --out "$out/table4-smollm2.json" 2>&1 | tail -9
@@ -166,15 +164,5 @@ case "${1:-}" in
         --warmup-requests 256 --modes nondeterministic,llm42 --ratios 0.1 "${flags[@]}" \
         --out "$out/offline-10pct-$v.json" 2>&1 | grep "tok/s" | sed "s/^/$v: /"
     done ;;
-  split)
-    s=${SPLIT:-256}
-    python -m pytest -q -m gpu tests/test_kernels_lane_attention.py tests/test_gpu_engine.py \
-      -k "split or aligned_fast_path_alone or dvr_equals" 2>&1 | tee "$out/split_tests.log" | tail -3
-    lane_sweep
-    for x in 0 "$s"; do
-      python -m benchmarks.bench_decode_step --mode llm42 --batches 64,128 --lane-attention-split "$x" \
-        --out "$out/decode-step-llm42-split$x.json" 2>&1 | grep batch
-    done
-    offline10 "lane_attention_split=0;lane_attention_split=$s" split ;;
-  *) sed -n 2,31p "$0"; exit 2 ;;
+  *) sed -n 2,29p "$0"; exit 2 ;;
 esac

@@ -10,7 +10,8 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from detserve.config import DEFAULT_MAX_MODEL_LEN_CAP, DTYPE_CHOICES, MODES
+from detserve.flags import add_engine_flags
+from detserve.flags import engine_kwargs as flag_values
 
 Handler = Callable[[argparse.Namespace], int]
 Subcommand = Callable[[str, str, Callable[[argparse.ArgumentParser], None]],
@@ -18,31 +19,14 @@ Subcommand = Callable[[str, str, Callable[[argparse.ArgumentParser], None]],
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags shared by every command that builds an engine."""
-    p.add_argument("--model", default="smollm2",
-                   help="HF folder, .gguf file, or 'smollm2' (fetched once; default)")
-    p.add_argument("--mode", default="llm42", choices=MODES)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="auto (default): float32 on CPU; on CUDA the checkpoint's bfloat16 or "
-                        "float16, else bfloat16")
-    p.add_argument("--verify-window", "-W", type=int, default=64, help="W: rows per window")
-    p.add_argument("--verify-group", "-G", type=int, default=8, help="G: windows per lane pass")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="default: the model's positions, at most "
-                        f"{DEFAULT_MAX_MODEL_LEN_CAP}")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--fastpath-perturbation", type=float, default=0.0,
-                   help="fault injection: probability of corrupting a fast-path candidate")
-    p.add_argument("--seed", type=int, default=0)
+    """Engine flags shared by every command that builds an engine: one per engine option
+    (``detserve.flags``)."""
+    add_engine_flags(p)
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
-    return dict(mode=a.mode, device=a.device, dtype=a.dtype, verify_window=a.verify_window,
-                verify_group=a.verify_group, max_model_len=a.max_model_len,
-                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                fastpath_perturbation=a.fastpath_perturbation, seed=a.seed)
+    """The engine options of parsed flags, for ``LLM(a.model, **...)``."""
+    return flag_values(a)
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:

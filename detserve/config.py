@@ -1,15 +1,20 @@
-"""Engine configuration: one frozen dataclass per component, validated on construction."""
+"""Engine configuration: one frozen dataclass per component, validated on construction.
+
+Every option is declared here once, as a field whose metadata carries its help text
+(``opt(default, "help")``); ``detserve/flags.py`` turns the fields into command-line flags
+(``--field-name``), so ``detserve generate``, ``detserve serve`` and the benchmarks share
+names and defaults. Measurements behind the defaults are in docs/benchmarks/.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from detserve.kernels.config import TABLE, lane_variant  # (no triton: table and checks only)
 
 MODES = ("llm42", "nondeterministic", "batch_invariant", "lane_only")
-BLAS_LIBRARIES = ("default", "cublas", "cublaslt")
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto", *DTYPES)  # what callers may ask for; ``EngineConfig.create`` resolves
 # max_model_len when none is given: the model's positions, but no more than this. The KV
@@ -19,12 +24,27 @@ DTYPE_CHOICES = ("auto", *DTYPES)  # what callers may ask for; ``EngineConfig.cr
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 log = logging.getLogger(__name__)
 
+DEFAULT_MODEL = "smollm2"
+MODE_HELP = ("llm42 (decode-verify-rollback), nondeterministic, batch_invariant or "
+             "lane_only (every deterministic token through the lane: the oracle)")
+
+
+def opt(default: Any, help: str, **metadata: Any) -> Any:
+    """A config field with a default and its help text (``metadata["help"]``); further
+    metadata: ``choices`` (the values validation accepts), ``short`` (a short flag)."""
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("mutable defaults need a default_factory")
+    return field(default=default, metadata={"help": help, **metadata})
+
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    num_blocks: int = 1024  # block 0 is reserved as the padding rows' scratch block
-    enable_prefix_caching: bool = True  # share lane-computed prompt blocks (lane seqs only)
+    block_size: int = opt(16, "KV cache block size in tokens (a power of two)")
+    num_blocks: int = opt(1024, "KV cache blocks; block 0 is the padding rows' scratch "
+                                "block (EngineConfig.create: enough for a full lane of "
+                                "max_model_len sequences when not given)")
+    enable_prefix_caching: bool = opt(True, "share lane-computed prompt blocks between "
+                                            "deterministic requests")
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -39,22 +59,20 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SamplerConfig:
-    """How ``launch_rows`` picks many rows on CUDA (CPU always goes row by row, but for the
-    greedy argmax). Only ``logprob_kernel`` changes bits (kernel set tag "+lpk"; a verifier
-    gets it from the decoder with the lane's geometry); the others give row-by-row bits."""
+    """How many rows ``launch_rows`` picks at once on CUDA (CPU goes row by row but for the
+    greedy argmax). Every setting gives each row its row-by-row bits except
+    ``logprob_kernel``, whose logprobs are that kernel's own (kernel set tag "+lpk")."""
 
-    # sampled rows without top-p, logprobs, a stop mask or a logit bias are picked together
-    # (``gumbel_rows``; torch's kernels over this many rows at a time) instead of one by one
-    # (about fifty small launches a row). 0: always one by one
-    gumbel_chunk_rows: int = 64
-    # gumbel_rows runs one Triton pass (kernels.gumbel) instead of torch's kernels
-    gumbel_kernel: bool = True
-    # rows asking for logprobs take the many-row paths too, their logprobs from one pass
-    # (kernels.logprobs: a row's bits the same in any batch, but the kernel's own, not
-    # log_softmax's). On since its GPU tests passed on an H100 (tests/test_kernels_logprobs.py,
-    # tests/test_gpu_engine.py): 512 rows with 5 logprobs each in 2.5 ms against 137 ms
-    # row by row (``benchmarks/gpu_suite.sh logprobs``; docs/benchmarks/gpu/README.md)
-    logprob_kernel: bool = True
+    gumbel_chunk_rows: int = opt(
+        64, "CUDA: sampled rows without top-p, logprobs, a stop mask or a logit bias are "
+            "picked this many at a time (gumbel_rows) instead of one by one; 0: row by row")
+    gumbel_kernel: bool = opt(True, "CUDA: those rows in one Triton pass (kernels.gumbel) "
+                                    "instead of torch's kernels")
+    logprob_kernel: bool = field(default=True, metadata={
+        "help": "CUDA: rows asking for logprobs take the many-row paths too, their logprobs "
+                "from one kernels.logprobs pass (a row's bits the same in any batch, the "
+                "kernel's own, not log_softmax's)",
+        "tag": {True: "+lpk"}})
 
     def __post_init__(self) -> None:
         if self.gumbel_chunk_rows < 0:
@@ -71,96 +89,57 @@ class SchedulerConfig:
     equal those of ``llm42``'s lane: that is what makes it the test oracle.
     """
 
-    mode: str = "llm42"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    verify_window: int = 64
-    verify_group: int = 8
-    # steps a lane pass waits to fill once work is ready for it. 16 measured better than 8
-    # at 10 % deterministic traffic on the 8B shape (H100: 6,231.7 vs 6,209.9 out tok/s,
-    # medians of two; 118 passes vs 150), at the cost of a deterministic prompt's first
-    # token waiting up to 8 steps more while others decode
-    lane_max_wait_steps: int = 16
-    # while a window is in the lane, its sequence keeps decoding the next window on the
-    # fast path (kept if the lane commits the whole window and agrees on its next token)
-    overlap_windows: bool = True
-    # when more than this share of the running sequences can only move once the lane
-    # answers (prompt chunks or windows queued there) and a lane pass is in flight, a step
-    # gives the GPU to that pass (no fast rows) instead of spending a decode step (a whole
-    # weight read) on the few others: the lane and the fast path share the GPU, so the next
-    # step carries more rows. 1: never. 0.2 measured best of 0.5/0.3/0.2 at 100 %
-    # deterministic traffic on an H100 (docs/benchmarks/gpu/README.md). A verifier on a
-    # GPU of its own would not share it: there, 1
-    lane_bound_fraction: float = 0.2
-    # whether lane sequences' decode rows join fast steps that also carry prefill rows. On
-    # CUDA such rows must run their products as a call of their own, padded to a bucket in
-    # the lane chunk's cuBLAS class (a second weight read for the step); with False they sit
-    # out every other such step, and when none joins, the step's products run as one call
-    lane_decode_in_mixed_steps: bool = True
-    # a long prompt goes to the lane in chunks; with True a sequence sends its next chunk
-    # while the previous one is still in the lane (passes run in order, so each chunk finds
-    # the K/V of the ones before it), instead of one lane round trip per chunk
-    pipeline_lane_prefill: bool = True
-    # a sequence whose full window waits for the pass to fill (``lane_max_wait_steps``)
-    # keeps decoding past it (the next window's candidates, kept if the lane commits the
-    # whole window, as with ``overlap_windows``), and windows then wait, past
-    # ``lane_max_wait_steps``, until the pass is full or one of their sequences may decode
-    # no further: fewer, fuller passes at low deterministic traffic, no sequence stalled
-    # for it. Prompt chunks still wait at most ``lane_max_wait_steps`` (time to first token)
-    decode_past_queued_windows: bool = True
-    # prompts not yet started wait (the step stays decode-only: a CUDA graph replay) until
-    # this many of their tokens are pending or the oldest has waited
-    # ``prefill_max_wait_steps`` steps: on CUDA an eager step with prefill rows costs the
-    # host about the same whatever its size up to a few hundred tokens, so arrivals one by
-    # one would each cost such a step. Never while the step is eager anyway (a prompt's
-    # later chunks) or has no decode row. None: max_num_batched_tokens // 4 on CUDA, 0 (no
-    # wait) on CPU, where the engine decides
-    prefill_batch_tokens: int | None = None
-    prefill_max_wait_steps: int = 8
-    # ``max_num_seqs`` bounds the sequences a fast step carries (vLLM's "sequences per
-    # iteration"). A lane sequence parked on the lane (its prompt or a full window queued
-    # there, or decoded as far past a window in flight as allowed) is in no fast step, so
-    # while some are, admission lets that many more sequences run, up to this share of
-    # ``max_num_seqs``: the fast path keeps its batch full instead of idling the slots of
-    # sequences that wait for verification. 0: every running sequence holds a slot
-    parked_seq_headroom: float = 0.125
-    # a lane pass that goes out with rows to spare fills them with the prompts of
-    # deterministic requests still queued behind others, admitting them ahead of the queue
-    # while at most this many running lane sequences still wait for their prompt's lane
-    # prefill (and the KV pool keeps a block for every running sequence). Every prompt row
-    # has to go through the lane once anyway: rows that would be padding do it, so passes
-    # run fuller and fewer. A row's lane bits do not depend on its chunking, so no output
-    # changes. 0: only admitted sequences' prompts (llm42 only; lane_only keeps FCFS)
-    lane_prefill_ahead: int = 8
-    # how far from the head of the queue such prompts are taken: a deterministic request
-    # moves ahead of at most this many others. On an H100 at 10 % deterministic traffic
-    # (8B shape, 1,024 requests queued at once; docs/benchmarks/gpu/README.md), 32 gave
-    # 0.946x nondeterministic's throughput (one run; 0.944x-0.947x without the option), the
-    # others' mean finish unchanged. A lookahead over the whole queue (as long as the
-    # queue) gave 0.953x-0.955x (medians of two, two calls), as deterministic prompts
-    # filled passes from the start (101 passes, 7.9 % padding, against 114-117 and
-    # 12-14 %), but it moved them all to the front: their mean finish 5.0 s against 12.7
-    # s, the others' 12.8 s against 11.9 s. That lets any request jump the queue by
-    # asking for determinism, so it is not the default
-    lane_prefill_lookahead: int = 32
-    # a lane pass with rows to spare up to the size it runs at (``Scheduler.lane_sizes``)
-    # after its windows and prompt chunks fills them with partial windows: the candidates
-    # so far of lane sequences in the middle of a window, most first. They are verified
-    # sooner and the next window starts after them; the lane's verdict on a token does not
-    # depend on where its window starts, so no output changes. Rows that would be padding
-    # verify tokens that later passes then need not carry. On an H100 at 10 % deterministic
-    # traffic (8B shape; docs/benchmarks/gpu/README.md), two calls, medians of two: 0.949x
-    # nondeterministic's throughput with it against 0.945x and 0.947x without; padding
-    # among computed lane rows 5 % against 11-12 %, 106-108 passes against 113-116
-    lane_partial_windows: bool = True
-    # with lane_partial_windows: the candidates of lane sequences mid-window count toward
-    # filling the pass, so a pass goes out as soon as its windows, prompt chunks and those
-    # candidates fill all ``lane_rows`` (partial windows then fill it to the last row),
-    # instead of waiting for full windows alone and running at a smaller lane size. Off:
-    # in the same measurement 102-103 passes, no faster (0.949x against 0.949x), as
-    # smaller pieces of windows each take one more row
-    lane_partial_fill: bool = False
+    mode: str = opt("llm42", MODE_HELP, choices=MODES)
+    max_num_seqs: int = opt(64, "sequences a fast step carries at most")
+    max_num_batched_tokens: int = opt(2048, "tokens a fast step carries at most")
+    max_model_len: int = opt(2048, "longest sequence (prompt and output) in tokens")
+    verify_window: int = opt(64, "W: rows of a verification window", short="-W")
+    verify_group: int = opt(8, "G: windows per lane pass (a pass has W*G rows)", short="-G")
+    lane_max_wait_steps: int = opt(
+        16, "steps a lane pass waits to fill once work is ready for it (a deterministic "
+            "prompt's first token waits as long)")
+    overlap_windows: bool = opt(
+        True, "while a window is in the lane, its sequence decodes the next window on the "
+              "fast path (kept if the lane commits the whole window and agrees on its next "
+              "token)")
+    lane_bound_fraction: float = opt(
+        0.2, "when more than this share of the running sequences wait on the lane and a "
+             "pass is in flight, a step gives the GPU to that pass instead of decoding the "
+             "few others (the lane and the fast path share the GPU); 1: never")
+    lane_decode_in_mixed_steps: bool = opt(
+        True, "deterministic sequences' decode rows join fast steps that also carry prefill "
+              "rows (on CUDA their products then run as a padded call of their own); off: "
+              "they sit out every other such step")
+    pipeline_lane_prefill: bool = opt(
+        True, "a long deterministic prompt sends its next chunk to the lane while the "
+              "previous one is still there (passes run in order), instead of one lane round "
+              "trip per chunk")
+    decode_past_queued_windows: bool = opt(
+        True, "a sequence whose full window waits for the pass to fill keeps decoding past "
+              "it, and windows then wait until the pass is full or a sequence can decode no "
+              "further (prompt chunks still wait at most lane_max_wait_steps)")
+    prefill_batch_tokens: int | None = opt(
+        None, "while others decode, new prompts wait (decode-only steps, graph replays) "
+              "until this many of their tokens are pending or prefill_max_wait_steps passed; "
+              "0: never wait; default: max_num_batched_tokens // 4 on CUDA, 0 on CPU")
+    prefill_max_wait_steps: int = opt(8, "steps a new prompt waits at most for others "
+                                         "(prefill_batch_tokens)")
+    parked_seq_headroom: float = opt(
+        0.125, "while deterministic sequences are parked on the lane (in no fast step), "
+               "admit as many more, up to this share of max_num_seqs, so the fast batch "
+               "stays full; 0: every running sequence holds a slot")
+    lane_prefill_ahead: int = opt(
+        8, "a lane pass's spare rows take the prompts of deterministic requests still "
+           "queued, admitting them ahead while at most this many lane sequences wait for "
+           "their prompt's lane prefill (no output changes); 0: off")
+    lane_prefill_lookahead: int = opt(
+        32, "lane_prefill_ahead takes prompts among the first this many queued requests: a "
+            "deterministic request moves ahead of at most that many others (the queue's "
+            "length or more is a priority policy for deterministic traffic)")
+    lane_partial_windows: bool = opt(
+        True, "a lane pass's spare rows verify the candidates so far of lane sequences in "
+              "the middle of a window (the lane's verdict on a token does not depend on "
+              "where its window starts, so no output changes)")
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -185,8 +164,6 @@ class SchedulerConfig:
         if isinstance(self.lane_prefill_lookahead, bool) \
                 or not isinstance(self.lane_prefill_lookahead, int) or self.lane_prefill_lookahead < 1:
             raise ValueError("lane_prefill_lookahead must be a positive integer")
-        if self.lane_partial_fill and not self.lane_partial_windows:
-            raise ValueError("lane_partial_fill needs lane_partial_windows")
 
     @property
     def lane_rows(self) -> int:
@@ -202,153 +179,83 @@ class SchedulerConfig:
         return 0 if self.mode == "lane_only" else self.verify_window - 1
 
 
-# the scheduler's options by name (``EngineConfig.create``; the mode is the engine's)
+# the options of the nested configs by name (``EngineConfig.create``; the mode is the
+# engine's)
 SCHEDULER_FIELDS = tuple(f.name for f in fields(SchedulerConfig) if f.name != "mode")
+SAMPLER_FIELDS = tuple(f.name for f in fields(SamplerConfig))
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str
-    mode: str = "llm42"
-    device: str = "cpu"
-    dtype: str = "float32"  # one of DTYPES ("auto" is resolved by ``create``)
-    seed: int = 0
-    fastpath_perturbation: float = 0.0
-    batch_invariant_rows: int = 32  # fixed row-chunk of batch_invariant mode (CPU reference)
-    lane_threaded: bool = False     # run lane passes on a worker thread (always on CUDA)
-    lane_sms: int | None = None     # CUDA: SMs of the lane's green context (None: shared)
-    # CUDA: cuBLAS picks the fast path's and the lane's GEMM kernels for this many SMs
-    # fewer than the GPU has (torch's SM carveout; CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET).
-    # With ``lane_sms`` the same number, a lane kernel holding its green context's SMs no
-    # longer leaves a fast-path GEMM's last wave waiting for them. Process-wide (every
-    # engine in the process sets it, None clearing it) and part of the numerics a verifier
-    # must share (``kernels`` tag ``+carve<n>``). Measured slower, so off: on an H100 torch's
-    # cuBLAS path ignored it (same kernels), cuBLASLt honoured it, and the decode-size GEMMs
-    # still ran 1.28x-1.44x slower beside a lane GEMM on 32 SMs (they need the bandwidth of
-    # every SM); at 10 % deterministic traffic llm42 read 0.925x-0.941x nondeterministic's
-    # throughput with it against 0.947x without (bench_sm_carveout, bench_offline)
-    sm_carveout: int | None = None
-    # CUDA: torch's preferred BLAS library for every GEMM in the process ("default": torch's
-    # choice, overriding TORCH_BLAS_PREFER_CUBLASLT; "cublas" or "cublaslt";
-    # torch.backends.cuda.preferred_blas_library). Also part of the numerics (tag
-    # ``+blas-<name>``) when not "default"
-    blas_library: str = "default"
-    # CUDA: the lane stream's priority against the fast path's. "high": when both have
-    # kernels waiting, the lane's go first (windows come back sooner); "normal": the same
-    # priority; "low": the fast path runs on a stream of high priority, so its kernels' blocks
-    # go onto SMs before the lane's whenever both wait (a lane kernel never holds a decode
-    # step back by more than its running blocks)
-    lane_priority: str = "high"
-    # the lane's passes run beside the fast path's steps (True, the design), or a step that
-    # has a pass in flight waits for its result before the next step's batch is queued
-    # (False: on a GPU each pass then runs alone, as LLM-42's prototype ran verification,
-    # and every sequence's decoding stalls for its length; a measurement, not a default)
-    lane_overlap: bool = True
-    # a step that plans a lane pass while none is in flight runs its decode rows in the
-    # pass's padding rows ("riders": one forward on the fast path's stream, the step's
-    # decode step saved; the scheduler leaves room for them). A row's result depends on
-    # that row alone in the lane, so riders change no verified token; they get the lane's
-    # bits. Only with an in-process verifier on the engine's runner, lane_overlap, no
-    # lane_sms, and steps whose fast rows are all decode rows. Off by default: on an H200
-    # at 10 % deterministic traffic (8B shape) llm42 read 7,824.6 out tok/s with riders
-    # against 7,996.9 without (docs/benchmarks/gpu/README.md): such a step first waits for
-    # the previous one's tokens (the pass's windows need them), the riders' attention runs
-    # the lane's multi-row kernel, and the room left for them made passes emptier
-    lane_riders: bool = False
-    cuda_graphs: bool = True        # CUDA: graphs for decode batches and the lane pass
-    cuda_graph_max_batch: int = 256  # largest decode batch captured (bigger ones run eagerly)
-    # CUDA: steps that carry prompt chunks of up to this many rows (capped by the token
-    # budget) replay graphs too (executor/graphs.StepGraphs); bigger ones, and all with 0,
-    # run eagerly
-    cuda_graph_step_rows: int = 2048
-    # CUDA: make the fast path and the lane agree bit for bit as often as possible, so that
-    # few windows roll back. Fast-path decode rows whose context needs no split run the
-    # lane's attention kernel, and the lane runs its products in chunks of
-    # ``lane_gemm_rows`` rows (0: chosen by probing cuBLAS: a chunk in a class that holds
-    # the fast path's decode batches, padded per product where needed, and lets a lane
-    # pass run each product in as few calls as it can, one on the 8B shape on an H100; see
-    # gemm_classes.plan_alignment). On CPU,
-    # ``lane_gemm_rows`` > 0 is the lane's row chunk for products and attention, and a pass
-    # computes only the chunks its rows fill (0: the whole G*W pass, always).
-    align_fast_path: bool = True
-    lane_gemm_rows: int = 0
-    # CUDA, with align_fast_path: probe at start-up, for every eager step size, which
-    # products give the leading decode rows the lane chunk's bits in one call over all the
-    # step's rows; those products then run unsplit (gemm_classes.single_call_sizes)
-    probe_single_calls: bool = True
-    # CUDA: the lane runs a product as one call over k chunks' rows where a start-up probe
-    # found that call to give every row the chunk's bits (gemm_classes.lane_call_sizes): one
-    # read of the weight instead of k, the same arithmetic. False: always chunk by chunk
-    lane_one_calls: bool = True
-    # with lane one calls: a pass also runs at sizes between the chunk's multiples, in steps
-    # of this many rows (those where some product runs as one call), padding its rows to
-    # the next size instead of the next multiple; each size is one more lane graph. 0: only
-    # the multiples. 0 by default: on an H100 at 10 % deterministic traffic, steps of 32
-    # computed about 17 % fewer lane rows yet cost 0.7 % of throughput (docs/benchmarks/gpu)
-    lane_size_step: int = 0
-    # CUDA: the lane attention kernel's split size in positions (``LaneConfig.split``; 0: no
-    # split). Splits sit at absolute positions and merge in order, so bits still depend on
-    # a row alone; a decode row's context is then walked by several programs at once (the
-    # kernel is latency-bound on long rows otherwise). The lane and the fast path's aligned
-    # decode rows use it alike, and it is part of the numerics a verifier must share. Rows
-    # past the first split get other bits than with 0. Slower on an H100 at every size tried
-    # (docs/benchmarks/gpu/README.md), so off
-    lane_attention_split: int = 0
-    # CUDA: the lane attention kernel runs the KV tiles every slot of a program sees whole
-    # without the position masks (``LaneConfig.full_tiles``; the lane and the aligned decode
-    # rows alike): the masked kernel's bits, faster (docs/benchmarks/gpu/README.md). Not
-    # part of the numerics, so a verifier replica with the other setting agrees
-    lane_full_tiles: bool = True
-    # CUDA, aligned fast path: the lane kernel's query tile and launch for the fast path's
-    # decode rows, "BLOCK_M:NUM_WARPS:NUM_STAGES" ("": the lane's own; "auto": 16:2:3 with
-    # dot sums and no split, else the lane's own). A decode row fills only its query heads'
-    # slots of the tile, so a smaller tile is faster. With dot sums every tile keeps the
-    # lane's bits; without, only some do (bench_kernels' lane sweep says which), else the
-    # windows it decodes roll back (never wrong output: the lane verifies them)
-    aligned_decode_lane: str = "auto"
-    # CUDA: the lane kernel sums a row's probabilities over a tile as a matrix product with
-    # ones (``LaneConfig.dot_sums``): the lane's bits do not depend on the query tile or
-    # warps, so decode rows take a one-row kernel with a small tile, as fast as split-KV
-    # (docs/benchmarks/gpu/README.md). Part of the numerics: False (``tl.sum``) is another
-    # kernel set ("+plainsums"), which a verifier must share
-    lane_dot_sums: bool = True
-    # CUDA: SiLU-and-multiply as one Triton kernel (``kernels.silu_mul``) instead of torch's
-    # two elementwise kernels over strided halves (the fast path, the lane and
-    # batch_invariant alike). It gives torch's bits (tests/test_kernels_silu_mul.py and
-    # tests/test_gpu_engine.py on an H200), so it is not part of the numerics: the same
-    # kernel set either way. On by default: a decode step of the 8B shape at batch 64
-    # takes 6.39 ms with it against 6.52 on an H200 (docs/benchmarks/gpu/README.md)
-    fused_silu_mul: bool = True
-    # CUDA, with ``align_fast_path`` (llm42): a decode step none of whose rows the lane will
-    # verify (no deterministic request decodes in it) replays graphs of the plain fast path,
-    # as nondeterministic mode runs them (split-KV attention, no product padded into the
-    # lane's class), instead of the aligned ones: the alignment costs only steps that carry
-    # a deterministic decode row. One more set of decode graphs (captured at start-up)
-    plain_decode_graphs: bool = True
-    # CUDA: the residual add before each RMSNorm in the norm's own kernel
-    # (``batch_invariant.add_rmsnorm_bi``: the sum as torch adds, the norm's bits of it)
-    # instead of a torch add first. The same bits (GPU-tested like the above), so the same
-    # kernel set; on by default (with the fused SiLU: 6.31 ms against 6.52)
-    fused_add_rmsnorm: bool = True
-    # CUDA: how many rows are sampled at once (``SamplerConfig``): sampled rows
-    # ``gumbel_chunk_rows`` at a time (0: row by row), in one Triton pass
-    # (``gumbel_kernel``), and rows with logprobs too, with their logprobs from one pass
-    # (``logprob_kernel``: its own bits, kernel set "+lpk"; False: row by row)
-    gumbel_chunk_rows: int = 64
-    gumbel_kernel: bool = True
-    logprob_kernel: bool = True
-    # plan and queue each step's fast batch before reading the previous step's tokens, so
-    # the host's work between steps overlaps the device's (None: on for CUDA, off on CPU)
-    async_scheduling: bool | None = None
+    model: str = field(metadata={
+        "help": "HF folder, .gguf file, 'smollm2' (fetched once) or random:<shape>",
+        "cli_default": DEFAULT_MODEL})
+    mode: str = opt("llm42", MODE_HELP, choices=MODES)
+    device: str = opt("cpu", "cpu or cuda[:N]")
+    dtype: str = opt("float32", "weights' and activations' dtype; auto (the flags' default, "
+                     "resolved by EngineConfig.create): float32 on CPU, on CUDA the "
+                     "checkpoint's bfloat16 or float16, else bfloat16",
+                     choices=DTYPE_CHOICES, cli_default="auto")
+    seed: int = opt(0, "the engine's seed (sampled requests without a seed of their own)")
+    fastpath_perturbation: float = opt(
+        0.0, "fault injection (tests): probability that a fast-path token is corrupted; the "
+             "lane must catch every one")
+    batch_invariant_rows: int = opt(32, "batch_invariant mode's fixed row chunk (CPU "
+                                        "reference)")
+    lane_threaded: bool = opt(False, "run lane passes on a worker thread (always on CUDA)")
+    lane_sms: int | None = opt(
+        None, "CUDA: the lane runs in a green context of this many SMs (the verifier on "
+              "dedicated SMs of the decoder's GPU); default: shared")
+    cuda_graphs: bool = opt(True, "CUDA: graphs for decode batches and the lane pass")
+    cuda_graph_max_batch: int = opt(256, "CUDA: largest decode batch captured (bigger ones "
+                                         "run eagerly)")
+    cuda_graph_step_rows: int = opt(
+        2048, "CUDA: steps that carry prompt chunks of up to this many rows (capped by the "
+              "token budget) replay graphs too; 0: they run eagerly")
+    align_fast_path: bool = opt(
+        True, "CUDA: the fast path computes what the lane computes wherever it can (decode "
+              "rows on the lane's attention kernel, products padded into the lane chunk's "
+              "cuBLAS class), so few windows roll back")
+    lane_gemm_rows: int = opt(
+        0, "the lane's product row chunk (a row's bits depend on it, not on the pass's "
+           "other rows). CUDA, 0: chosen by probing cuBLAS (gemm_classes.plan_alignment); "
+           "CPU: also the lane attention's chunk, 0: the whole W*G pass")
+    probe_single_calls: bool = opt(
+        True, "CUDA, align_fast_path: probe at start-up which eager step sizes give the "
+              "leading decode rows the lane chunk's bits in one call over all rows; those "
+              "products then run unsplit")
+    lane_one_calls: bool = opt(
+        True, "CUDA: the lane runs a product as one call over several chunks' rows where a "
+              "start-up probe found that call to give every row the chunk's bits (one "
+              "weight read instead of several); off: chunk by chunk")
+    lane_full_tiles: bool = opt(
+        True, "CUDA: the lane attention kernel runs the KV tiles every slot sees whole "
+              "without position masks (the same bits)")
+    aligned_decode_lane: str = opt(
+        "auto", "CUDA, aligned fast path: the lane kernel's query tile and launch for "
+                "decode rows, BLOCK_M:NUM_WARPS:NUM_STAGES ('': the lane's own; auto: 16:2:3 "
+                "with dot sums, else the lane's own). Without dot sums only some tiles keep "
+                "the lane's bits (bench_kernels' lane sweep)")
+    lane_dot_sums: bool = opt(
+        True, "CUDA: the lane kernel sums a row's probabilities over a tile as a matrix "
+              "product with ones, so its bits do not depend on the query tile (decode rows "
+              "then take a one-row kernel); off: tl.sum, other bits")
+    fused_silu_mul: bool = opt(True, "CUDA: SiLU-and-multiply as one Triton kernel "
+                                     "(torch's bits)")
+    plain_decode_graphs: bool = opt(
+        True, "CUDA, align_fast_path: decode steps with no row the lane will verify replay "
+              "graphs of the plain fast path (split-KV, no padding), so the alignment costs "
+              "only steps with a deterministic decode row")
+    fused_add_rmsnorm: bool = opt(True, "CUDA: the residual add inside the RMSNorm's kernel "
+                                        "(torch's bits)")
+    async_scheduling: bool | None = opt(
+        None, "plan and queue each step before reading the previous step's tokens, so the "
+              "host's work overlaps the device's; default: on for CUDA, off on CPU")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
-
-    @property
-    def sampling(self) -> SamplerConfig:
-        return SamplerConfig(self.gumbel_chunk_rows, self.gumbel_kernel, self.logprob_kernel)
+    sampling: SamplerConfig = field(default_factory=SamplerConfig)
 
     def __post_init__(self) -> None:
-        self.sampling  # noqa: B018 (SamplerConfig validates its fields)
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
         if self.scheduler.mode != self.mode:
@@ -363,29 +270,12 @@ class EngineConfig:
             raise ValueError("fastpath_perturbation must be in [0, 1]")
         if self.lane_sms is not None and self.lane_sms <= 0:
             raise ValueError("lane_sms must be positive")
-        if self.sm_carveout is not None and (isinstance(self.sm_carveout, bool)
-                                             or not isinstance(self.sm_carveout, int)
-                                             or self.sm_carveout <= 0):
-            raise ValueError("sm_carveout must be a positive integer (None: no carveout)")
-        if self.blas_library not in BLAS_LIBRARIES:
-            raise ValueError(f"blas_library must be one of {', '.join(BLAS_LIBRARIES)}, "
-                             f"got {self.blas_library!r}")
-        if self.lane_priority not in ("high", "normal", "low"):
-            raise ValueError("lane_priority must be 'high', 'normal' or 'low', "
-                             f"got {self.lane_priority!r}")
         if self.cuda_graph_max_batch <= 0:
             raise ValueError("cuda_graph_max_batch must be positive")
         if self.cuda_graph_step_rows < 0:
             raise ValueError("cuda_graph_step_rows must be >= 0 (0: eager steps)")
         if self.lane_gemm_rows < 0:
             raise ValueError("lane_gemm_rows must be >= 0 (0: chosen automatically)")
-        if isinstance(self.lane_size_step, bool) or not isinstance(self.lane_size_step, int) \
-                or self.lane_size_step < 0:
-            raise ValueError("lane_size_step must be an integer >= 0 (0: the chunk's multiples)")
-        try:  # (the kernel's own check: 0 or a multiple of its tile)
-            dataclasses.replace(TABLE.lane, split=self.lane_attention_split)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"lane_attention_split: {e}") from None
         try:
             lane_variant(TABLE.lane, self.aligned_decode_lane)
         except (TypeError, ValueError) as e:
@@ -404,8 +294,9 @@ class EngineConfig:
                num_blocks: int | None = None, enable_prefix_caching: bool = True,
                **kw: object) -> EngineConfig:
         """Flat keyword constructor used by the offline API, the CLI, the decoders and the
-        benchmarks: a keyword naming a ``SchedulerConfig`` field goes to the scheduler (its
-        default where absent), the others to ``EngineConfig``.
+        benchmarks: a keyword naming a ``SchedulerConfig`` or ``SamplerConfig`` field goes
+        to that config (its default where absent), the others to ``EngineConfig``.
+        ``num_blocks`` None: enough for a full lane of ``max_model_len`` sequences.
 
         ``dtype="auto"`` and ``max_model_len=None`` are resolved here, from the model's
         metadata (read only then): the dtype by ``model.config.auto_dtype`` (float32 on
@@ -431,10 +322,11 @@ class EngineConfig:
                                 model_config.max_position_embeddings)
         sched = SchedulerConfig(mode=mode, max_model_len=max_model_len, **{  # type: ignore[arg-type]
             name: kw.pop(name) for name in SCHEDULER_FIELDS if name in kw})
+        sampling = SamplerConfig(**{  # type: ignore[arg-type]
+            name: kw.pop(name) for name in SAMPLER_FIELDS if name in kw})
         if num_blocks is None:
-            # enough for a full lane of long sequences plus headroom
             num_blocks = max(1024, 2 * sched.max_model_len // block_size + 1)
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                             enable_prefix_caching=enable_prefix_caching)
-        return cls(model=model, mode=mode, dtype=dtype, scheduler=sched, cache=cache,
+        return cls(model=model, mode=mode, dtype=dtype, scheduler=sched, cache=cache, sampling=sampling,
                    **kw)  # type: ignore[arg-type]

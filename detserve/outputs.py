@@ -28,6 +28,22 @@ class RequestStats:
     finish_time: float | None = None
 
 
+@dataclass(frozen=True)
+class Delta:
+    """What an output adds to the ones before it on one stream: text that can no longer
+    change, the new token ids, their logprobs (None: not asked for)."""
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+    def then(self, later: Delta) -> Delta:
+        """This delta followed by ``later`` (one chunk for outputs held back together)."""
+        lps = (None if self.logprobs is None and later.logprobs is None
+               else (*(self.logprobs or ()), *(later.logprobs or ())))
+        return Delta(self.text + later.text, self.token_ids + later.token_ids, lps)
+
+
 @dataclass
 class RequestOutput:
     """Committed state of one request. Only committed tokens ever appear here."""
@@ -44,6 +60,8 @@ class RequestOutput:
     stats: RequestStats = field(default_factory=RequestStats)
     # ``prompt_logprobs`` asked for: one per prompt token, None for the first
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # what this output adds to the request's previous one (``output_processor``)
+    delta: Delta = field(default_factory=Delta, compare=False)
 
     @property
     def new_token_ids(self) -> list[int]:

@@ -3,26 +3,32 @@
 Every step yields at most one *fast batch* (ordinary dynamic batching: decode rows first,
 then chunked prefill under a token budget) and at most one *lane pass* (exactly
 ``verify_window * verify_group`` rows, padded: verify windows of lane sequences plus their
-prompt chunks). There is no decode or prefill phase: a sequence just has positions whose
-K/V is computed and positions still to compute; a verify window is "these positions of
-this sequence, recomputed in the lane".
+prompt chunks; ``lane_planner``). There is no decode or prefill phase: a sequence just has
+positions whose K/V is computed and positions still to compute; a verify window is "these
+positions of this sequence, recomputed in the lane".
+
+The scheduler is the only writer of ``Sequence`` state once a request is queued: it applies
+the fast path's tokens (``place``, ``on_token_read``), the lane's decisions
+(``on_lane_decision``), aborts, and the stop conditions (``take_updates``: stop tokens,
+``max_tokens``, ``max_model_len``, stop strings through the caller's text check).
 """
 
 from __future__ import annotations
 
-import itertools
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from detserve.block_manager import BlockManager
 from detserve.config import SchedulerConfig
-from detserve.sequence import Sequence, Status
+from detserve.lane_planner import LaneItem, LanePlanner
+from detserve.numerics import lane_run_rows
+from detserve.outputs import TokenLogprob
+from detserve.sequence import PLACEHOLDER, Sequence, Status
 
-# chunks of one prompt in the lane at once when they pipeline: two hide the round trip
-# between chunks; more would queue a long prompt's whole prefill ahead of the windows and
-# prompts of every other sequence (passes run in submission order)
-LANE_PREFILL_DEPTH = 2
+__all__ = ["LANE_STATES", "FastItem", "LaneItem", "Scheduler", "SchedulerOutput"]
 
 
 @dataclass(frozen=True)
@@ -33,32 +39,6 @@ class FastItem:
     start: int
     end: int
     sample: bool
-
-
-@dataclass(frozen=True)
-class LaneItem:
-    """Positions [start, end) of ``seq`` recomputed in the lane.
-
-    kind "prefill": committed tokens without lane K/V (a prompt chunk, or recompute after
-    preemption); the last row samples only when ``end == num_committed``.
-    kind "window": last committed token + the fast-path candidates; every row samples.
-    """
-
-    seq: Sequence
-    kind: str
-    start: int
-    end: int
-    candidates: tuple[int, ...]
-
-    @property
-    def rows(self) -> int:
-        return self.end - self.start
-
-    @property
-    def sample_rows(self) -> range:
-        if self.kind == "window":
-            return range(self.rows)
-        return range(self.rows - 1, self.rows) if self.end == self.seq.num_committed else range(0)
 
 
 @dataclass
@@ -82,7 +62,14 @@ LANE_STATES = ("fast", "prefill", "window", "capped")
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager,
-                 eos_token_ids: Iterable[int] = (), prefix_caching: bool = True) -> None:
+                 eos_token_ids: Iterable[int] = (), prefix_caching: bool = True,
+                 lane_sizes: Iterable[int] = (),
+                 stop_string_hit: Callable[[Sequence], bool] | None = None) -> None:
+        """``lane_sizes``: the row counts a lane pass runs at, ascending (the runner's
+        ``LaneNumerics.lane_sizes``; default: the whole pass); a pass's spare rows are the
+        ones past its used rows up to the smallest size that holds them.
+        ``stop_string_hit(seq)``: whether the committed text of ``seq`` holds one of its
+        stop strings (the output processor's check; None: stop strings are not checked)."""
         self.cfg = cfg
         self.blocks = blocks
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -91,6 +78,9 @@ class Scheduler:
         self.step_count = 0
         self.prefix_caching = prefix_caching
         self.prefix_hit_tokens = 0
+        sizes = tuple(lane_sizes) or (cfg.lane_rows,)
+        self.lane = LanePlanner(self, lambda used: lane_run_rows(sizes, used))
+        self._stop_string_hit = stop_string_hit
         # where the running lane sequences sat, summed over the steps that planned fast
         # rows ("steps"; see _count_lane_states)
         self.lane_state_steps: Counter[str] = Counter()
@@ -100,17 +90,20 @@ class Scheduler:
         # fast steps that left rows out because they already carried max_num_seqs sequences
         self.parked_admissions = 0
         self.seq_capped_steps = 0
-        # deterministic requests admitted ahead of the queue into a lane pass's spare rows
-        self.lane_ahead_admissions = 0
-        # windows sent with fewer candidates than a full one, into a pass's spare rows
-        self.partial_windows = 0
-        self.partial_fill_passes = 0  # passes sent because mid-window candidates filled them
-        # the rows a lane pass of n used rows runs at (the engine sets its runner's
-        # ``lane_run_rows``): its spare rows are the ones past n up to that
-        self.lane_run_rows: Callable[[int], int] = lambda used: cfg.lane_rows
+        self.finished_requests = 0
+        self.committed_tokens = 0  # output tokens of the finished requests
+        # unfinished sequences with penalties / asking for prompt logprobs: while there are
+        # none, the engine spends no host time on them (a loop over a step's rows)
+        self.with_penalties = 0
+        self.with_prompt_logprobs = 0
+        # sequences whose committed tokens or state changed since the last take_updates,
+        # with their settled count before the change (only these get an output)
+        self._touched: dict[str, tuple[Sequence, int]] = {}
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        self.with_penalties += seq.spec.penalized
+        self.with_prompt_logprobs += seq.params.prompt_logprobs is not None
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
@@ -125,7 +118,8 @@ class Scheduler:
         seq.status = Status.FINISHED
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Sequences to run, or changes not yet taken by ``take_updates``."""
+        return bool(self.waiting or self.running or self._touched)
 
     def stop_ids(self, seq: Sequence) -> frozenset[int]:
         if seq.stop_set is None:  # asked for every sequence every step: built once
@@ -133,17 +127,20 @@ class Scheduler:
             seq.stop_set = ids if seq.params.ignore_eos else ids | self.eos_token_ids
         return seq.stop_set
 
+    def lane_prefill_ready(self) -> bool:
+        """Some sequence could send a prompt chunk to the lane now (a step that submitted a
+        pass need not wait for it before the next step)."""
+        return self.lane.prefill_ready()
+
     # ---- the step ---------------------------------------------------------------------
-    def schedule(self, fast: bool = True, riders: bool = False) -> SchedulerOutput:
+    def schedule(self, fast: bool = True) -> SchedulerOutput:
         """Plan one step: lane items, then (unless ``fast`` is False: the engine lets the
-        lane have the GPU this step) the fast path's rows. ``riders``: the engine may run
-        this step's decode rows in the padding of the lane pass planned with it, so a pass
-        planned now leaves room for them (``_rider_room``)."""
+        lane have the GPU this step) the fast path's rows."""
         self.step_count += 1
         out = SchedulerOutput(step=self.step_count)
         self._admit()
         if self.cfg.uses_lane:
-            out.lane = self._plan_lane(out, riders and fast)
+            out.lane = self.lane.plan(lambda seq, n: self._grow(seq, n, out))
         if fast:
             out.fast = self._plan_fast(out)
         assert out.lane_rows_used <= self.cfg.lane_rows
@@ -155,11 +152,11 @@ class Scheduler:
             return
         limit = self.cfg.max_num_seqs + self._parked_slots()
         while self.waiting and len(self.running) < limit:
-            if not self._take(self.waiting[0], reserve=0):
+            if not self.take(self.waiting[0], reserve=0):
                 break
             self.parked_admissions += len(self.running) > self.cfg.max_num_seqs
 
-    def _take(self, seq: Sequence, reserve: int) -> bool:
+    def take(self, seq: Sequence, reserve: int) -> bool:
         """Move queued ``seq`` to the running sequences if the KV pool holds its whole
         committed prefix (+1 for the next token, so prefill chunks never need to allocate
         later) with ``reserve`` blocks to spare; False (nothing changed) if not."""
@@ -216,202 +213,6 @@ class Scheduler:
         for i in range(done, full):
             self.blocks.register(seq.block_table[i], seq.block_digests[i])
 
-    def candidate_cap(self, seq: Sequence) -> int:
-        """How many fast-path candidates this lane sequence's next window may hold."""
-        remaining = seq.params.max_tokens - seq.num_output_committed
-        room = self.cfg.max_model_len - seq.num_committed
-        return max(0, min(self.cfg.max_candidates, remaining - 1, room - 1))
-
-    def window_ready(self, seq: Sequence) -> bool:
-        k = seq.num_candidates
-        if k >= self.candidate_cap(seq):
-            return True
-        return k > 0 and seq.token_ids[-1] in self.stop_ids(seq)
-
-    def window_end(self, seq: Sequence) -> int:
-        """Where the window ``seq`` would send now ends (its candidates past that, decoded
-        while it waited for the pass, stay on as the next window's)."""
-        return seq.num_committed + min(seq.num_candidates, self.candidate_cap(seq))
-
-    def _past_cap(self, seq: Sequence, end: int) -> int:
-        """How many tokens ``seq`` may decode past a window ending at ``end``: the lane's
-        next token plus the next window's candidates, as if the window commits whole (0
-        once the window or what follows it ends in a stop token)."""
-        if seq.token_ids[-1] in self.stop_ids(seq):
-            return 0
-        k = end - seq.num_committed  # candidates in the window
-        remaining = seq.params.max_tokens - seq.num_output_committed - k - 1
-        room = self.cfg.max_model_len - end - 1
-        return 1 + max(0, min(self.cfg.max_candidates, remaining - 1, room - 1))
-
-    def _decodes_past_window(self, seq: Sequence) -> bool:
-        """A sequence with a full window not yet sent may decode one more token past it."""
-        if not (self.cfg.decode_past_queued_windows and self.cfg.overlap_windows
-                and self.cfg.max_candidates):
-            return False
-        end = self.window_end(seq)
-        return seq.num_tokens - end < self._past_cap(seq, end)
-
-    def _prefill_from(self, seq: Sequence) -> int | None:
-        """Where ``seq``'s next prompt chunk for the lane starts, or None: nothing to send
-        now (no prompt left to prefill there, a window of it in the lane, aborted, or
-        ``LANE_PREFILL_DEPTH`` chunks of it in the lane already)."""
-        if not seq.uses_lane or seq.finish_reason is not None:
-            return None
-        if not seq.in_lane:
-            return seq.num_lane_kv if seq.needs_lane_prefill() else None
-        if (self.cfg.pipeline_lane_prefill and seq.lane_sent
-                and seq.lane_sent < seq.num_committed - 1
-                and seq.lane_items < LANE_PREFILL_DEPTH):
-            return seq.lane_sent  # behind its chunks still in the lane
-        return None
-
-    def lane_prefill_ready(self) -> bool:
-        """Some sequence could send a prompt chunk to the lane now (a step that submitted a
-        pass need not wait for it before the next step)."""
-        return any(self._prefill_from(s) is not None for s in self.running)
-
-    def _rider_room(self) -> int:
-        """Lane rows to leave for this step's decode rows to ride in: one a sequence that
-        wants one, none when some sequence wants a prompt chunk (the step is not decode-only,
-        so nothing rides), at most half the pass."""
-        rows = [self._fast_rows(s) for s in self.running]
-        if any(r > 1 for r in rows):
-            return 0
-        return min(sum(rows), self.cfg.lane_rows // 2)
-
-    def _plan_lane(self, out: SchedulerOutput, riders: bool = False) -> list[LaneItem]:
-        idle = [s for s in self.running if s.uses_lane and not s.in_lane]
-        starts = {id(s): x for s in self.running if (x := self._prefill_from(s)) is not None}
-        prefills = [s for s in self.running if id(s) in starts]
-        windows = [s for s in idle if not s.needs_lane_prefill() and self.window_ready(s)]
-        ready = prefills + windows
-        if not ready:
-            return []
-        for s in ready:
-            if s.ready_step is None:
-                s.ready_step = self.step_count
-        wanted = sum(s.num_committed - starts[id(s)] for s in prefills)
-        wanted += sum(self.window_end(s) - s.num_committed + 1 for s in windows)
-        still_decoding = len(idle) > sum(not s.in_lane for s in ready)
-        oldest = min(s.ready_step for s in ready if s.ready_step is not None)
-        rows_left = self.cfg.lane_rows - (self._rider_room() if riders else 0)
-        queued = self._ahead_queue(rows_left - wanted)
-        wanted += sum(s.num_committed for s in queued)
-        partial = self.cfg.lane_partial_fill  # (only with lane_partial_windows: validated)
-        mid_rows = 0
-        if partial:  # (a row for each one's last committed token, one a candidate)
-            mid_rows = sum(s.num_candidates + 1 for s in self._mid_window(idle, ready))
-        if wanted + mid_rows < rows_left and still_decoding and (
-                self.step_count - oldest < self.cfg.lane_max_wait_steps
-                or (not prefills and all(self._decodes_past_window(s) for s in windows))):
-            return []  # wait for more windows to fill the fixed-size pass
-        if wanted < rows_left <= wanted + mid_rows:
-            self.partial_fill_passes += 1  # (mid-window candidates made it go now)
-        items: list[LaneItem] = []
-        windows.sort(key=lambda s: (s.ready_step, s.arrival))
-        for s in windows:
-            end = self.window_end(s)
-            n = end - s.num_committed + 1
-            if n > rows_left:
-                continue
-            if s.status is not Status.RUNNING or not self._grow(s, s.num_tokens, out):
-                continue  # preempted, by an earlier window's growth or by its own
-            self._send_window(s, end, items)
-            rows_left -= n
-        for s in sorted(prefills, key=lambda s: s.arrival):
-            if rows_left == 0:
-                break
-            if s.status is not Status.RUNNING:
-                continue
-            rows_left -= self._send_prefill(s, starts[id(s)], rows_left, items)
-        for s in queued:
-            if rows_left == 0 or not self._admit_ahead(s):
-                break
-            rows_left -= self._send_prefill(s, s.num_lane_kv, rows_left, items)
-        if self.cfg.lane_partial_windows:
-            self._send_partial_windows(idle, rows_left, items, to_the_end=partial)
-        for it in items:
-            it.seq.ready_step = None
-        return items
-
-    def _send_window(self, seq: Sequence, end: int, items: list[LaneItem]) -> None:
-        """Plan ``seq``'s window of the candidates before ``end``."""
-        items.append(LaneItem(seq, "window", seq.num_committed - 1, end,
-                              tuple(seq.token_ids[seq.num_committed:end])))
-        seq.lane_items += 1  # in the lane: from now on no later allocation may preempt it
-        seq.lane_end = end
-        seq.lane_step = self.step_count
-
-    def _mid_window(self, idle: list[Sequence], busy: Iterable[Sequence]) -> list[Sequence]:
-        """Lane sequences of ``idle`` not in ``busy`` with candidates in the middle of a
-        window (partial windows to verify)."""
-        taken = {id(s) for s in busy}
-        return [s for s in idle if id(s) not in taken and s.num_candidates > 0
-                and s.status is Status.RUNNING and not s.needs_lane_prefill()
-                and not self.window_ready(s)]
-
-    def _send_partial_windows(self, idle: list[Sequence], rows_left: int,
-                              items: list[LaneItem], to_the_end: bool = False) -> None:
-        """Fill the pass's spare rows (``lane_partial_windows``), up to the size it runs
-        at (``to_the_end``: all of them), with the candidates so far of lane sequences in
-        the middle of a window."""
-        used = sum(it.rows for it in items)
-        spare = rows_left if to_the_end else min(rows_left, self.lane_run_rows(used) - used)
-        mid = self._mid_window(idle, [it.seq for it in items])
-        for s in sorted(mid, key=lambda s: (-s.num_candidates, s.arrival)):
-            if spare < 2:  # (a window row for the last committed token, one per candidate)
-                break
-            end = s.num_committed + min(s.num_candidates, spare - 1)
-            if not self.blocks.grow(s.block_table, end):  # (worth no preemption)
-                continue
-            self._send_window(s, end, items)
-            self.partial_windows += 1
-            spare -= end - s.num_committed + 1
-
-    @staticmethod
-    def _send_prefill(seq: Sequence, start: int, rows: int, items: list[LaneItem]) -> int:
-        """Plan ``seq``'s prompt chunk from ``start`` in at most ``rows`` lane rows."""
-        end = min(seq.num_committed, start + rows)
-        items.append(LaneItem(seq, "prefill", start, end, ()))
-        seq.lane_items += 1
-        seq.lane_sent = end
-        return end - start
-
-    def _ahead_queue(self, rows: int) -> list[Sequence]:
-        """Queued lane sequences (in queue order, among the first
-        ``lane_prefill_lookahead``) whose prompts could fill ``rows`` spare rows of the pass
-        being planned (``lane_prefill_ahead``)."""
-        if rows <= 0 or not (self.cfg.lane_prefill_ahead and self.cfg.max_candidates):
-            return []
-        room = self.cfg.lane_prefill_ahead - sum(1 for s in self.running
-                                                 if s.needs_lane_prefill())
-        if room <= 0:
-            return []
-        out: list[Sequence] = []
-        for seq in itertools.islice(self.waiting, self.cfg.lane_prefill_lookahead):
-            if len(out) == room or rows <= 0:
-                break
-            if seq.uses_lane:
-                out.append(seq)
-                rows -= seq.num_committed
-        return out
-
-    def _admit_ahead(self, seq: Sequence) -> bool:
-        """Admit queued lane sequence ``seq`` now, ahead of the queue, if the KV pool holds
-        its prompt and still keeps a block for every running sequence to grow into."""
-        if not self._take(seq, reserve=len(self.running)):
-            return False
-        self.lane_ahead_admissions += 1
-        return True
-
-    def overlap_cap(self, seq: Sequence) -> int:
-        """How many tokens a sequence whose window is in the lane may decode past it."""
-        if not (self.cfg.overlap_windows and self.cfg.max_candidates and seq.in_lane
-                and seq.lane_end):
-            return 0  # (lane_only: every token comes from the lane, none from the fast path)
-        return self._past_cap(seq, seq.lane_end)
-
     def lane_bound(self) -> bool:
         """More than ``lane_bound_fraction`` of the running sequences wait on the lane."""
         if not self.cfg.uses_lane or not self.running or self.cfg.lane_bound_fraction >= 1.0:
@@ -427,11 +228,11 @@ class Scheduler:
                 # this row would write K/V at lane_end - 1, which the pass in flight writes
                 # too: only ahead of the pass (queued before it) is the lane's write the last
                 return 0
-            return 1 if ok and past < self.overlap_cap(seq) else 0
+            return 1 if ok and past < self.lane.overlap_cap(seq) else 0
         if seq.uses_lane:
             if seq.needs_lane_prefill():
                 return 0
-            if self.window_ready(seq) and not self._decodes_past_window(seq):
+            if self.lane.window_ready(seq) and not self.lane.decodes_past_window(seq):
                 return 0
             assert seq.num_computed == seq.num_tokens - 1, "lane seq out of sync"
             return 1
@@ -542,6 +343,35 @@ class Scheduler:
         seq.stats.preemptions += 1
         self.waiting.appendleft(seq)
 
+    def penalty_rows(self, items: list[FastItem]) -> list[tuple[tuple[int, ...], bool] | None]:
+        """Per fast item, for a sampled row with penalties: the generated tokens before its
+        last input token (all read back by now), and whether that input is a generated one
+        (it may still be a placeholder, fed on the device). Empty when no row has any."""
+        if not (self.with_penalties and any(i.sample and i.seq.spec.penalized for i in items)):
+            return []
+        out: list[tuple[tuple[int, ...], bool] | None] = []
+        for i in items:
+            if not (i.sample and i.seq.spec.penalized):
+                out.append(None)
+                continue
+            prompt, last = i.seq.num_prompt, i.end - 1
+            history = tuple(i.seq.token_ids[prompt:last])
+            assert PLACEHOLDER not in history, "a penalized row's history not yet read back"
+            out.append((history, last >= prompt))
+        return out
+
+    def prompt_rows(self, items: list[FastItem]) -> list[tuple[int, tuple[int, ...]] | None]:
+        """Per fast item whose prompt logprobs are asked for and whose rows predict prompt
+        tokens: (top alternatives, those tokens). Empty when no item has any."""
+        if not self.with_prompt_logprobs:
+            return []
+        out: list[tuple[int, tuple[int, ...]] | None] = []
+        for i in items:
+            targets = i.seq.prompt_targets(i.start, i.end)
+            k = i.seq.params.prompt_logprobs
+            out.append((k, targets) if targets and k is not None else None)
+        return out if any(out) else []
+
     # ---- results --------------------------------------------------------------------
     def on_fast_result(self, item: FastItem, token: int | None) -> None:
         seq = item.seq
@@ -608,6 +438,133 @@ class Scheduler:
         self.blocks.shrink(seq.block_table, seq.num_tokens + 1)
         self._register_lane_blocks(seq)
         return rejected
+
+    def after_stop(self, item: FastItem) -> bool:
+        """A decode row fed a sampled stop token that ends its sequence (for a lane
+        sequence: its window), so the row should not have run."""
+        seq = item.seq
+        if item.end - item.start != 1 or item.start < seq.num_prompt:
+            return False
+        if seq.token_ids[item.start] not in self.stop_ids(seq):
+            return False
+        return seq.uses_lane or item.start - seq.num_prompt >= seq.params.min_tokens
+
+    def place(self, item: FastItem) -> bool:
+        """A queued fast row enters the sequence's state, its sampled token as a placeholder
+        (what a synchronous step would apply with its value). False: the row's input token
+        is a stop token (known only now), so it should not have run and is dropped."""
+        if self.after_stop(item):
+            return False
+        self._touch(item.seq)
+        self.on_fast_result(item, PLACEHOLDER if item.sample else None)
+        return True
+
+    def on_token_read(self, item: FastItem, token: int, logprob: TokenLogprob | None) -> None:
+        """The value of the token ``item`` sampled, read back from the device: it replaces
+        its placeholder where one still stands (a lane decision, preemption or stop may have
+        removed it since)."""
+        seq = item.seq
+        pos = item.end
+        if seq.finished or pos >= seq.num_tokens or seq.token_ids[pos] != PLACEHOLDER:
+            return
+        seq.token_ids[pos] = token
+        if not seq.uses_lane:
+            self._touched.setdefault(seq.request_id, (seq, pos))
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+
+    @staticmethod
+    def on_prompt_logprobs(seq: Sequence, start: int,
+                           logprobs: Seq[TokenLogprob]) -> None:
+        """Prompt logprobs of the positions after ``start`` (fast path or lane)."""
+        if not seq.finished:
+            seq.add_prompt_logprobs(start, logprobs)
+
+    def on_lane_decision(self, item: LaneItem, tokens: list[int],
+                         logprobs: Seq[TokenLogprob | None],
+                         prompt_logprobs: Seq[TokenLogprob] = ()) -> int:
+        """Apply the lane's decision on ``item`` (``on_lane_result``) with its logprobs; an
+        aborted sequence is finished once its last lane item is back. Returns the tokens
+        rolled back."""
+        seq = item.seq
+        self._touch(seq)
+        if seq.finish_reason == "abort":
+            if self.lane_item_done(seq):  # its blocks are the lane's no more
+                self.finish(seq, "abort")
+            return 0
+        if prompt_logprobs:
+            seq.add_prompt_logprobs(item.start, prompt_logprobs)
+        rejected = self.on_lane_result(item, tokens)
+        seq.logprobs.extend(lp for lp in logprobs if lp is not None)
+        return rejected
+
+    def abort(self, seq: Sequence) -> bool:
+        """Abort ``seq``; False if it has finished already. A sequence with lane work in
+        flight is finished when that comes back (``on_lane_decision``)."""
+        if seq.finished:
+            return False
+        seq.finish_reason = "abort"
+        if not seq.in_lane:
+            self._touch(seq)  # its final output goes out with the next step
+            self.finish(seq, "abort")
+        return True
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        settled = seq.num_settled
+        if settled < seq.num_committed:  # a placeholder after the end: never read
+            del seq.token_ids[settled:]
+            seq.num_committed = settled
+        seq.finish_reason = reason
+        seq.stats.finish_time = time.monotonic()
+        self.remove(seq)
+        self.with_penalties -= seq.spec.penalized
+        self.with_prompt_logprobs -= seq.params.prompt_logprobs is not None
+        self.finished_requests += 1
+        self.committed_tokens += seq.num_output_committed
+
+    def _touch(self, seq: Sequence) -> None:
+        self._touched.setdefault(seq.request_id, (seq, seq.num_settled))
+
+    def take_updates(self) -> list[tuple[Sequence, int]]:
+        """Close the step: of the sequences whose state changed since the last call (in
+        arrival order), those that get an output now (finished, or new tokens for a
+        ``cumulative`` one), each with its number of newly settled tokens. The stop
+        conditions are applied first, to the tokens settled since (all of the step's at
+        once: a stop string is looked for once a step). A sequence whose last token is
+        still on the device and that gets no output stays listed for the next call."""
+        touched, self._touched = self._touched, {}
+        out = []
+        for seq, start in sorted(touched.values(), key=lambda e: e[0].arrival):
+            if seq.num_settled > start and not seq.finished:
+                self._check_stop(seq, start)
+            new = max(0, seq.num_settled - start)
+            if new and seq.stats.first_token_time is None:
+                seq.stats.first_token_time = time.monotonic()
+            if seq.finished or (new and seq.params.output_kind == "cumulative"):
+                out.append((seq, new))
+            elif seq.num_settled < seq.num_committed:
+                self._touched.setdefault(seq.request_id, (seq, seq.num_settled))
+        return out
+
+    def _check_stop(self, seq: Sequence, first_new: int) -> None:
+        p = seq.params
+        stop_ids = self.stop_ids(seq)
+        limit = self.cfg.max_model_len
+        for idx in range(first_new, seq.num_settled):
+            out_index = idx - seq.num_prompt
+            reason = None
+            if seq.token_ids[idx] in stop_ids and out_index >= p.min_tokens:
+                reason = "stop"
+            elif out_index + 1 >= p.max_tokens or idx + 1 >= limit:
+                reason = "length"
+            if reason:
+                del seq.token_ids[idx + 1:]
+                seq.num_committed = idx + 1
+                del seq.logprobs[out_index + 1:]
+                self.finish(seq, reason)
+                return
+        if p.stop and self._stop_string_hit is not None and self._stop_string_hit(seq):
+            self.finish(seq, "stop")
 
     def check_integrity(self) -> None:
         tables = [s.block_table for s in self.running] + [s.block_table for s in self.waiting]

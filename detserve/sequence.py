@@ -62,8 +62,6 @@ class Sequence:
     stats: RequestStats = field(default_factory=RequestStats)
     spec: SamplingSpec = field(default_factory=SamplingSpec)
     block_digests: list[bytes] = field(default_factory=list)  # prefix-cache keys, registered
-    # incremental detokenization: (text of output[:read], prefix offset, read offset)
-    detok: tuple[str, int, int] | None = None
     stop_set: frozenset[int] | None = None   # stop token ids (the scheduler's cache)
     sat_out: bool = False                    # sat out the last step that had prefill rows
 

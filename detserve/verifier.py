@@ -65,8 +65,7 @@ class ThreadedVerifier:
 
     stream_ordered = True
 
-    def __init__(self, runner: ModelRunner, lane_sms: int | None = None,
-                 high_priority: bool = True) -> None:
+    def __init__(self, runner: ModelRunner, lane_sms: int | None = None) -> None:
         import queue
         import threading
 
@@ -80,7 +79,6 @@ class ThreadedVerifier:
         self.green_context_sms: int | None = None
         self._ready = threading.Event()
         self._lane_sms = lane_sms
-        self._priority = -1 if high_priority else 0
         self._thread = threading.Thread(target=self._work, name="lane-verifier", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -93,10 +91,10 @@ class ThreadedVerifier:
             torch.cuda.set_device(device)
             stream = self._green_stream(device) if self._lane_sms else None
             if stream is None:
-                # high priority (default): when the lane and the fast path both have kernels
-                # waiting, the lane's go first, so windows and prompt chunks come back
-                # quickly and sequences do not sit out decode steps waiting for them
-                stream = torch.cuda.Stream(device=device, priority=self._priority)
+                # high priority: when the lane and the fast path both have kernels waiting,
+                # the lane's go first, so windows and prompt chunks come back quickly and
+                # sequences do not sit out decode steps waiting for them
+                stream = torch.cuda.Stream(device=device, priority=-1)
         self._ready.set()
         while (job := self._todo.get()) is not None:
             lane_pass, event = job

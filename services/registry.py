@@ -5,7 +5,7 @@ Keys (``<p>`` is the prefix, ``detserve`` by default):
 - ``<p>:epoch:<decoder_id>``: integer, INCR'd by a decoder at every start. The value is the
   decoder's current epoch; a handle or hello with a smaller epoch is stale.
 - ``<p>:decoder:<decoder_id>``: JSON ``DecoderRecord`` of the current epoch (KV handle,
-  weights hash, lane geometry, numerics). Written once the pool exists, deleted when the
+  weights hash, ``LaneNumerics``, kernel set). Written once the pool exists, deleted when the
   decoder shuts down cleanly (only if still its epoch).
 - ``<p>:blocks:<decoder_id>:<epoch>``: hash ``request_id -> JSON list of block ids`` of the
   decoder's deterministic requests, updated when a request's table changes, the field
@@ -43,6 +43,8 @@ from urllib.parse import urlsplit
 
 import redis
 
+from detserve.config import SamplerConfig
+from detserve.numerics import LaneNumerics
 from services.kv_handle import KVHandle
 
 DEFAULT_PREFIX = "detserve"
@@ -73,33 +75,12 @@ return 1
 """
 
 
-@dataclass(frozen=True)
-class LaneGeometry:
-    """What a verifier's runner must share with the decoder's for identical lane bits."""
-
-    lane_rows: int
-    window: int
-    batch_invariant_rows: int
-    block_size: int
-    lane_gemm_rows: int = 0  # row chunk of the lane's products (0: the whole pass)
-    lane_attention_split: int = 0  # the lane attention kernel's split size (0: none)
-    # CUDA options the verifier's runner is built with as the decoder's was:
-    # EngineConfig.lane_dot_sums=False (other bits), and the fusions (the same bits either
-    # way; carried so the verifier runs as fast as the decoder)
-    lane_plain_sums: bool = False
-    fused_silu_mul: bool = True
-    fused_add_rmsnorm: bool = True
-    # the lane's rows with logprobs take them from one kernels.logprobs pass
-    # (SamplerConfig.logprob_kernel: other bits, kernel set "+lpk")
-    logprob_kernel: bool = False
-
-    def __post_init__(self) -> None:
-        if min(self.lane_rows, self.window, self.batch_invariant_rows, self.block_size) <= 0:
-            raise ValueError(f"bad lane geometry {self}")
-        if self.lane_gemm_rows < 0 or self.lane_attention_split < 0:
-            raise ValueError(f"bad lane geometry {self}")
-        if self.lane_rows % self.window:
-            raise ValueError("lane_rows must be a multiple of the window")
+def numerics_from_dict(d: Mapping[str, object]) -> LaneNumerics:
+    """``LaneNumerics`` from its ``asdict`` (JSON) form."""
+    sampling = d.get("sampling", {})
+    if not isinstance(sampling, Mapping):
+        raise ValueError(f"bad sampling config {sampling!r}")
+    return LaneNumerics(**{**d, "sampling": SamplerConfig(**sampling)})  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -108,8 +89,8 @@ class DecoderRecord:
     epoch: int
     kv_handle: KVHandle
     weights_hash: str
-    geometry: LaneGeometry
-    numerics: str
+    numerics: LaneNumerics  # what the verifier's runner is built from
+    kernels: str            # codec.kernels_profile of the decoder's runner
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -120,7 +101,7 @@ class DecoderRecord:
     def from_json(cls, text: str) -> DecoderRecord:
         d = json.loads(text)
         d["kv_handle"] = KVHandle.from_json(d["kv_handle"])
-        d["geometry"] = LaneGeometry(**d["geometry"])
+        d["numerics"] = numerics_from_dict(d["numerics"])
         return cls(**d)
 
 

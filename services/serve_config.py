@@ -6,7 +6,8 @@ Pure dict building and validation: no Ray import, so it runs (and is tested) any
 
 Contract with the application (`services.app:build_app`):
 - `build_app(args)` receives `applications[0]["args"]`, whose keys are `ARG_NAMES` plus
-  any of `OPTIONAL_ARGS` that were given.
+  any of `OPTIONAL_ARGS` that were given: each an option of `EngineConfig` (its nested
+  configs' by their own names) or of `ServeConfig`, declared once there with its help.
 - Its deployments are named `ROUTER`, `DECODER` and `VERIFIER`. Ray Serve rejects a config
   that overrides a deployment the application does not have, so these names are part of
   the contract as soon as a caller passes `deployments` (the Kubernetes overlays do, to
@@ -23,7 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from detserve.config import DTYPE_CHOICES, MODES, SchedulerConfig
+from detserve.config import DTYPE_CHOICES, MODES, EngineConfig, opt
+from detserve.flags import Option, engine_kwargs, engine_options, options
 
 APP_NAME = "detserve"
 IMPORT_PATH = "services.app:build_app"
@@ -36,49 +38,68 @@ GRPC_SERVICER_FUNCTIONS: tuple[str, ...] = (
 DEVICES = ("cpu", "cuda")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
-DEFAULT_ARGS: Mapping[str, Any] = {
-    "model": "smollm2",
-    "mode": "llm42",
-    "device": "cpu",
-    "dtype": "auto",  # each replica resolves it alike (EngineConfig.create, load_model)
-    "verify_window": 64,
-    "verify_group": 8,
-    "num_decoders": 1,
-    "num_verifiers": 1,
-    "verifier_gpu_fraction": 0.0,
-    "redis_url": "redis://127.0.0.1:6379/0",
-    "http_port": 8000,
-    "grpc_port": 9000,
-    "max_model_len": 2048,
-    "max_num_seqs": 64,
-}
-ARG_NAMES = tuple(DEFAULT_ARGS)
-# Accepted when given, never added to a default config: fault injection for tests
-# (probability that a fast-path token is corrupted; the lane must catch every one).
-OPTIONAL_ARGS: Mapping[str, Any] = {"fastpath_perturbation": 0.0, "stream_interval": 1,
-                                    "pipeline_lane_prefill": True,
-                                    "lane_partial_windows":
-                                        SchedulerConfig.lane_partial_windows,
-                                    # confine the verifier's lane to its GPU share (MPS
-                                    # thread percentage, else a green context); default:
-                                    # the whole GPU (services/verifier/deployment.py says
-                                    # why)
-                                    "verifier_confine": False,
-                                    "lane_bound_fraction": SchedulerConfig.lane_bound_fraction,
-                                    "parked_seq_headroom": SchedulerConfig.parked_seq_headroom,
-                                    "lane_prefill_ahead": SchedulerConfig.lane_prefill_ahead,
-                                    "lane_prefill_lookahead":
-                                        SchedulerConfig.lane_prefill_lookahead,
-                                    "switch_interval": 0.0,
-                                    # the model's name in the API (None: the model arg)
-                                    # and its second, deterministic name (None: that
-                                    # name + ":deterministic"); whether requests that
-                                    # do not say are deterministic
-                                    "served_model_name": None,
-                                    "deterministic_model_name": None,
-                                    "deterministic_by_default": False,
-                                    # None (absent): the engine's default for its device
-                                    "prefill_batch_tokens": None}
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The serving options (the engine's are ``EngineConfig``'s): each an app arg and a
+    ``detserve serve`` flag of the same name."""
+
+    num_decoders: int = opt(1, "decoder replicas (each an engine)")
+    num_verifiers: int = opt(1, "verifier replicas; 0 verifies inside each decoder")
+    verifier_gpu_fraction: float = opt(
+        0.0, "GPU share of a co-located verifier (0 on CPU; detserve serve: 0.25 on CUDA "
+             "when not given)")
+    redis_url: str = opt("redis://127.0.0.1:6379/0",
+                         "Redis of the registry (detserve serve: an embedded one when not "
+                         "given)")
+    http_port: int = opt(8000, "HTTP port of the OpenAI API", aliases=("--port",))
+    grpc_port: int = opt(9000, "gRPC port of the Completions API")
+    stream_interval: int = opt(
+        1, "tokens a streamed chunk gathers before it is sent (first and last chunks go at "
+           "once); > 1 costs the decoder fewer messages per step")
+    verifier_confine: bool = opt(
+        False, "cuda: confine each verifier's lane kernels to its GPU share (an MPS thread "
+               "percentage under the MPS daemon, else a green context); off: the lane uses "
+               "every SM (services/verifier/deployment.py says why)")
+    served_model_name: str | None = opt(
+        None, "the model's name in the API (default: --model)")
+    deterministic_model_name: str | None = opt(
+        None, "a second name of the model, listed by /v1/models, whose requests are all "
+              "deterministic (default: the served name + ':deterministic')")
+    deterministic_by_default: bool = opt(
+        False, "requests that do not say otherwise are deterministic (a request opts out "
+               "with is_deterministic: false or the header X-Detserve-Deterministic: false)")
+    switch_interval: float = opt(
+        0.0, "decoder replicas' Python thread switch interval in seconds (0: Python's own): "
+             "how long their event loop may keep the GIL from the engine thread")
+
+
+# every app arg: the engine's options and the serving ones, by name
+OPTIONS: Mapping[str, Option] = {**engine_options(), **options(ServeConfig)}
+# the keys every config carries, in this order (the KubeRay manifests list them)
+ARG_NAMES = ("model", "mode", "device", "dtype", "verify_window", "verify_group",
+             "num_decoders", "num_verifiers", "verifier_gpu_fraction", "redis_url",
+             "http_port", "grpc_port", "max_model_len", "max_num_seqs")
+# a served engine's length is concrete (the router's limits are built from it), not the
+# model's: the offline default
+SERVE_ENGINE_DEFAULTS: Mapping[str, Any] = {"max_model_len": 2048}
+DEFAULT_ARGS: Mapping[str, Any] = {name: SERVE_ENGINE_DEFAULTS.get(name, OPTIONS[name].default)
+                                   for name in ARG_NAMES}
+# accepted when given, never added to a default config (absent: the option's default)
+OPTIONAL_ARGS: Mapping[str, Any] = {name: o.default for name, o in OPTIONS.items()
+                                    if name not in ARG_NAMES}
+
+
+def engine_config(args: Mapping[str, Any]) -> EngineConfig:
+    """The decoders' engine config of validated app args."""
+    kw = engine_kwargs(args)
+    return EngineConfig.create(args["model"], **kw)
+
+
+def serve_options(args: Mapping[str, Any]) -> ServeConfig:
+    """The serving options of validated app args."""
+    return ServeConfig(**{k: v for k, v in args.items() if k in ServeConfig.__dataclass_fields__})
 
 
 @dataclass(frozen=True)
@@ -222,19 +243,20 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
                    hi=args["max_model_len"])
     for name in ("served_model_name", "deterministic_model_name"):
         value = args.get(name)
-        if value is not None and (not isinstance(value, str) or not value
-                                  or any(c.isspace() for c in value)):
+        if value is not None and (not value or any(c.isspace() for c in value)):
             raise ValueError(f"{name} must be a non-empty string without spaces, got {value!r}")
     if args.get("deterministic_model_name") == (args.get("served_model_name") or args["model"]):
         raise ValueError("deterministic_model_name must differ from the served model name")
-    for name in ("pipeline_lane_prefill", "lane_partial_windows", "verifier_confine",
-                 "deterministic_by_default"):
-        if name in args and not isinstance(args[name], bool):
-            raise ValueError(f"{name} must be a boolean")
     for name in ("switch_interval", "lane_bound_fraction", "parked_seq_headroom",
                  "fastpath_perturbation"):
         if name in args:  # (switch_interval in seconds)
             _check_number(name, args[name], lo=0.0, hi=1.0)
+    for name, value in args.items():
+        OPTIONS[name].check(value)
+    try:
+        engine_config(args)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"bad engine options: {e}") from None
     return {name: args[name] for name in (*ARG_NAMES, *OPTIONAL_ARGS) if name in args}
 
 

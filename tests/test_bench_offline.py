@@ -44,21 +44,25 @@ def test_repeated_runs_are_summarized_by_median(tmp_path: Path) -> None:
 def test_llm42_variants_run_with_their_flags_and_are_summarized_apart(tmp_path: Path) -> None:
     out = tmp_path / "variants.json"
     assert bench_offline.main([
-        *TINY, "--variants", "lane_max_wait_steps=2;lane_max_wait_steps=16,eager_steps=1",
+        *TINY, "--variants", "lane_max_wait_steps=2;lane_max_wait_steps=16,cuda_graph_step_rows=0",
         "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     llm42 = [r for r in report["runs"] if r["mode"] == "llm42"]
     assert [r["lane_max_wait_steps"] for r in llm42] == [2, 16]
     assert [r["variant"] for r in llm42] == [
-        "lane_max_wait_steps=2", "lane_max_wait_steps=16,eager_steps=1"]
+        "lane_max_wait_steps=2", "lane_max_wait_steps=16,cuda_graph_step_rows=0"]
     assert all(r["mean_first_token_s"]["deterministic"] is not None for r in llm42)
     assert len(report["summary"]) == 3  # nondeterministic + one row per variant
     assert "'lane_max_wait_steps=2;" in out.with_suffix(".md").read_text()  # quoted for a shell
-    base = argparse.Namespace(variants="eager_steps=1,lane_sms=32;eager_steps=off,lane_max_wait_steps=4",
-                              eager_steps=False, lane_sms=None, lane_max_wait_steps=8, out=None)
-    parsed = [(v.eager_steps, v.lane_sms, v.lane_max_wait_steps)
-              for v in bench_offline.parse_variants(base)]
-    assert parsed == [(True, 32, 8), (False, None, 4)]
+    base = argparse.Namespace(
+        variants="cuda_graphs=1,lane_sms=32,async_scheduling=0;cuda_graphs=off,"
+                 "lane_max_wait_steps=4,aligned_decode_lane=16:1:2",
+        cuda_graphs=False, lane_sms=None, lane_max_wait_steps=8, async_scheduling=None,
+        aligned_decode_lane="auto", out=None)
+    parsed = [(v.cuda_graphs, v.lane_sms, v.lane_max_wait_steps, v.async_scheduling,
+               v.aligned_decode_lane) for v in bench_offline.parse_variants(base)]
+    # values as the options declare them (lane_sms an int, async_scheduling a bool)
+    assert parsed == [(True, 32, 8, False, "auto"), (False, None, 4, None, "16:1:2")]
     for bad in ("no_such_flag=1", "lane_max_wait_steps", "variants=x", "lane_max_wait_steps=x"):
         with pytest.raises(SystemExit, match="--variants"):
             bench_offline.main(["--model", "random:tiny", "--num-requests", "1", "--variants", bad])

@@ -217,9 +217,8 @@ def _penalized_logits(model: str, prompt: list[int], out: list[int],
 PENALTIES = {"presence_penalty": -1.0, "frequency_penalty": 0.3}
 
 
-@pytest.mark.parametrize("kw", [{"async_scheduling": False}, {"async_scheduling": True},
-                                {"lane_riders": True, "async_scheduling": True}],
-                         ids=["sync", "async", "riders"])
+@pytest.mark.parametrize("kw", [{"async_scheduling": False}, {"async_scheduling": True}],
+                         ids=["sync", "async"])
 def test_penalized_requests_stay_deterministic(model: str, kw: dict[str, bool]) -> None:
     """Presence and frequency penalties read every token generated before a position: the
     fast path (its last token fed on the device under asynchronous scheduling) and the lane
@@ -228,7 +227,7 @@ def test_penalized_requests_stay_deterministic(model: str, kw: dict[str, bool]) 
     in a batch with others penalized or not. Controls: the penalties change the output and
     make it repeat tokens (they reward them here: the tiny random model seldom repeats a
     token by itself, so a positive penalty would seldom bite); the perturbation changes the
-    same request when non-deterministic. Decode rows riding in lane passes count alike."""
+    same request when non-deterministic."""
     for kind in (dict(logprobs=1), dict(temperature=0.9, seed=5)):
         plain = SamplingParams(max_tokens=40, is_deterministic=True, ignore_eos=True, **kind)
         p = SamplingParams(**{**plain.__dict__, **PENALTIES})
@@ -239,7 +238,7 @@ def test_penalized_requests_stay_deterministic(model: str, kw: dict[str, bool]) 
         others = _penalized_others()
         batch = others[:4] + [Req(TARGET, p, arrival=2)] + others[4:]
         outs, stats, _ = run_engine(model, batch, perturbation=0.25, **kw)
-        assert stats["rollbacks"] > 0 and (stats["rider_rows"] > 0) == ("lane_riders" in kw)
+        assert stats["rollbacks"] > 0
         assert signature(outs[4]) == signature(oracle[0])
         free = SamplingParams(**{**p.__dict__, "is_deterministic": False})
         clean, _, _ = run_engine(model, [Req(TARGET, free)], **kw)
@@ -328,19 +327,16 @@ def test_nondeterministic_mode_ignores_flag(model: str) -> None:
     assert not outs[0].is_deterministic
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_threaded_lane_verifier_equals_oracle(model: str, overlap: bool) -> None:
-    """Lane passes on a worker thread (asynchronous decisions) change nothing in the output;
-    nor does waiting for every pass before the next step (``lane_overlap`` False), which
-    leaves no pass in flight when a step is planned."""
+def test_threaded_lane_verifier_equals_oracle(model: str) -> None:
+    """Lane passes on a worker thread (asynchronous decisions, steps planned while a pass
+    is in flight) change nothing in the output."""
     reqs = [Req(TARGET, SAMPLED)] + _others(6, det=True, seed=14)
     oracle, _, _ = run_engine(model, reqs, mode="lane_only")
-    outs, stats, engine = run_engine(model, reqs, perturbation=0.2, lane_threaded=True,
-                                     lane_overlap=overlap)
+    outs, stats, engine = run_engine(model, reqs, perturbation=0.2, lane_threaded=True)
     in_flight_at_plan = engine.counters["lane_in_flight_at_plan"]
     engine.close()
     assert stats["rollbacks"] > 0
-    assert (in_flight_at_plan == 0) == (not overlap)
+    assert in_flight_at_plan > 0
     for a, b in zip(oracle, outs, strict=True):
         assert signature(a) == signature(b)
 
@@ -479,7 +475,7 @@ def test_pipelined_prompt_chunks_equal_the_oracle(model: str, threaded: bool,
     unpipelined engine never has more than one lane item of a sequence in flight. (The
     in-process verifier answers at submit, so there nothing is ever left in flight.)"""
     from detserve.engine import LLMEngine
-    from detserve.scheduler import LANE_PREFILL_DEPTH
+    from detserve.lane_planner import LANE_PREFILL_DEPTH
 
     prompts = random_prompts(3, [100, 130, 150], seed=21)
     reqs = [Req(p, SamplingParams(max_tokens=20, is_deterministic=True, logprobs=1,
@@ -487,15 +483,15 @@ def test_pipelined_prompt_chunks_equal_the_oracle(model: str, threaded: bool,
             for i, p in enumerate(prompts)] + _others(3, det=False, seed=8)
     oracle, _, o = run_engine(model, reqs[:3], mode="lane_only", window=8, group=4)
     o.close()
-    real = LLMEngine._submit_lane
+    real = LLMEngine._lane_pass  # (builds each pass the engine submits)
     for batch in (reqs, reqs[:1]):  # with others, and a long prompt alone
         peak = {True: 0, False: 0}
         for pipeline in (True, False):
             def submit(self, items, _p=pipeline, _peak=peak):  # type: ignore[no-untyped-def]
                 _peak[_p] = max([_peak[_p], *(it.seq.lane_items for it in items)])
-                real(self, items)
+                return real(self, items)
 
-            monkeypatch.setattr(LLMEngine, "_submit_lane", submit)
+            monkeypatch.setattr(LLMEngine, "_lane_pass", submit)
             outs, stats, eng = run_engine(model, batch, window=8, group=4, perturbation=0.2,
                                           lane_threaded=threaded, pipeline_lane_prefill=pipeline)
             eng.close()
@@ -605,54 +601,3 @@ def test_partial_windows_in_spare_lane_rows_keep_the_oracle(model: str, async_: 
                              "partial_windows", async_scheduling=async_)
 
 
-def test_passes_that_partial_windows_fill_keep_the_oracle(model: str) -> None:
-    """With ``lane_partial_fill`` a pass goes out as soon as mid-window candidates fill
-    it, and partial windows fill it to the last row: windows start elsewhere again, and
-    every deterministic output still equals lane_only's with a perturbed fast path.
-    Control: only the run with the option sent a pass for its mid-window candidates."""
-    reqs = ([Req(TARGET, SAMPLED)] + _others(6, det=True, seed=43)
-            + _others(4, det=False, seed=44))
-    _oracle_with_and_without(model, reqs, 4, "lane_partial_fill", (True, False),
-                             "partial_fill_passes", lane_partial_windows=True)
-
-
-@pytest.mark.parametrize(("threaded", "async_"), [(False, False), (True, False), (False, True)],
-                         ids=["in-process", "lane-thread", "async-scheduling"])
-def test_decode_rows_riding_in_lane_passes_keep_the_oracle(
-        model: str, threaded: bool, async_: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step that plans a lane pass runs its decode rows in the pass's padding rows
-    (``lane_riders``): every deterministic output still equals lane_only's, with a perturbed
-    fast path, and no sequence rides in a pass that carries its own window or prompt. With
-    asynchronous scheduling (as on CUDA) a rider pass's decisions wait until the step's
-    rows are placed (a rollback applied earlier cut tokens a planned row read: IndexError).
-    Control: without riders no pass carries any."""
-    from detserve.executor.runner import ModelRunner
-
-    launch_lane = ModelRunner.launch_lane
-    carried: list[int] = []
-
-    def checked(self, lane_pass, riders=(), rider_specs=(), *rest):  # type: ignore[no-untyped-def]
-        own = {(tuple(s.block_table), s.start + i) for s in lane_pass.segments
-               for i in range(len(s.input_ids))}
-        assert not any((tuple(r.block_table), r.start) in own for r in riders)
-        carried.append(len(riders))
-        return launch_lane(self, lane_pass, riders, rider_specs, *rest)
-
-    monkeypatch.setattr(ModelRunner, "launch_lane", checked)
-    reqs = [Req(TARGET, SAMPLED)] + _others(6, det=True, seed=31) + _others(5, False, seed=32)
-    oracle, _, o = run_engine(model, reqs, mode="lane_only")
-    o.close()
-    det = [i for i, r in enumerate(reqs) if r.params.is_deterministic]
-    for riders in (True, False):
-        carried.clear()
-        outs, stats, engine = run_engine(model, reqs, perturbation=0.2, lane_riders=riders,
-                                         lane_threaded=threaded, async_scheduling=async_)
-        engine.close()
-        assert stats["perturbed_tokens"] > 0
-        for i in det:
-            assert signature(outs[i]) == signature(oracle[i]), (riders, i)
-        assert stats["rider_rows"] == sum(carried)
-        if riders:
-            assert stats["rider_passes"] > 0 and stats["rider_rows"] > 0
-        else:
-            assert stats["rider_passes"] == 0 and not any(carried)

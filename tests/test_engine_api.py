@@ -79,16 +79,11 @@ def test_unknown_mode_and_bad_engine_config(model: str) -> None:
         LLM(model, fastpath_perturbation=2.0)
     with pytest.raises(ValueError, match="max_model_len 4096 exceeds the model's 1024 positions"):
         LLM(model, max_model_len=4096)
-    with pytest.raises(ValueError, match="lane_priority must be 'high', 'normal' or 'low'"):
-        LLM(model, lane_priority="urgent")
-    low = LLM(model, lane_priority="low", max_model_len=512)  # CUDA only: no stream on CPU
-    assert low.engine._fast_stream is None
-    low.engine.close()
-    for bad in (0, -4, True, 1.5):
-        with pytest.raises(ValueError, match="sm_carveout"):
-            LLM(model, sm_carveout=bad)
-    with pytest.raises(ValueError, match="blas_library must be one of"):
-        LLM(model, blas_library="mkl")
+    # options deleted as measured slower (docs/benchmarks/deleted-paths.md) are refused
+    for gone in ("lane_priority", "sm_carveout", "blas_library", "lane_overlap",
+                 "lane_size_step", "lane_attention_split", "lane_partial_fill"):
+        with pytest.raises(TypeError, match=gone):
+            LLM(model, **{gone: 1})
     for bad in (-1, True, 2.5):
         with pytest.raises(ValueError, match="lane_prefill_ahead"):
             LLM(model, lane_prefill_ahead=bad)
@@ -96,16 +91,37 @@ def test_unknown_mode_and_bad_engine_config(model: str) -> None:
         LLM("/nonexistent/model")
 
 
-def test_blas_settings_tag_the_kernels() -> None:
-    """The SM carveout and a preferred BLAS library change which GEMM kernels run (bits):
-    both name themselves in the ``kernels`` tag a verifier must match; defaults add none."""
-    from detserve.config import EngineConfig
-    from detserve.engine import blas_tag
+def test_kernel_tags_and_fingerprint_entries_come_from_the_lane_numerics() -> None:
+    """The kernel set's tags are derived from ``LaneNumerics`` (a tag for each setting of
+    other bits, nested sampler config included, in field order), and so are the
+    fingerprint's geometry entries, with the keys they always had."""
+    from dataclasses import replace
 
-    assert blas_tag(EngineConfig(model="m")) == ""
-    assert blas_tag(EngineConfig(model="m", sm_carveout=32)) == "+carve32"
-    assert (blas_tag(EngineConfig(model="m", sm_carveout=48, blas_library="cublaslt"))
-            == "+carve48+blas-cublaslt")
+    from detserve.config import EngineConfig, SamplerConfig
+    from detserve.numerics import LaneNumerics
+
+    n = LaneNumerics()
+    assert n.kernel_tags() == "+lpk"  # the logprob kernel: on by default, bits of its own
+    assert replace(n, lane_dot_sums=False).kernel_tags() == "+plainsums+lpk"
+    assert replace(n, sampling=SamplerConfig(logprob_kernel=False)).kernel_tags() == ""
+    # the same bits either way: no tag
+    assert replace(n, fused_silu_mul=False, fused_add_rmsnorm=False, lane_full_tiles=False,
+                   sampling=SamplerConfig(gumbel_kernel=False)).kernel_tags() == "+lpk"
+    assert n.profile("llm42") == {"verify_window": 64, "verify_group": 8, "block_size": 16}
+    assert replace(n, lane_gemm_rows=16).profile("batch_invariant") == {
+        "verify_window": 64, "verify_group": 8, "block_size": 16,
+        "batch_invariant_rows": 32, "lane_gemm_rows": 16}
+    cfg = EngineConfig.create("m", verify_window=8, verify_group=4, lane_dot_sums=False,
+                              logprob_kernel=False, block_size=32)
+    got = LaneNumerics.from_config(cfg, lane_gemm_rows=16)
+    assert (got.lane_rows, got.lane_gemm_rows, got.block_size) == (32, 16, 32)
+    assert got.lane_sizes == (16, 32) and LaneNumerics.from_config(cfg, 0).lane_sizes == (32,)
+    assert not got.lane_dot_sums and not got.sampling.logprob_kernel
+    assert replace(got, lane_gemm_rows=24).lane_sizes == (24, 48)  # the last one may pass it
+    with pytest.raises(ValueError, match="aligned_decode_lane"):
+        replace(n, aligned_decode_lane="16:1")
+    with pytest.raises(ValueError, match="verify_window"):
+        replace(n, verify_window=0)
 
 
 def test_max_tokens_and_finish_reason(llm: LLM) -> None:

@@ -20,7 +20,7 @@ from detserve.executor.gemm_classes import (
     row_classes,
     single_call_sizes,
 )
-from services.registry import DecoderRecord, LaneGeometry
+from services.registry import DecoderRecord
 
 
 def test_row_classes_partition_the_sizes() -> None:
@@ -75,91 +75,76 @@ def test_row_classes_rejects_tiny_sizes() -> None:
         row_classes(torch.randn(4, 4), [0, 2])
 
 
-def test_lane_gemm_rows_travels_in_the_verifier_geometry() -> None:
-    """A remote verifier must run the decoder's lane chunk: the geometry carries it."""
-    from services.registry import LaneGeometry
-    from services.verifier import codec, verifier_pb2
-
-    g = LaneGeometry(512, 64, 32, 16, lane_gemm_rows=224)
-    pb = verifier_pb2.LaneGeometry(lane_rows=g.lane_rows, window=g.window,
-                                   batch_invariant_rows=g.batch_invariant_rows,
-                                   block_size=g.block_size, lane_gemm_rows=g.lane_gemm_rows)
-    assert codec.decode_geometry(pb) == g
-    assert codec.decode_geometry(verifier_pb2.LaneGeometry(
-        lane_rows=512, window=64, batch_invariant_rows=32, block_size=16)).lane_gemm_rows == 0
-    with pytest.raises(ValueError):
-        LaneGeometry(512, 64, 32, 16, lane_gemm_rows=-1)
-
-
-def test_numerics_options_travel_in_the_geometry() -> None:
-    """A decoder with other numerics than the defaults (plain sums, the fused SiLU-and-
-    multiply) tells its verifier so: the geometry the engine's runner gives carries them,
-    through the hello and the registry record alike, and a record written before they
-    existed reads as the defaults."""
+def test_lane_numerics_travel_whole_in_the_hello_and_the_record() -> None:
+    """A remote verifier builds its runner from the decoder's ``LaneNumerics``: the hello's
+    message names every field of the dataclass (nested sampler config included), the round
+    trip through protobuf and through the registry's JSON is exact, and numerics no runner
+    can be built from are refused."""
     import dataclasses
     import json
+
+    from detserve.config import SamplerConfig
+    from detserve.numerics import LaneNumerics
+    from services.registry import numerics_from_dict
+    from services.verifier import codec, verifier_pb2
+
+    pb_fields = {f.name for f in verifier_pb2.LaneNumerics.DESCRIPTOR.fields}
+    assert pb_fields == {f.name for f in dataclasses.fields(LaneNumerics)}
+    assert ({f.name for f in verifier_pb2.SamplerConfig.DESCRIPTOR.fields}
+            == {f.name for f in dataclasses.fields(SamplerConfig)})
+    odd = LaneNumerics(verify_window=64, verify_group=8, block_size=32, batch_invariant_rows=16,
+                       lane_gemm_rows=224, lane_one_calls=False, lane_dot_sums=False,
+                       lane_full_tiles=False, aligned_decode_lane="32:4:2",
+                       fused_silu_mul=False, fused_add_rmsnorm=False,
+                       sampling=SamplerConfig(7, False, False))
+    for n in (LaneNumerics(), odd):
+        assert codec.decode_numerics(codec.encode_numerics(n)) == n
+        assert numerics_from_dict(json.loads(json.dumps(dataclasses.asdict(n)))) == n
+        rec = dataclasses.replace(_record(), numerics=n)
+        assert DecoderRecord.from_json(rec.to_json()) == rec
+        assert codec.decode_numerics(codec.encode_hello(rec).hello.numerics) == n
+    with pytest.raises(ValueError):
+        codec.decode_numerics(verifier_pb2.LaneNumerics(verify_window=64))  # (group 0)
+    with pytest.raises(ValueError):
+        LaneNumerics(lane_gemm_rows=-1)
+    with pytest.raises(ValueError, match="verify_window"):
+        LaneNumerics(verify_window=0)
+
+
+def test_engine_numerics_reach_the_runner_and_the_record() -> None:
+    """A decoder with other numerics than the defaults (plain sums, torch's SiLU and add,
+    no logprob kernel) hands them to its runner whole, and so to its verifier's hello."""
+    import dataclasses
 
     from detserve.engine import LLMEngine
     from services.verifier import codec
 
     eng = LLMEngine.from_args("random:tiny", "llm42", fused_silu_mul=False, lane_dot_sums=False,
                               fused_add_rmsnorm=False, logprob_kernel=False)
-    g = codec.lane_geometry(eng.runner)
+    n = eng.runner.numerics
     eng.close()
-    assert g.lane_plain_sums and not (g.fused_silu_mul or g.fused_add_rmsnorm)
-    assert not (g.logprob_kernel or eng.runner.sampling.logprob_kernel)
-    assert (g.lane_rows, g.window) == (eng.runner.lane_rows, eng.runner.window)
-    rec = dataclasses.replace(_record(), geometry=g)
-    assert codec.decode_geometry(codec.encode_hello(rec).hello.geometry) == g
-    assert LaneGeometry(**json.loads(json.dumps(dataclasses.asdict(g)))) == g
-    old = {k: v for k, v in dataclasses.asdict(g).items()
-           if k not in ("lane_plain_sums", "fused_silu_mul", "fused_add_rmsnorm",
-                        "logprob_kernel")}
-    assert LaneGeometry(**old) == dataclasses.replace(g, lane_plain_sums=False,
-                                                      fused_silu_mul=True, fused_add_rmsnorm=True,
-                                                      logprob_kernel=False)
+    assert n is eng.numerics and not (n.lane_dot_sums or n.fused_silu_mul
+                                      or n.fused_add_rmsnorm or n.sampling.logprob_kernel)
+    assert not eng.runner.sampling.logprob_kernel and not eng.runner.lane_attn.dot_sums
+    assert (n.lane_rows, n.verify_window) == (eng.runner.lane_rows, eng.runner.window)
+    rec = dataclasses.replace(_record(), numerics=n)
+    assert codec.decode_numerics(codec.encode_hello(rec).hello.numerics) == n
     default = LLMEngine.from_args("random:tiny", "llm42")
-    d = codec.lane_geometry(default.runner)
+    d = default.runner.numerics
     default.close()
-    assert d.fused_silu_mul and d.fused_add_rmsnorm and not d.lane_plain_sums
-    assert d.logprob_kernel  # on by default; a record without the field predates it (off)
+    assert d.fused_silu_mul and d.fused_add_rmsnorm and d.lane_dot_sums
+    assert d.sampling.logprob_kernel  # on by default
     with pytest.raises(ValueError, match="gumbel_chunk_rows"):
         LLMEngine.from_args("random:tiny", "llm42", gumbel_chunk_rows=-1)
 
 
 def _record() -> DecoderRecord:
+    from detserve.numerics import LaneNumerics
     from services.kv_handle import KVHandle
 
     handle = KVHandle("shm", "detserve-test", (2, 2, 8, 16, 2, 8), "float32", "cpu", 1, "d0")
-    return DecoderRecord("d0", 1, handle, "w" * 16, LaneGeometry(64, 8, 32, 16), "torch-ref-1")
-
-
-def test_lane_attention_split_travels_in_the_geometry_and_is_checked() -> None:
-    """The lane attention's split size changes bits past the first split: a remote verifier
-    gets it in the geometry (hello and registry record alike), and configs reject sizes the
-    kernel cannot run (not a multiple of its tile)."""
-    import dataclasses
-    import json
-
-    from detserve.config import EngineConfig
-    from detserve.kernels.config import TABLE
-    from services.registry import LaneGeometry
-    from services.verifier import codec, verifier_pb2
-
-    g = LaneGeometry(512, 64, 32, 16, lane_gemm_rows=176, lane_attention_split=256)
-    pb = verifier_pb2.LaneGeometry(lane_rows=512, window=64, batch_invariant_rows=32,
-                                   block_size=16, lane_gemm_rows=176, lane_attention_split=256)
-    assert codec.decode_geometry(pb) == g
-    assert LaneGeometry(**json.loads(json.dumps(dataclasses.asdict(g)))) == g
-    assert codec.decode_geometry(verifier_pb2.LaneGeometry(
-        lane_rows=512, window=64, batch_invariant_rows=32, block_size=16)).lane_attention_split == 0
-    with pytest.raises(ValueError):
-        LaneGeometry(512, 64, 32, 16, lane_attention_split=-64)
-    tile = TABLE.lane.tile
-    assert EngineConfig.create("random:tiny", lane_attention_split=4 * tile).lane_attention_split
-    for bad in (tile + tile // 2, -tile):
-        with pytest.raises(ValueError, match="lane_attention_split"):
-            EngineConfig.create("random:tiny", lane_attention_split=bad)
+    return DecoderRecord("d0", 1, handle, "w" * 16,
+                         LaneNumerics(verify_window=8, verify_group=8), "torch-ref-1")
 
 
 def test_aligned_decode_lane_is_parsed_and_checked() -> None:
@@ -170,8 +155,8 @@ def test_aligned_decode_lane_is_parsed_and_checked() -> None:
     from detserve.kernels.config import TABLE, LaneConfig, lane_variant
 
     assert lane_variant(TABLE.lane, "") is TABLE.lane
-    got = lane_variant(LaneConfig(tile=32, split=64), "16:1:2")
-    assert got == LaneConfig(tile=32, block_m=16, num_warps=1, num_stages=2, split=64)
+    got = lane_variant(LaneConfig(tile=32), "16:1:2")
+    assert got == LaneConfig(tile=32, block_m=16, num_warps=1, num_stages=2)
     for bad in ("16:1", "a:1:2", "12:4:2", "16:3:2", "8:1:2", "16:1:0"):
         with pytest.raises(ValueError, match="aligned_decode_lane"):
             EngineConfig.create("random:tiny", aligned_decode_lane=bad)
@@ -198,7 +183,7 @@ def test_fused_ops_are_on_by_default_and_a_cuda_matter() -> None:
         eng = LLMEngine.from_args("random:tiny", "llm42", fused_silu_mul=fused,
                                   fused_add_rmsnorm=fused, seed=0)
         assert eng.runner.kernel_set == "torch-ref-1"
-        assert eng.runner.fused_add_rmsnorm is fused
+        assert eng.runner.numerics.fused_add_rmsnorm is fused
         eng.add_request("r", None, SamplingParams(max_tokens=6, is_deterministic=True),
                         prompt_token_ids=[1, 2, 3, 4])
         while eng.has_unfinished_requests():
@@ -576,18 +561,12 @@ def test_padded_product_ops_write_the_activation_through_the_bases_own() -> None
     assert not chunked._buffers and torch.equal(h, want)
 
 
-def test_lane_sizes_between_the_chunks_multiples() -> None:
-    """The probed grid: the multiples alone with step 0, else every step below the largest
-    multiple too; a pass runs at the multiples and at the grid sizes some product runs as
-    one call (none listed: the multiples alone)."""
-    from detserve.executor.gemm_classes import lane_run_sizes, lane_size_grid
+def test_lane_sizes_are_the_chunks_multiples() -> None:
+    """A pass runs at the GEMM chunk's multiples up to the pass (the last one may pass it),
+    the smallest that holds its rows; without a chunk, at the whole pass."""
+    from detserve.numerics import LaneNumerics, lane_run_rows
 
-    multiples = [176, 352, 528]
-    assert lane_size_grid(multiples, 0) == multiples
-    grid = lane_size_grid(multiples, 32)
-    assert grid == sorted({*range(32, 528, 32), 176, 352, 528})
-    one_call = {(4096, 14336): frozenset({64, 224}), (6144, 4096): frozenset({64, 288, 352})}
-    assert lane_run_sizes(multiples, grid, one_call) == [64, 176, 224, 288, 352, 528]
-    assert lane_run_sizes(multiples, grid, {}) == multiples
-    # a listed size off the grid (a probe of other sizes) does not become a pass size
-    assert lane_run_sizes(multiples, grid, {(1, 1): frozenset({100})}) == multiples
+    n = LaneNumerics(verify_window=64, verify_group=8, lane_gemm_rows=176)
+    assert n.lane_sizes == (176, 352, 528)
+    assert [lane_run_rows(n.lane_sizes, u) for u in (1, 176, 177, 512)] == [176, 176, 352, 528]
+    assert LaneNumerics().lane_sizes == (512,)

@@ -24,9 +24,8 @@ def test_graph_config_validated() -> None:
         EngineConfig.create("random:tiny", cuda_graph_max_batch=0)
     with pytest.raises(ValueError, match="cuda_graph_step_rows"):
         EngineConfig.create("random:tiny", cuda_graph_step_rows=-1)
-    for bad in (-32, 1.5, True):
-        with pytest.raises(ValueError, match="lane_size_step"):
-            EngineConfig.create("random:tiny", lane_size_step=bad)
+    with pytest.raises(TypeError, match="lane_size_step"):  # deleted (measured slower)
+        EngineConfig.create("random:tiny", lane_size_step=32)
 
 
 @pytest.mark.parametrize("max_rows", [16, 96, 512, 2048, 3000])

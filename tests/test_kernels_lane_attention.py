@@ -123,44 +123,10 @@ def test_matches_reference_interp(h: int, hkv: int, d: int, page: int, tile: int
 
 
 @interp
-@pytest.mark.parametrize("page,tile,block_m,split", [(8, 16, 16, 0), (32, 16, 32, 0),
-                                                     (8, 16, 16, 32), (32, 16, 32, 16)])
-def test_row_invariance_interp(page: int, tile: int, block_m: int, split: int) -> None:
+@pytest.mark.parametrize("page,tile,block_m", [(8, 16, 16), (32, 16, 32)])
+def test_row_invariance_interp(page: int, tile: int, block_m: int) -> None:
     check_row_invariance(*CPU, 6, 2, 32, page, [40, 9, 73], 12,
-                         LaneConfig(tile=tile, block_m=block_m, split=split))
-
-
-@interp
-@pytest.mark.parametrize("split", [16, 32])
-def test_split_matches_reference_interp(split: int) -> None:
-    check_matches_reference(*CPU, 6, 2, 32, 8, [1, 37, 70, 16],
-                            LaneConfig(tile=16, block_m=16, split=split), 1e-5)
-
-
-def check_split_keeps_first_split_bits(device: str, dtype: torch.dtype, h: int, hkv: int,
-                                       d: int, page: int, cfg: LaneConfig) -> None:
-    """With a split size S, rows at p < S get the unsplit kernel's bits (one split, merged
-    as is); rows past it are computed otherwise (the control: some of them differ)."""
-    split = cfg.split
-    lens = [3 * split + 5, split // 2, 2 * split]
-    kv = kt.make_paged_kv(lens, hkv, d, page, dtype=dtype, device=device, seed=13)
-    rows = [(s, p) for s, n in enumerate(lens) for p in range(0, n, max(1, split // 8))]
-    rows += [(0, lens[0] - 1), (0, -1)]
-    seq, pos = _i32([r[0] for r in rows], device), _i32([r[1] for r in rows], device)
-    q = kt.randn(len(rows), h, d, dtype=dtype, device=device, seed=14)
-    call = lambda c: lane_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,  # noqa: E731
-                                    seq, pos, cfg=c)
-    got, unsplit = call(cfg), call(dataclasses.replace(cfg, split=0))
-    short = (pos < split).cpu()
-    assert kt.bitwise_equal(got[short.to(got.device)], unsplit[short.to(got.device)])
-    assert not kt.bitwise_equal(got[~short.to(got.device)], unsplit[~short.to(got.device)])
-    assert torch.all(got[-1] == 0)  # padding row
-
-
-@interp
-def test_split_keeps_first_split_bits_interp() -> None:
-    check_split_keeps_first_split_bits(*CPU, 6, 2, 32, 8, LaneConfig(tile=16, block_m=16,
-                                                                       split=32))
+                         LaneConfig(tile=tile, block_m=block_m))
 
 
 def check_full_tiles_keep_the_bits(device: str, dtype: torch.dtype, h: int, hkv: int, d: int,
@@ -184,20 +150,13 @@ def check_full_tiles_keep_the_bits(device: str, dtype: torch.dtype, h: int, hkv:
 
 
 @interp
-@pytest.mark.parametrize("split", [0, 32])
-def test_full_tiles_keep_the_bits_interp(split: int) -> None:
-    cfg = LaneConfig(tile=16, block_m=16, split=split)
+def test_full_tiles_keep_the_bits_interp() -> None:
+    cfg = LaneConfig(tile=16, block_m=16)
     check_full_tiles_keep_the_bits(*CPU, 6, 2, 32, 8, cfg)
     check_row_invariance(*CPU, 6, 2, 32, 8, [40, 9, 73], 12,
                          dataclasses.replace(cfg, full_tiles=True))
     check_matches_reference(*CPU, 6, 2, 32, 8, [1, 37, 70, 16],
                             dataclasses.replace(cfg, full_tiles=True), 1e-5)
-
-
-def test_lane_split_must_be_tile_multiple() -> None:
-    with pytest.raises(ValueError, match="multiple of the tile"):
-        LaneConfig(tile=64, split=96)
-    assert LaneConfig(tile=64, split=256).split == 256
 
 
 @interp
@@ -225,26 +184,15 @@ def test_matches_reference_gpu(h: int, hkv: int, d: int, page: int) -> None:
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("h,hkv,d", [(32, 8, 128), (9, 3, 64)])
-@pytest.mark.parametrize("split", [0, 256])
-def test_row_invariance_gpu(h: int, hkv: int, d: int, split: int) -> None:
-    check_row_invariance(*GPU, h, hkv, d, 16, [2000, 77, 4096, 513], 200,
-                         LaneConfig(split=split))
+def test_row_invariance_gpu(h: int, hkv: int, d: int) -> None:
+    check_row_invariance(*GPU, h, hkv, d, 16, [2000, 77, 4096, 513], 200, LaneConfig())
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_split_matches_reference_and_keeps_first_split_bits_gpu() -> None:
-    cfg = LaneConfig(split=256)
-    check_matches_reference(*GPU, 32, 8, 128, 16, [1, 300, 2048, 4099], cfg, 2e-2)
-    check_split_keeps_first_split_bits(*GPU, 32, 8, 128, 16, cfg)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("split", [0, 256])
-def test_full_tiles_keep_the_bits_gpu(split: int) -> None:
+def test_full_tiles_keep_the_bits_gpu() -> None:
     """On the GPU, where the compiler decides: the unmasked tiles give the masked bits."""
-    cfg = LaneConfig(split=split)
+    cfg = LaneConfig()
     check_full_tiles_keep_the_bits(*GPU, 32, 8, 128, 16, cfg)
     check_row_invariance(*GPU, 32, 8, 128, 16, [2000, 77, 4096, 513], 200,
                          dataclasses.replace(cfg, full_tiles=True))

@@ -12,18 +12,18 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from detserve.numerics import LaneNumerics
 from services.kv_handle import KVHandle
 from services.redis_server import LISTEN_PORTS, EmbeddedRedis, free_port
 from services.registry import (
     DecoderRecord,
     Heartbeat,
-    LaneGeometry,
     LinkRecord,
     Registry,
     VerifierRecord,
 )
 
-GEOMETRY = LaneGeometry(lane_rows=32, window=8, batch_invariant_rows=32, block_size=16)
+NUMERICS = LaneNumerics(verify_window=8, verify_group=4)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def registry(server: EmbeddedRedis) -> Iterator[Registry]:
 def _record(decoder_id: str, epoch: int) -> DecoderRecord:
     handle = KVHandle("shm", f"seg-{epoch}", (3, 2, 8, 16, 2, 8), "float32", "cpu", epoch,
                       decoder_id)
-    return DecoderRecord(decoder_id, epoch, handle, "ab" * 32, GEOMETRY, "torch-ref-1/x")
+    return DecoderRecord(decoder_id, epoch, handle, "ab" * 32, NUMERICS, "torch-ref-1/x")
 
 
 def test_embedded_redis_is_a_real_server() -> None:

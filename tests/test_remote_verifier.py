@@ -312,6 +312,14 @@ def test_stale_or_incompatible_decoder_is_refused(model: str, redis_url: str,
         bad.CopyFrom(hello)
         bad.hello.weights_hash = "0" * 64
         assert _hello_status(procs[0].address, bad) == grpc.StatusCode.INVALID_ARGUMENT
+        # numerics the verifier's runner would not reproduce, or cannot be built from
+        for field, value in (("kernels", "torch-ref-0/other"), ("numerics", 0)):
+            bad.CopyFrom(hello)
+            if field == "kernels":
+                bad.hello.kernels = str(value)
+            else:
+                bad.hello.numerics.verify_group = int(value)
+            assert _hello_status(procs[0].address, bad) == grpc.StatusCode.INVALID_ARGUMENT
         registry.next_epoch("dec-stale")  # the decoder restarted: this epoch is now stale
         assert _hello_status(procs[0].address, hello) == grpc.StatusCode.FAILED_PRECONDITION
         with pytest.raises(StaleEpochError, match="stale epoch"):

@@ -129,7 +129,7 @@ def test_sequence_decodes_past_its_window_while_the_lane_verifies() -> None:
     assert (win.start, win.end) == (10, 14)
     assert [(i.start, i.end) for i in out.fast] == [(13, 14)]  # the last candidate's row
     _fake_fast(s, out, token=21)
-    assert s.overlap_cap(seq) == 4  # the lane's next token + 3 candidates of the next window
+    assert s.lane.overlap_cap(seq) == 4  # the lane's next token + 3 candidates of the next window
     for _ in range(3):
         out = s.schedule()
         assert not out.lane and len(out.fast) == 1
@@ -138,7 +138,7 @@ def test_sequence_decodes_past_its_window_while_the_lane_verifies() -> None:
     assert seq.token_ids[10:] == [11, 20, 20, 20, 21, 22, 22, 22]
     assert s.on_lane_result(win, [20, 20, 20, 21]) == 0
     assert seq.num_committed == 15 and seq.num_lane_kv == 14 and seq.num_computed == 17
-    assert seq.num_candidates == 3 and s.window_ready(seq)
+    assert seq.num_candidates == 3 and s.lane.window_ready(seq)
     s.check_integrity()
 
 
@@ -173,7 +173,7 @@ def test_no_decoding_past_a_window_that_ends_in_a_stop_token() -> None:
     _fake_fast(s, s.schedule(), token=EOS)
     out = s.schedule()
     assert out.lane and out.lane[0].candidates == (EOS,)
-    assert not out.fast and s.overlap_cap(seq) == 0
+    assert not out.fast and s.lane.overlap_cap(seq) == 0
 
 
 def test_lane_bound_when_most_sequences_wait_on_the_lane() -> None:
@@ -254,7 +254,7 @@ def test_spare_lane_rows_take_queued_deterministic_prompts(
     assert [q.request_id for q in s.running] == ["s0", "s1", *admitted]
     assert [q.request_id for q in s.waiting] == [r for r in ("s2", "s3", "s4")
                                                  if r not in admitted]
-    assert s.lane_ahead_admissions == len(admitted)
+    assert s.lane.lane_ahead_admissions == len(admitted)
     assert all(not q.block_table for q in s.waiting), "a refused admission keeps no blocks"
     assert [i.seq.request_id for i in out.fast] == ["s1"]
     _fake_fast(s, out)
@@ -365,7 +365,7 @@ def test_lane_waits_to_fill_group_then_times_out() -> None:
     for _ in range(3):
         out = s.schedule()
         _fake_fast(s, out)
-    a_ready = s.window_ready(a)
+    a_ready = s.lane.window_ready(a)
     assert a_ready and not out.lane
 
 
@@ -386,15 +386,15 @@ def test_candidates_capped_by_max_tokens_and_eos() -> None:
     seq = _seq(0, 3, det=True, max_tokens=3)
     s.add(seq)
     s.on_lane_result(s.schedule().lane[0], [9])  # 1 output committed, 2 remain
-    assert s.candidate_cap(seq) == 1, "W-1=7 capped so that candidates + lane token <= 2"
+    assert s.lane.candidate_cap(seq) == 1, "W-1=7 capped so that candidates + lane token <= 2"
     s2 = _sched(W=8, G=1)
     seq2 = _seq(1, 3, det=True)
     s2.add(seq2)
     s2.on_lane_result(s2.schedule().lane[0], [9])
     out = s2.schedule()
-    assert len(out.fast) == 1 and not s2.window_ready(seq2)
+    assert len(out.fast) == 1 and not s2.lane.window_ready(seq2)
     s2.on_fast_result(out.fast[0], EOS)
-    assert s2.window_ready(seq2), "an EOS candidate closes the window early"
+    assert s2.lane.window_ready(seq2), "an EOS candidate closes the window early"
     (win,) = s2.schedule().lane
     assert win.candidates == (EOS,)
 
@@ -430,8 +430,8 @@ def test_config_validation() -> None:
         SchedulerConfig(mode="fast")
     with pytest.raises(ValueError):
         SchedulerConfig(verify_window=0)
-    with pytest.raises(ValueError, match="lane_partial_fill needs lane_partial_windows"):
-        SchedulerConfig(lane_partial_windows=False, lane_partial_fill=True)
+    with pytest.raises(TypeError, match="lane_partial_fill"):  # deleted (measured no faster)
+        SchedulerConfig(lane_partial_fill=True)  # type: ignore[call-arg]
     assert SchedulerConfig().lane_rows == 512
 
 
@@ -465,7 +465,7 @@ def test_long_prompt_chunks_pipeline_into_the_lane(pipeline: bool) -> None:
     each step sends the next chunk while the earlier ones are still in the lane (no round
     trip per chunk); results come back in order and the last chunk samples the first token.
     Without pipelining a chunk goes out only once the previous one came back."""
-    from detserve.scheduler import LANE_PREFILL_DEPTH
+    from detserve.lane_planner import LANE_PREFILL_DEPTH
 
     assert LANE_PREFILL_DEPTH == 2
     s = _sched(W=4, G=2, pipeline_lane_prefill=pipeline)
@@ -633,3 +633,33 @@ def test_prompt_wait_is_off_by_default_outside_the_engine_and_on_cpu() -> None:
     assert {i.seq.request_id for i in s.schedule().fast} == {"s0", "s1"}
     with pytest.raises(ValueError, match="prefill_batch_tokens"):
         SchedulerConfig(prefill_batch_tokens=-1)
+
+
+def test_stop_conditions_are_applied_with_the_step_results() -> None:
+    """The scheduler closes a step (``take_updates``) by applying the stop conditions to
+    the tokens it settled: a stop token (the output cut after it), ``max_tokens``, a stop
+    string (the caller's text check); only the sequences with outputs are listed. Control:
+    a sequence hitting none of them runs on and gets no output while its token is unread."""
+    cfg = SchedulerConfig(mode="nondeterministic", max_model_len=128)
+    s = Scheduler(cfg, BlockManager(64, 4), eos_token_ids=[EOS],
+                  stop_string_hit=lambda seq: seq.token_ids[-1] == 11)
+    seqs = [Sequence(f"s{i}", [3, 4, 5], SamplingParams(max_tokens=mt, stop=stop),
+                     uses_lane=False, deterministic=False, arrival=i)
+            for i, (mt, stop) in enumerate([(2, ()), (9, ()), (9, ("!",)), (9, ())])]
+    for seq in seqs:
+        s.add(seq)
+    tokens = {"s0": [7, 7], "s1": [EOS, 7], "s2": [8, 11], "s3": [8, 8]}
+    for step in range(2):
+        out = s.schedule()
+        for item in out.fast:
+            assert s.place(item)
+        if step == 0:  # s3's token stays on the device: no output for it yet
+            assert [(q.request_id, n) for q, n in s.take_updates()] == []
+        for item in out.fast:
+            s.on_token_read(item, tokens[item.seq.request_id][step], None)
+        updates = s.take_updates()
+        s.check_integrity()
+    finished = {q.request_id: (q.finish_reason, q.committed_output) for q in seqs if q.finished}
+    assert finished == {"s0": ("length", [7, 7]), "s1": ("stop", [EOS]), "s2": ("stop", [8, 11])}
+    assert [q.request_id for q, _ in updates] == ["s0", "s2", "s3"]
+    assert not seqs[3].finished and seqs[3].committed_output == [8, 8]

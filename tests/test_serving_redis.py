@@ -251,12 +251,15 @@ def test_health_turns_unavailable_when_verification_cannot_continue(
         unavailable_s, health = _wait_health(client, 503, lost, UNAVAILABLE_S)
         error = health.json()["error"]
         assert error["code"] == "no_verifier" and "verif" in error["message"], error
+        grpc_health = _grpc_health(cluster)
+        assert not grpc_health.ready and "verifier" in grpc_health.status, grpc_health
         resp = client.post("/v1/completions", json=body(cluster, SHORT, SHORT_TOKENS, False))
         assert resp.status_code == 200, resp.text
         redis.stop()
         back = time.monotonic()
         redis.start()
         ready_s, _ = _wait_health(client, 200, back, RECOVERY_S + 2 * PROBE_S)
+        assert _grpc_health(cluster).ready
         resp = client.post("/v1/completions", json=body(cluster, SHORT, SHORT_TOKENS, True))
         served_s = time.monotonic() - back
         assert resp.status_code == 200, resp.text

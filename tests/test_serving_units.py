@@ -14,10 +14,10 @@ import pytest
 from serving_cluster import tiny_model
 
 from detserve.engine import LLMEngine
+from detserve.output_processor import DeltaCursor
 from detserve.outputs import RequestOutput, TokenLogprob
 from detserve.params import SamplingParams
 from services.affinity import prefix_keys
-from services.decoder.deltas import DeltaTracker
 from services.decoder.engine_loop import EngineLoop
 from services.decoder.messages import DecodeChunk, DecodeRequest, coalesce
 from services.router.admission import Admission
@@ -33,19 +33,20 @@ from services.router.service import RouterService
 from services.serve_config import DEFAULT_ARGS, default_serve_config
 
 
-def _out(text: str, ids: list[int], finished: bool = False) -> RequestOutput:
-    return RequestOutput("r", [1], ids, text, finished, "stop" if finished else None,
-                         [TokenLogprob(t, -0.5) for t in ids], False)
+def _out(cursor: DeltaCursor, text: str, ids: list[int],
+         finished: bool = False) -> tuple[str, tuple[int, ...], tuple[TokenLogprob, ...] | None]:
+    d = cursor.advance(text, ids, [TokenLogprob(t, -0.5) for t in ids], finished)
+    return d.text, d.token_ids, d.logprobs
 
 
 # ---- deltas ---------------------------------------------------------------------------
 def test_deltas_hold_back_partial_characters_and_stop_prefixes() -> None:
-    t = DeltaTracker(stop=("END",))
-    assert t.update(_out("ab\ufffd", [1, 2])) == ("a", (1, 2), (TokenLogprob(1, -0.5),
-                                                                TokenLogprob(2, -0.5)))
-    text, ids, _ = t.update(_out("abcdE", [1, 2, 3]))
+    t = DeltaCursor(stop=("END",))
+    assert _out(t, "ab\ufffd", [1, 2]) == ("a", (1, 2), (TokenLogprob(1, -0.5),
+                                                         TokenLogprob(2, -0.5)))
+    text, ids, _ = _out(t, "abcdE", [1, 2, 3])
     assert (text, ids) == ("bc", (3,))  # "dE" may start "END"
-    text, ids, _ = t.update(_out("abcd", [1, 2, 3, 4], finished=True))
+    text, ids, _ = _out(t, "abcd", [1, 2, 3, 4], finished=True)
     assert (text, ids) == ("d", (4,))
 
 
@@ -284,6 +285,26 @@ def test_sent_state_drops_replayed_prefix_and_detects_divergence() -> None:
         sent.new_part(DecodeChunk("r", "d2", text="hex", token_ids=(1, 9)))
 
 
+def test_sent_state_replay_overlap_spans_several_chunks() -> None:
+    """A replay's chunks are cut elsewhere than the first attempt's: what the client has
+    is dropped across chunk boundaries, the rest goes out once, logprobs with their tokens."""
+    lp = {t: TokenLogprob(t, -0.1 * t) for t in range(1, 6)}
+    sent = SentState()
+    sent.new_part(DecodeChunk("r", "d0", text="ab", token_ids=(1,), logprobs=(lp[1],)))
+    sent.new_part(DecodeChunk("r", "d0", text="cd", token_ids=(2, 3), logprobs=(lp[2], lp[3])))
+    sent.restart()
+    parts = [sent.new_part(DecodeChunk("r", "d1", text=t, token_ids=ids,
+                                       logprobs=tuple(lp[i] for i in ids)))
+             for t, ids in (("a", (1,)), ("bc", (2,)), ("def", (3, 4)), ("g", (5,)))]
+    assert [(p.text, p.token_ids) for p in parts] == [("", ()), ("", ()), ("ef", (4,)),
+                                                      ("g", (5,))]
+    assert parts[2].logprobs == (lp[4],) and parts[3].logprobs == (lp[5],)
+    assert (sent.text, sent.token_ids) == ("abcdefg", [1, 2, 3, 4, 5])
+    sent.restart()
+    with pytest.raises(ReplayDiverged, match="text differs at offset 0"):
+        sent.new_part(DecodeChunk("r", "d2", text="aX", token_ids=(1,)))
+
+
 def test_admission_sheds_above_the_bound() -> None:
     adm = Admission(3, retry_after_s=2)
     slot = adm.acquire(2)
@@ -379,7 +400,8 @@ def http(ctx: ModelContext) -> Any:
 
     # no decoder: every request here is refused or fails before one is asked
     no_decoder = SimpleNamespace(options=lambda **_: SimpleNamespace())
-    service = RouterService(ctx, ServingLimits(max_model_len=64), no_decoder, channels=False)
+    no_links: Any = SimpleNamespace(attached=[])
+    service = RouterService(ctx, ServingLimits(max_model_len=64), no_decoder, no_links)
     return TestClient(build_http_app(service), raise_server_exceptions=False)
 
 
@@ -611,12 +633,12 @@ def test_scheduler_switch_reaches_the_decoders_engine(name: str) -> None:
     parse = build_parser().parse_args
     on = serve_config_from(parse(["serve"]), "redis://127.0.0.1:1/0")["applications"][0]["args"]
     assert name not in on
-    assert getattr(DecoderSettings.from_args(on).engine_config().scheduler, name) is True
+    assert getattr(DecoderSettings.from_args(on).engine.scheduler, name) is True
     flag = "--no-" + name.replace("_", "-")
     off = serve_config_from(parse(["serve", flag]),
                             "redis://127.0.0.1:1/0")["applications"][0]["args"]
     assert off[name] is False
-    assert getattr(DecoderSettings.from_args(off).engine_config().scheduler, name) is False
+    assert getattr(DecoderSettings.from_args(off).engine.scheduler, name) is False
     for bad in (0, "no", None):
         with pytest.raises(ValueError, match=name):
             default_serve_config(**{name: bad})
@@ -636,13 +658,13 @@ def test_scheduler_fraction_reaches_the_decoders_engine(name: str) -> None:
     parse = build_parser().parse_args
     plain = serve_config_from(parse(["serve"]), "redis://127.0.0.1:1/0")["applications"][0]["args"]
     assert name not in plain
-    assert (getattr(DecoderSettings.from_args(plain).engine_config().scheduler, name)
+    assert (getattr(DecoderSettings.from_args(plain).engine.scheduler, name)
             == getattr(SchedulerConfig, name))
     flag = "--" + name.replace("_", "-")
     set_ = serve_config_from(parse(["serve", flag, "0.6"]),
                              "redis://127.0.0.1:1/0")["applications"][0]["args"]
     assert set_[name] == 0.6
-    assert getattr(DecoderSettings.from_args(set_).engine_config().scheduler, name) == 0.6
+    assert getattr(DecoderSettings.from_args(set_).engine.scheduler, name) == 0.6
     for bad in (-0.1, 1.5, "half", None, True, float("nan")):
         with pytest.raises(ValueError, match=name):
             default_serve_config(**{name: bad})
@@ -667,12 +689,12 @@ def test_scheduler_count_reaches_the_decoders_engine(name: str, value: int, defa
     parse = build_parser().parse_args
     plain = serve_config_from(parse(["serve"]), "redis://127.0.0.1:1/0")["applications"][0]["args"]
     assert name not in plain
-    assert getattr(DecoderSettings.from_args(plain).engine_config().scheduler, name) == default
+    assert getattr(DecoderSettings.from_args(plain).engine.scheduler, name) == default
     flag = "--" + name.replace("_", "-")
     set_ = serve_config_from(parse(["serve", flag, str(value)]),
                              "redis://127.0.0.1:1/0")["applications"][0]["args"]
     assert set_[name] == value
-    assert getattr(DecoderSettings.from_args(set_).engine_config().scheduler, name) == value
+    assert getattr(DecoderSettings.from_args(set_).engine.scheduler, name) == value
     for v in bad:
         with pytest.raises(ValueError, match=name):
             default_serve_config(**{name: v})
@@ -687,10 +709,11 @@ def test_switch_interval_reaches_the_decoder_settings() -> None:
 
     parse = build_parser().parse_args
     plain = serve_config_from(parse(["serve"]), "redis://127.0.0.1:1/0")["applications"][0]["args"]
-    assert "switch_interval" not in plain and DecoderSettings.from_args(plain).switch_interval == 0
+    assert "switch_interval" not in plain
+    assert DecoderSettings.from_args(plain).serve.switch_interval == 0
     set_ = serve_config_from(parse(["serve", "--switch-interval", "0.0005"]),
                              "redis://127.0.0.1:1/0")["applications"][0]["args"]
-    assert DecoderSettings.from_args(set_).switch_interval == 0.0005
+    assert DecoderSettings.from_args(set_).serve.switch_interval == 0.0005
     for bad in (-1e-3, 2.0, "fast", None, False):
         with pytest.raises(ValueError, match="switch_interval"):
             default_serve_config(switch_interval=bad)

@@ -23,8 +23,8 @@ from torch import Tensor
 from detserve.executor.ops import run_in_row_chunks
 
 __all__ = ["Alignment", "auto_alignment", "decode_buckets", "joint_classes", "lane_call_sizes",
-           "lane_run_sizes", "lane_size_grid", "probe_lane_one_calls", "plan_alignment",
-           "plan_product_pads", "probe_sizes", "row_classes", "single_call_sizes",
+           "probe_lane_one_calls", "plan_alignment", "plan_product_pads", "probe_sizes",
+           "row_classes", "single_call_sizes",
            "smallest_at_least"]
 
 
@@ -132,23 +132,6 @@ def probe_lane_one_calls(weights: Sequence[Tensor], chunk: int, sizes: Iterable[
         got = lane_call_sizes(w, chunk, sizes, bias=b)
         out[key] = out[key] & got if key in out else got
     return {key: v for key, v in out.items() if v}
-
-
-def lane_size_grid(multiples: Sequence[int], step: int) -> list[int]:
-    """The lane pass sizes to probe: the chunk's ``multiples`` (ascending) and, with
-    ``step`` > 0, every multiple of ``step`` below the largest of them."""
-    top = multiples[-1]
-    return sorted({*range(step or top, top, step or top), *multiples})
-
-
-def lane_run_sizes(multiples: Sequence[int], grid: Iterable[int],
-                   one_call: Mapping[tuple[int, int], frozenset[int]]) -> list[int]:
-    """The sizes a lane pass runs at (the smallest that holds its rows): the chunk's
-    ``multiples``, and the sizes of ``grid`` between them at which some product runs as one
-    call (``probe_lane_one_calls``); a size no product runs as one call would only pad each
-    product to the next multiple anyway."""
-    listed = set().union(*one_call.values()) if one_call else set()
-    return sorted({*multiples, *(listed & set(grid))})
 
 
 def joint_classes(per_weight: Iterable[Sequence[Sequence[int]]]) -> list[list[int]]:

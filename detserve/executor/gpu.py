@@ -235,7 +235,7 @@ def fast_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: T
     recompute for it, and its window can verify. Longer rows in batches too small to fill
     the GPU take split-KV (``num_splits`` > 1) instead (``masks``: ``aligned_split_masks``
     of these rows, when already built). Writes ``out`` when given. Graph-safe: no host sync.
-    ``lane_cfg``: the lane kernel's config, the lane's own (its split size included).
+    ``lane_cfg``: the lane kernel's config, the lane's own.
     """
     if not aligned:
         return decode_attention(q, k_cache, v_cache, tables, context_lens,

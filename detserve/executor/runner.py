@@ -7,7 +7,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, cast
 
@@ -22,23 +21,20 @@ from detserve.executor.attention import (
     tiled_attention,
 )
 from detserve.executor.gemm_classes import (
-    lane_run_sizes,
-    lane_size_grid,
+    Alignment,
     probe_lane_one_calls,
     smallest_at_least,
 )
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.ops import FixedShapeOps, TorchOps, pad_rows
 from detserve.executor.transfer import upload
-from detserve.kernels.config import TABLE, lane_variant
 from detserve.lane import LaneDecision, LanePass, LaneResult, decide
 from detserve.model.llama import LlamaModel, Ops
+from detserve.numerics import LaneNumerics, lane_run_rows
 from detserve.outputs import TokenLogprob
 from detserve.sampler import (
-    DEFAULT_SAMPLER,
     PickedRows,
     PromptLogprobs,
-    SamplerConfig,
     SamplingSpec,
     launch_rows,
     token_counts,
@@ -48,6 +44,7 @@ if TYPE_CHECKING:
     from detserve.executor.graphs import DecodeGraphs, LaneGraph, StepGraphs
 
 log = logging.getLogger(__name__)
+CPU_KERNEL_SET = "torch-ref-1"  # the CPU path: torch's ops, in fixed row chunks for the lane
 
 
 # a launch's sampled tokens on the device and [(segment of the new launch, row of those
@@ -216,98 +213,71 @@ class PaddedProductOps:
 class ModelRunner:
     """Owns the model and the KV pool tensors.
 
-    ``lane_rows`` (G*W) is the lane's fixed pass size and ``window`` (W) its fixed chunk for
-    the lm_head, so a row's logits never depend on the pass's other rows.
-    ``lane_gemm_rows`` (when > 0) replaces the pass as the row chunk of every lane product
-    (on CUDA also of the lm_head; see ``gemm_classes``; on CPU also of the lane's attention),
-    and a pass then runs only the chunks its rows fill (a row's bits depend on the chunk
-    size, not on how many chunks run). On CUDA, with ``align_fast_path``
-    decode rows that need no split use the lane's attention kernel
-    (``gpu.fast_decode_attention``). ``decode_buckets`` (an ``Alignment``'s) are the sizes
-    the fast path pads its decode rows' products to, in graphs and in eager steps alike,
-    and ``decode_pads`` (also an ``Alignment``'s) the products that pad a bucket further;
-    ``single_call`` (also an ``Alignment``'s) the eager step sizes whose products need no
-    padding for that (``HeadPaddedOps``).
+    ``numerics`` names everything that decides a lane row's bits: the fixed pass of
+    ``lane_rows`` (G*W) rows, the lm_head's chunk of ``window`` (W) rows, and the row chunk
+    of every lane product (``lane_gemm_rows`` when > 0; on CUDA also of the lm_head; on CPU
+    also of the lane's attention), so a row's logits never depend on the pass's other rows;
+    a pass runs only the chunks its rows fill. ``alignment`` (CUDA, llm42 with an aligned
+    fast path): the fast path's decode buckets, per-product pads and unsplit step sizes,
+    with which its decode rows get the lane's bits (``HeadPaddedOps``,
+    ``PaddedProductOps``); its decode rows that need no split then take the lane's
+    attention kernel (``gpu.fast_decode_attention``).
     """
 
-    def __init__(self, model: LlamaModel, pool: KVPool, lane_rows: int, window: int,
-                 batch_invariant_rows: int, lane_gemm_rows: int = 0,
-                 align_fast_path: bool = False,
-                 decode_buckets: Sequence[int] | None = None,
-                 single_call: Mapping[tuple[int, int], frozenset[int]] | None = None,
-                 lane_one_calls: bool = True, lane_size_step: int = 0,
-                 decode_pads: Mapping[tuple[int, int], Mapping[int, int]] | None = None,
-                 lane_attention_split: int = 0, aligned_decode_lane: str = "",
-                 lane_full_tiles: bool = True, lane_dot_sums: bool = True,
-                 fused_silu_mul: bool = True, fused_add_rmsnorm: bool = True,
-                 sampling: SamplerConfig = DEFAULT_SAMPLER) -> None:
+    def __init__(self, model: LlamaModel, pool: KVPool, numerics: LaneNumerics,
+                 alignment: Alignment | None = None) -> None:
         self.model = model
         self.pool = pool
+        self.numerics = numerics
         self.device = model.embed_tokens.device
         self.cuda = self.device.type == "cuda"
-        self.lane_rows = lane_rows
-        self.sampling = sampling  # how launch_rows picks many rows (every pass alike)
-        # CUDA only (the CPU path keeps torch's ops)
-        self.fused_silu_mul, self.fused_add_rmsnorm = fused_silu_mul, fused_add_rmsnorm
+        self.lane_rows = numerics.lane_rows
+        self.window = numerics.verify_window
+        self.sampling = numerics.sampling  # how launch_rows picks many rows (every pass alike)
         self.fast_ops: Ops = TorchOps()
-        self.lane_chunk = lane_gemm_rows or lane_rows  # row chunk of the lane's products
+        self.lane_chunk = numerics.lane_chunk  # row chunk of the lane's products
         self.lane_ops: Ops = FixedShapeOps(self.lane_chunk)
-        self.window = window
-        self.lane_logit_ops: Ops = FixedShapeOps(window)
-        self.bi_ops: Ops = FixedShapeOps(batch_invariant_rows)
-        self.bi_rows = batch_invariant_rows
-        self.lane_gemm_rows = lane_gemm_rows
-        # CUDA: the lane attention kernel's config, its split size (``LaneConfig.split``, 0:
-        # none) included: the lane's, and batch_invariant's decode rows'
-        self.lane_attn = replace(TABLE.lane, split=lane_attention_split,
-                                 full_tiles=lane_full_tiles, dot_sums=lane_dot_sums)
-        # the same kernel for the fast path's aligned decode rows, with the same tile, split
-        # and sums but a query tile and launch of their own where
-        # EngineConfig.aligned_decode_lane gives one ("auto", its default: 16:2:3 with dot
-        # sums and no split, else the lane's config itself)
-        self.decode_attn = lane_variant(self.lane_attn, aligned_decode_lane)
-        self.align_fast_path = align_fast_path
-        self.decode_buckets = tuple(sorted(decode_buckets)) if decode_buckets else None
-        self.single_call = dict(single_call or {})
-        self.decode_pads = dict(decode_pads or {})
+        self.lane_logit_ops: Ops = FixedShapeOps(self.window)
+        self.bi_rows = numerics.batch_invariant_rows
+        self.bi_ops: Ops = FixedShapeOps(self.bi_rows)
+        self.lane_gemm_rows = numerics.lane_gemm_rows
+        # CUDA: the lane attention kernel's config (the lane's, and batch_invariant's decode
+        # rows'), and the same kernel for the fast path's aligned decode rows
+        self.lane_attn = numerics.lane_attention
+        self.decode_attn = numerics.decode_attention
+        self.align_fast_path = alignment is not None
+        self.decode_buckets = alignment.buckets if alignment is not None else None
+        self.single_call = dict(alignment.single_call) if alignment is not None else {}
+        self.decode_pads = dict(alignment.pads) if alignment is not None else {}
         # eager steps' products with padded decode rows: run as one call or split in two
         self.head_products: Counter[str] = Counter()
         # CUDA: lane products run as one call at these row counts (probed)
         self.lane_one_call: dict[tuple[int, int], frozenset[int]] = {}
-        self._lane_sizes: list[int] = []  # set by that probe; else ``lane_sizes`` derives them
-        self.kernel_set = "torch-ref-1"
+        self.kernel_set = CPU_KERNEL_SET
         self.decode_graphs: DecodeGraphs | None = None
-        # with align_fast_path: graphs of the plain fast path, for decode steps whose rows
-        # the lane will not verify (``enable_cuda_graphs(plain=True)``)
+        # with an aligned fast path: graphs of the plain fast path, for decode steps whose
+        # rows the lane will not verify (``enable_cuda_graphs(plain=True)``)
         self.plain_graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
         self.lane_graph: LaneGraph | None = None
         if self.cuda:
             from detserve.executor import gpu
 
-            fused = (fused_silu_mul, fused_add_rmsnorm)
+            fused = (numerics.fused_silu_mul, numerics.fused_add_rmsnorm)
             self.fast_ops = gpu.GpuFastOps(*fused)
-            self.kernel_set = gpu.KERNEL_VERSION
-            if lane_attention_split:  # other bits: a verifier's runner must split alike
-                self.kernel_set += f"+lanesplit{lane_attention_split}"
-            if not lane_dot_sums:  # other bits too
-                self.kernel_set += "+plainsums"
-            if sampling.logprob_kernel:  # the logprobs' bits are that pass's own
-                self.kernel_set += "+lpk"
-            # (the fusions give the unfused bits, GPU-tested: no tag of their own)
-            if lane_gemm_rows and lane_one_calls:
-                multiples = self.lane_sizes()
-                grid = lane_size_grid(multiples, lane_size_step)
-                self.lane_one_call = probe_lane_one_calls(model.gemm_weights(), lane_gemm_rows,
-                                                          grid, model.gemm_biases())
-                self._lane_sizes = lane_run_sizes(multiples, grid, self.lane_one_call)
-                # part of the numerics: a verifier's runner must have probed the same
-                self.kernel_set += "".join(
-                    f"+one{n}x{k}@{','.join(map(str, sorted(v)))}"
-                    for (n, k), v in sorted(self.lane_one_call.items()))
+            if numerics.lane_gemm_rows and numerics.lane_one_calls:
+                self.lane_one_call = probe_lane_one_calls(
+                    model.gemm_weights(), numerics.lane_gemm_rows, list(numerics.lane_sizes),
+                    model.gemm_biases())
+            # the probe's verdicts are part of the numerics too: a verifier's runner must
+            # have found the same
+            self.kernel_set = gpu.KERNEL_VERSION + numerics.kernel_tags() + "".join(
+                f"+one{n}x{k}@{','.join(map(str, sorted(v)))}"
+                for (n, k), v in sorted(self.lane_one_call.items()))
             self.lane_ops = gpu.GpuLaneOps(self.lane_chunk, self.lane_one_call, *fused)
-            if lane_gemm_rows:
-                self.lane_logit_ops = gpu.GpuLaneOps(lane_gemm_rows, self.lane_one_call, *fused)
+            if numerics.lane_gemm_rows:
+                self.lane_logit_ops = gpu.GpuLaneOps(numerics.lane_gemm_rows,
+                                                     self.lane_one_call, *fused)
             self.bi_ops = gpu.TritonBatchInvariantOps(*fused)
 
     def enable_cuda_graphs(self, decode: str | None, lane: bool, max_batch: int,
@@ -350,19 +320,12 @@ class ModelRunner:
                                         self.lane_sizes(), max_blocks, lane_cfg=self.lane_attn)
 
     def lane_sizes(self) -> list[int]:
-        """Row counts a lane pass runs at: multiples of the GEMM chunk up to the pass (the
-        last one may pass it), or the whole pass; on CUDA with lane one calls also the sizes
-        between (steps of ``lane_size_step``) at which some product runs as one call."""
-        if self._lane_sizes:
-            return list(self._lane_sizes)
-        c = self.lane_gemm_rows
-        if not c:
-            return [self.lane_rows]
-        return [k * c for k in range(1, -(-self.lane_rows // c) + 1)]
+        """Row counts a lane pass runs at (``LaneNumerics.lane_sizes``)."""
+        return list(self.numerics.lane_sizes)
 
     def lane_run_rows(self, used: int) -> int:
         """Rows a lane pass with ``used`` rows runs: the smallest lane size that holds them."""
-        return next(n for n in self.lane_sizes() if n >= used)
+        return lane_run_rows(self.numerics.lane_sizes, used)
 
     def _forward(self, batch: RowBatch, ops: Ops, kind: str, aligned: bool = True) -> Tensor:
         """kind: "fast" (any reduction order), "lane" (fixed M rows), "bi" (batch-invariant).
@@ -524,32 +487,18 @@ class ModelRunner:
 
     def run_lane(self, lane_pass: LanePass) -> LaneResult:
         """One fixed-shape pass of exactly ``lane_rows`` rows; decides every segment."""
-        return self.launch_lane(lane_pass)[0].finish()
+        return self.launch_lane(lane_pass).finish()
 
     @torch.inference_mode()
-    def launch_lane(self, lane_pass: LanePass, riders: Sequence[RowSegment] = (),
-                    rider_specs: Sequence[SamplingSpec | None] = (),
-                    rider_penalties: Sequence[PenaltyRow | None] = ()
-                    ) -> tuple[LaneLaunch, LaunchedBatch]:
-        """Queue a lane pass on the current stream without waiting for it.
-
-        ``riders``: fast-path decode rows (one row each) that run in the pass's padding
-        rows, sampled with ``rider_specs`` (None: not sampled). A row's result depends on
-        that row alone in the lane (fixed-shape products, per-row attention, norms and
-        sampling), so riders change no lane row's bits; they get lane bits themselves. The
-        pass runs at the lane size that holds all its rows. Returns the pass (``finish()``
-        decides it) and the riders' launch (as ``launch_batch`` returns one)."""
+    def launch_lane(self, lane_pass: LanePass) -> LaneLaunch:
+        """Queue a lane pass on the current stream without waiting for it; ``finish()``
+        decides it. The pass runs at the lane size that holds all its rows."""
         t0 = time.perf_counter()
         if lane_pass.rows != self.lane_rows:
             raise ValueError(f"lane pass has {lane_pass.rows} rows, lane is {self.lane_rows}")
-        if len(rider_specs) != len(riders) or any(len(r.input_ids) != 1 for r in riders):
-            raise ValueError("riders are decode rows (one input token each), one spec each")
-        used = lane_pass.used_rows + len(riders)
-        if used > self.lane_rows:
-            raise ValueError(f"{used} rows (with riders) exceed the lane's {self.lane_rows}")
         segs = [RowSegment(s.input_ids, s.start, s.block_table) for s in lane_pass.segments]
-        batch = build_rows([*segs, *riders], self.pool.block_size, self.device,
-                           pad_to=self.lane_run_rows(used))
+        batch = build_rows(segs, self.pool.block_size, self.device,
+                           pad_to=self.lane_run_rows(lane_pass.used_rows))
         hidden = None
         if self.lane_graph is not None:
             from detserve.executor.graphs import GraphCaptureError
@@ -563,33 +512,22 @@ class ModelRunner:
             hidden = self._forward(batch, self.lane_ops, "lane")
         rows = [batch.seg_offsets[i] + r for i, s in enumerate(lane_pass.segments)
                 for r in s.sample_rows]
-        n_lane = len(rows)
-        want = [k for k, spec in enumerate(rider_specs) if spec is not None]
-        rows += [batch.seg_offsets[len(segs) + k] for k in want]
-        logits = (self.model.logits(hidden[torch.tensor(rows, device=self.device)],
-                                    self.lane_logit_ops) if rows else None)
-        picked = rider_picked = None
-        if logits is not None and n_lane:
+        picked = None
+        if rows:
+            logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)],
+                                       self.lane_logit_ops)
             vocab = logits.shape[-1]
             counts = ([token_counts(s.output_history(r), vocab, self.device)
                        if s.spec.penalized else None
                        for s in lane_pass.segments for r in s.sample_rows]
                       if any(s.spec.penalized for s in lane_pass.segments) else [])
-            picked = launch_rows(logits[:n_lane],
+            picked = launch_rows(logits,
                                  [s.spec for s in lane_pass.segments for _ in s.sample_rows],
                                  [s.start + r + 1 for s in lane_pass.segments
                                   for r in s.sample_rows], cfg=self.sampling, counts=counts)
-        if logits is not None and want:
-            rider_picked = launch_rows(logits[n_lane:],
-                                       [cast(SamplingSpec, rider_specs[k]) for k in want],
-                                       [riders[k].start + 1 for k in want], cfg=self.sampling,
-                                       counts=self._step_counts(list(riders), want,
-                                                                rider_penalties, None,
-                                                                logits.shape[-1]))
         prompt = self._prompt_logprobs(
             hidden, list(batch.seg_offsets),
             [(s.prompt_logprobs, s.prompt_targets)
              if s.prompt_logprobs is not None and s.prompt_targets else None
              for s in lane_pass.segments], self.lane_logit_ops, exact=True)
-        return (LaneLaunch(lane_pass, picked, t0, prompt),
-                LaunchedBatch(len(riders), want, rider_picked))
+        return LaneLaunch(lane_pass, picked, t0, prompt)

@@ -96,11 +96,6 @@ class LaneConfig:
     block_m: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    # Positions per split, at absolute boundaries (0: no split): *bits* for rows past the
-    # first split. A row's splits [0, S), [S, 2S), ... run as programs of their own (a
-    # decode row's context is walked by several programs at once instead of one) and are
-    # merged in order; a row within the first split keeps the unsplit kernel's bits.
-    split: int = 0
     # Tiles that every live slot of a program sees whole run without the position masks
     # (``_lane_full_tile``): the same operations on the same values, so the same bits with
     # fewer instructions. Shown on an H100 (2026-11-25: GPU tests bit-equal, 67.9 vs 69.8 us
@@ -119,9 +114,6 @@ class LaneConfig:
         _check_pow2(self, tile=self.tile, block_m=self.block_m, num_warps=self.num_warps)
         if min(self.tile, self.block_m) < 16:
             raise ValueError("lane tile and block_m must be >= 16 (tl.dot)")
-        if self.split < 0 or self.split % self.tile:
-            raise ValueError(f"lane split {self.split} must be 0 or a multiple of the tile "
-                             f"{self.tile}")
 
 
 # the decode rows' query tile and launch with dot sums ("auto"): of the one-row tiles
@@ -134,12 +126,12 @@ DECODE_LANE_AUTO = "16:2:3"
 
 def lane_variant(base: LaneConfig, spec: str) -> LaneConfig:
     """``base`` with the query tile and launch of ``spec``, "BLOCK_M:NUM_WARPS:NUM_STAGES"
-    ("" = ``base``; "auto": ``DECODE_LANE_AUTO`` where ``base`` has dot sums and no split,
+    ("" = ``base``; "auto": ``DECODE_LANE_AUTO`` where ``base`` has dot sums,
     so that any tile keeps its bits, else ``base``): the config the fast path's aligned
-    decode rows call the lane kernel with (``EngineConfig.aligned_decode_lane``). Tile,
-    split and sums stay the lane's."""
+    decode rows call the lane kernel with (``EngineConfig.aligned_decode_lane``). Tile
+    and sums stay the lane's."""
     if spec == "auto":
-        spec = DECODE_LANE_AUTO if base.dot_sums and not base.split else ""
+        spec = DECODE_LANE_AUTO if base.dot_sums else ""
     if not spec:
         return base
     try:

@@ -13,14 +13,8 @@ keeps its running state unchanged (``tl.where``) in tiles that start past its p,
 last tile the positions past p get probability 0, so what the other slots hold cannot reach
 its bits: matrix-multiply rows are computed independently of one another.
 
-With a split size S (``LaneConfig.split``) a program owns one split of its rows' contexts,
-positions [s*S, (s+1)*S), and writes its partial softmax state (running max, sum and
-weighted values, fp32); ``_lane_merge`` then folds a row's partials in split order. Split
-boundaries are absolute positions too, so nothing about the pass enters; a row within the
-first split gets the unsplit kernel's bits.
-
 Invariant (tested bitwise): a row's output is a function of its q, the cached K/V at
-positions 0..p, p and the compile-time constants (TILE, split, block_m, head sizes, dtype,
+positions 0..p, p and the compile-time constants (TILE, block_m, head sizes, dtype,
 num_warps) alone -- not of the other rows, the row's index in the pass, M,
 ``rows_per_program``, how the sequence was chunked, or anything cached beyond p. The pass
 must have written its own K/V to the cache before this kernel runs.
@@ -132,11 +126,10 @@ def _lane_full_tile(
     return m_new, l_new, acc_new
 
 
-@triton.jit(do_not_specialize=["M", "rows_per_program", "H", "NS"])
+@triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _lane_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, row_seq_ptr, row_pos_ptr, out_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr,
-    qk_scale, M, rows_per_program, H, NS,
+    qk_scale, M, rows_per_program,
     stride_qm, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -144,11 +137,10 @@ def _lane_kernel(
     stride_om, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
     FULL_TILES: tl.constexpr, DOT_SUMS: tl.constexpr,
 ):
     kvh = tl.program_id(1)
-    sp = tl.program_id(2)  # this program's split (always 0 without splits)
     row0 = tl.program_id(0) * rows_per_program
     row_end = tl.minimum(row0 + rows_per_program, M)
 
@@ -162,19 +154,14 @@ def _lane_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     head_i = kvh * GROUP + g_i
-    lo = sp * SPLIT  # first position of this program's split (0 without splits)
     q_off = row_i.to(tl.int64) * stride_qm + head_i * stride_qh
-    q_in = in_i
-    if SPLIT > 0:  # slots before this split need no q (a program past every row reads none);
-        q_in = q_in & (pos_i >= lo)  # a slot's q only reaches its own row's bits
-    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=q_in[:, None] & d_mask[None, :],
+    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=in_i[:, None] & d_mask[None, :],
                 other=0.0)
     o_ptrs = out_ptr + (row_i.to(tl.int64) * stride_om + head_i * stride_oh)[:, None] \
         + offs_d[None, :]
-    if SPLIT == 0:  # padding rows (p < 0) produce zeros (split: ``_lane_merge`` writes them)
-        pad_i = in_i & (pos_i < 0)
-        tl.store(o_ptrs, tl.zeros([ROWS * BLOCK_G, BLOCK_D], dtype=out_ptr.dtype.element_ty),
-                 mask=pad_i[:, None] & d_mask[None, :])
+    pad_i = in_i & (pos_i < 0)  # padding rows (p < 0) produce zeros
+    tl.store(o_ptrs, tl.zeros([ROWS * BLOCK_G, BLOCK_D], dtype=out_ptr.dtype.element_ty),
+             mask=pad_i[:, None] & d_mask[None, :])
 
     # One pass per distinct sequence, led by its first row in the block.
     for row in range(row0, row_end):
@@ -189,35 +176,25 @@ def _lane_kernel(
             acc = tl.zeros([ROWS * BLOCK_G, BLOCK_D], dtype=tl.float32)
             bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
             hi = last + 1
-            if SPLIT > 0:
-                hi = tl.minimum(hi, lo + SPLIT)
-            masked_lo = lo
+            masked_lo = 0
             if FULL_TILES:  # tiles every live slot sees whole, before the others, in order
                 least = tl.min(tl.where(live_i, pos_i, last), 0)
-                masked_lo = tl.maximum(lo, tl.minimum(hi, (least + 1) // TILE * TILE))
-                for start in range(lo, masked_lo, TILE):
+                masked_lo = tl.minimum(hi, (least + 1) // TILE * TILE)
+                for start in range(0, masked_lo, TILE):
                     m_i, l_i, acc = _lane_full_tile(
                         q, m_i, l_i, acc, start, live_i,
                         bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                         offs_d, d_mask, PAGE, TILE, PRECISION, DOT_SUMS)
-            for start in range(masked_lo, hi, TILE):  # tiles t = lo / TILE, ... in order
+            for start in range(masked_lo, hi, TILE):  # the other tiles, in order
                 m_i, l_i, acc = _lane_tile(
                     q, m_i, l_i, acc, start, pos_i, live_i, last,
                     bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     offs_d, d_mask, PAGE, TILE, PRECISION, DOT_SUMS)
-            if SPLIT == 0:
-                o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-                tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty),
-                         mask=live_i[:, None] & d_mask[None, :])
-            else:  # the partial state of the slots that reach into this split
-                w_i = live_i & (pos_i >= lo)
-                part = (row_i.to(tl.int64) * H + head_i) * NS + sp
-                tl.store(part_m_ptr + part, m_i, mask=w_i)
-                tl.store(part_l_ptr + part, l_i, mask=w_i)
-                tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                         mask=w_i[:, None] & d_mask[None, :])
+            o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty),
+                     mask=live_i[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -280,41 +257,6 @@ def _lane_decode_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit(do_not_specialize=["H", "NS"])
-def _lane_merge(
-    part_m_ptr, part_l_ptr, part_acc_ptr, row_pos_ptr, out_ptr, H, NS,
-    stride_om, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
-):
-    """One (row, query head): fold the row's split partials in order, 0, 1, ..., p // SPLIT
-    (the same fold as a tile step's, on whole splits); padding rows get zeros."""
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    p = tl.load(row_pos_ptr + row)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    o_ptrs = out_ptr + row.to(tl.int64) * stride_om + head * stride_oh + offs_d
-    if p < 0:
-        tl.store(o_ptrs, tl.zeros([BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=d_mask)
-    else:
-        base = (row.to(tl.int64) * H + head) * NS
-        m = tl.load(part_m_ptr + base)
-        total = tl.load(part_l_ptr + base)
-        acc = tl.load(part_acc_ptr + base * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
-        for s in range(1, p // SPLIT + 1):
-            m2 = tl.load(part_m_ptr + base + s)
-            l2 = tl.load(part_l_ptr + base + s)
-            acc2 = tl.load(part_acc_ptr + (base + s) * HEAD_DIM + offs_d, mask=d_mask,
-                           other=0.0)
-            m_new = tl.maximum(m, m2)
-            a1 = tl.exp2(m - m_new)
-            a2 = tl.exp2(m2 - m_new)
-            total = total * a1 + l2 * a2
-            acc = acc * a1 + acc2 * a2
-            m = m_new
-        tl.store(o_ptrs, (acc / total).to(out_ptr.dtype.element_ty), mask=d_mask)
-
-
 def lane_rows(group: int, cfg: LaneConfig = TABLE.lane) -> int:
     """Row slots of one program for g query heads per kv head: block_m // next_pow2(g)."""
     return max(1, cfg.block_m // next_pow2(group))
@@ -374,8 +316,7 @@ def lane_attention(
     if rows_per_program is None:
         rows_per_program = default_rows_per_program(m, hkv, rows, num_sms(q.device))
     expect(1 <= rows_per_program <= rows, f"rows_per_program must be in 1..{rows}")
-    split = cfg.split
-    if rows_per_program == 1 and not split and cfg.dot_sums:
+    if rows_per_program == 1 and cfg.dot_sums:
         # decode rows: the one-row kernel (the same bits only where no sum depends on the
         # query tile, hence dot sums only)
         _lane_decode_kernel[(m, hkv)](
@@ -388,28 +329,16 @@ def lane_attention(
             FULL_TILES=cfg.full_tiles, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out
-    # splits a row can have: up to the block tables' width (static: CUDA-graph safe)
-    ns = cdiv(block_tables.shape[1] * page, split) if split else 1
-    if split:
-        part_m = torch.empty((m, h, ns), dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty((m, h, ns, d), dtype=torch.float32, device=q.device)
-    else:
-        part_m = part_l = part_acc = out  # (not read)
-    _lane_kernel[(cdiv(m, rows_per_program), hkv, ns)](
-        q, k_cache, v_cache, block_tables, row_seq, row_pos, out, part_m, part_l, part_acc,
-        default_scale(d, scale) * LOG2E, m, rows_per_program, h, ns,
+    _lane_kernel[(cdiv(m, rows_per_program), hkv)](
+        q, k_cache, v_cache, block_tables, row_seq, row_pos, out,
+        default_scale(d, scale) * LOG2E, m, rows_per_program,
         *paged_strides(q, k_cache, v_cache, block_tables, out),
         GROUP=group, BLOCK_G=next_pow2(group), ROWS=rows,
         HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
-        PAGE=page, TILE=cfg.tile, PRECISION=dot_precision(q.dtype), SPLIT=split,
+        PAGE=page, TILE=cfg.tile, PRECISION=dot_precision(q.dtype),
         FULL_TILES=cfg.full_tiles, DOT_SUMS=cfg.dot_sums, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if split:
-        _lane_merge[(m, h)](part_m, part_l, part_acc, row_pos, out, h, ns,
-                            out.stride(0), out.stride(1),
-                            HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), SPLIT=split)
     return out
 
 

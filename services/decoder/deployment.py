@@ -42,21 +42,22 @@ def _replica_id() -> str:
 class Decoder:
     async def __init__(self, args: Mapping[str, Any]) -> None:  # type: ignore[misc]
         self.settings = DecoderSettings.from_args(args)
-        if self.settings.switch_interval:  # this process is the replica's alone
-            sys.setswitchinterval(self.settings.switch_interval)
+        if self.settings.serve.switch_interval:  # this process is the replica's alone
+            sys.setswitchinterval(self.settings.serve.switch_interval)
         self.replica = _replica_id()
         auth = ClusterAuth.from_env()  # before the engine: refuse to start without it
         engine, self._close = build_engine(self.settings, self.replica, auth)
         self._event_loop = asyncio.get_running_loop()
         self.loop = EngineLoop(engine, self.replica, deliver=deliver_on_event_loops,
-                               stream_interval=self.settings.stream_interval,
+                               stream_interval=self.settings.serve.stream_interval,
                                on_failure=self._engine_failed)
         self.loop.start()
         self.link: LinkServer | None = None
         self._link_beat: Heartbeat | None = None
         await self._start_link(auth)
-        log.info("decoder %s ready (%s, mode %s, link at %s)", self.replica,
-                 self.settings.model, self.settings.mode, self.link and self.link.address)
+        cfg = self.settings.engine
+        log.info("decoder %s ready (%s, mode %s, link at %s)", self.replica, cfg.model,
+                 cfg.mode, self.link and self.link.address)
 
     async def _start_link(self, auth: ClusterAuth) -> None:
         """Serve a link (``services.decoder.link``) and publish it in Redis: routers reach
@@ -67,7 +68,7 @@ class Decoder:
         link = await LinkServer(self.loop, auth).start(ray.util.get_node_ip_address())
         try:
             record = LinkRecord(self.replica, link.address)
-            self._link_beat = Heartbeat(Registry(self.settings.redis_url), record).start()
+            self._link_beat = Heartbeat(Registry(self.settings.serve.redis_url), record).start()
         except BaseException:
             await link.stop()
             raise

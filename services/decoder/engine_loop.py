@@ -22,9 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from detserve.engine import LLMEngine
-from detserve.outputs import RequestOutput
+from detserve.outputs import Delta, RequestOutput
 from services.decoder.channel import Deliver, Sink, deliver_each
-from services.decoder.deltas import DeltaTracker
 from services.decoder.messages import DecodeChunk, DecodeRequest
 
 log = logging.getLogger(__name__)
@@ -64,8 +63,9 @@ class _Abort:
 class _Stream:
     request: DecodeRequest
     sink: Sink
-    tracker: DeltaTracker
     received: float
+    sent_tokens: int = 0                             # tokens in the chunks sent so far
+    held: Delta = field(default_factory=Delta)       # outputs' deltas not yet sent
 
 
 class EngineLoop:
@@ -198,7 +198,7 @@ class EngineLoop:
             self._send(sink, DecodeChunk(rid, self.replica, finished=True, error=str(e),
                                          error_type="invalid_request"))
             return
-        self._streams[rid] = _Stream(request, sink, DeltaTracker(request.params.stop), received)
+        self._streams[rid] = _Stream(request, sink, received)
         self._outstanding_tokens += request.cost_tokens
 
     def _abort(self, request_id: str) -> None:
@@ -211,14 +211,18 @@ class EngineLoop:
         stream = self._streams.get(out.request_id)
         if stream is None:  # aborted by its client
             return
-        sent = stream.tracker.sent_tokens
+        # the engine's deltas are forwarded; one held back joins the next chunk
+        delta = stream.held.then(out.delta)
+        sent = stream.sent_tokens
         if not out.finished and sent and len(out.token_ids) - sent < self.stream_interval:
+            stream.held = delta
             return  # held: the next chunk carries these tokens too
-        first = stream.tracker.sent_tokens == 0  # (every output carries tokens or is the last)
-        text, ids, lps = stream.tracker.update(out)
+        first = sent == 0  # (every output carries tokens or is the last)
+        stream.held, stream.sent_tokens = Delta(), len(out.token_ids)
         determinism = self.determinism if out.finished and out.is_deterministic else None
         chunk = DecodeChunk(
-            out.request_id, self.replica, text=text, token_ids=ids, logprobs=lps,
+            out.request_id, self.replica, text=delta.text, token_ids=delta.token_ids,
+            logprobs=delta.logprobs,
             finished=out.finished, finish_reason=out.finish_reason,
             num_prompt_tokens=len(out.prompt_token_ids), num_output_tokens=len(out.token_ids),
             determinism=determinism,

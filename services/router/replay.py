@@ -3,13 +3,16 @@
 When a decoder dies mid-stream, a deterministic request is sent again (to any replica with
 the same determinism profile) and its output, bit-exact by construction, is checked
 against what the client already has: the overlap is dropped, a difference fails the
-request instead of sending inconsistent text.
+request instead of sending inconsistent text. The part past what was sent is released by
+the engine's own delta rule (``DeltaCursor``), started where the client's stream stands.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from detserve.output_processor import DeltaCursor
+from detserve.outputs import TokenLogprob
 from services.decoder.messages import DecodeChunk
 
 
@@ -19,33 +22,38 @@ class ReplayDiverged(Exception):
 
 class SentState:
     def __init__(self) -> None:
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = []   # what the client has
         self.text = ""
-        self._pos_tokens = 0   # position of the current attempt's stream
-        self._pos_chars = 0
+        self.restart()
 
     def restart(self) -> None:
         """A new attempt starts from the beginning of the output."""
-        self._pos_tokens = 0
-        self._pos_chars = 0
+        self._ids: list[int] = []        # the current attempt's output so far
+        self._text = ""
+        self._logprobs: list[TokenLogprob] | None = None
+        self._cursor = DeltaCursor(chars=len(self.text), tokens=len(self.token_ids))
 
     def new_part(self, chunk: DecodeChunk) -> DecodeChunk:
         """``chunk`` minus what was already sent (raises ReplayDiverged on a mismatch)."""
-        ids = list(chunk.token_ids)
-        skip = min(len(ids), max(0, len(self.token_ids) - self._pos_tokens))
-        if ids[:skip] != self.token_ids[self._pos_tokens:self._pos_tokens + skip]:
-            raise ReplayDiverged(f"replayed tokens differ at position {self._pos_tokens}")
-        self._pos_tokens += len(ids)
-        text = chunk.text
-        skip_chars = min(len(text), max(0, len(self.text) - self._pos_chars))
-        if text[:skip_chars] != self.text[self._pos_chars:self._pos_chars + skip_chars]:
-            raise ReplayDiverged(f"replayed text differs at offset {self._pos_chars}")
-        self._pos_chars += len(text)
+        at_tokens, at_chars = len(self._ids), len(self._text)
+        self._ids.extend(chunk.token_ids)
+        self._text += chunk.text
+        if chunk.logprobs is not None:
+            self._logprobs = [*(self._logprobs or ()), *chunk.logprobs]
+        overlap = min(len(self._ids), len(self.token_ids))
+        if self._ids[at_tokens:overlap] != self.token_ids[at_tokens:overlap]:
+            raise ReplayDiverged(f"replayed tokens differ at position {at_tokens}")
+        overlap = min(len(self._text), len(self.text))
+        if self._text[at_chars:overlap] != self.text[at_chars:overlap]:
+            raise ReplayDiverged(f"replayed text differs at offset {at_chars}")
+        skipped = (self._cursor.tokens > at_tokens, self._cursor.chars > at_chars)
+        delta = self._cursor.advance(self._text, self._ids,
+                                     None if chunk.logprobs is None else self._logprobs,
+                                     finished=True)  # (the decoder held back what may change)
         new = chunk
-        if skip or skip_chars:
-            lps = None if chunk.logprobs is None else chunk.logprobs[skip:]
-            new = replace(chunk, text=text[skip_chars:], token_ids=tuple(ids[skip:]),
-                          logprobs=lps)
+        if any(skipped):
+            new = replace(chunk, text=delta.text, token_ids=delta.token_ids,
+                          logprobs=delta.logprobs)
         self.token_ids.extend(new.token_ids)
         self.text += new.text
         return new

@@ -305,8 +305,7 @@ def make_verifier_factory(redis_url: str, decoder_id: str, kv_handle: KVHandle |
         if tuple(pool.shape) != handle.shape or str(pool.dtype) != f"torch.{handle.dtype}":
             raise ValueError("the engine's KV pool is not the exported one")
         record = DecoderRecord(decoder_id, handle.epoch, handle, weights_hash,
-                               codec.lane_geometry(runner),
-                               codec.numerics_profile(runner))
+                               runner.numerics, codec.kernels_profile(runner))
         registry = Registry(redis_url, prefix)
         registry.publish_decoder(record)
         verifier = RemoteVerifier(registry, record, auth, **options)  # type: ignore[arg-type]

@@ -8,20 +8,24 @@ checks ``decode(encode(x)) == x``.
 from __future__ import annotations
 
 import platform
+from dataclasses import asdict, fields
 from typing import cast
 
 import torch
 
+from detserve.config import SamplerConfig
 from detserve.executor.runner import ModelRunner
 from detserve.lane import LaneDecision, LanePass, LaneResult, LaneSegment
+from detserve.numerics import LaneNumerics
 from detserve.outputs import TokenLogprob
 from detserve.params import SamplingSpec
-from services.registry import DecoderRecord, LaneGeometry
+from services.registry import DecoderRecord
 from services.verifier import verifier_pb2 as pb
 
 
-def numerics_profile(runner: ModelRunner) -> str:
-    """What lane bits depend on besides weights, dtype and geometry. A verifier serves a
+def kernels_profile(runner: ModelRunner) -> str:
+    """What lane bits depend on besides weights, dtype and ``LaneNumerics``: the runner's
+    kernel set (with its probes' verdicts), torch and the device kind. A verifier serves a
     decoder only if both runners report the same string (CPU GEMMs may split work by
     thread, so the thread count is part of it)."""
     if runner.device.type == "cuda":
@@ -33,35 +37,26 @@ def numerics_profile(runner: ModelRunner) -> str:
 
 # ---- hello --------------------------------------------------------------------------
 def encode_hello(record: DecoderRecord) -> pb.LaneRequest:
-    g = record.geometry
     return pb.LaneRequest(hello=pb.Hello(
         decoder_id=record.decoder_id, epoch=record.epoch,
         kv_handle=record.kv_handle.to_json(), weights_hash=record.weights_hash,
-        dtype=record.kv_handle.dtype, numerics=record.numerics,
-        geometry=pb.LaneGeometry(lane_rows=g.lane_rows, window=g.window,
-                                 batch_invariant_rows=g.batch_invariant_rows,
-                                 block_size=g.block_size, lane_gemm_rows=g.lane_gemm_rows,
-                                 lane_attention_split=g.lane_attention_split,
-                                 lane_plain_sums=g.lane_plain_sums,
-                                 unfused_silu_mul=not g.fused_silu_mul,
-                                 unfused_add_rmsnorm=not g.fused_add_rmsnorm,
-                                 logprob_kernel=g.logprob_kernel)))
+        dtype=record.kv_handle.dtype, numerics=encode_numerics(record.numerics),
+        kernels=record.kernels))
 
 
-def lane_geometry(runner: ModelRunner) -> LaneGeometry:
-    """What a verifier's runner needs of ``runner`` (the decoder's) to give its lane bits."""
-    return LaneGeometry(runner.lane_rows, runner.window, runner.bi_rows, runner.pool.block_size,
-                        runner.lane_gemm_rows, runner.lane_attn.split,
-                        lane_plain_sums=not runner.lane_attn.dot_sums,
-                        fused_silu_mul=runner.fused_silu_mul,
-                        fused_add_rmsnorm=runner.fused_add_rmsnorm,
-                        logprob_kernel=runner.sampling.logprob_kernel)
+def encode_numerics(n: LaneNumerics) -> pb.LaneNumerics:
+    """Every field, by name (``tests/test_remote_verifier.py`` checks that the message
+    and the dataclass name the same fields)."""
+    scalars = {f.name: getattr(n, f.name) for f in fields(n) if f.name != "sampling"}
+    return pb.LaneNumerics(**scalars, sampling=pb.SamplerConfig(**asdict(n.sampling)))
 
 
-def decode_geometry(g: pb.LaneGeometry) -> LaneGeometry:
-    return LaneGeometry(g.lane_rows, g.window, g.batch_invariant_rows, g.block_size,
-                        g.lane_gemm_rows, g.lane_attention_split, g.lane_plain_sums,
-                        not g.unfused_silu_mul, not g.unfused_add_rmsnorm, g.logprob_kernel)
+def decode_numerics(m: pb.LaneNumerics) -> LaneNumerics:
+    """Raises ValueError for numerics no runner can be built from."""
+    scalars = {f.name: getattr(m, f.name) for f in fields(LaneNumerics) if f.name != "sampling"}
+    sampling = SamplerConfig(**{f.name: getattr(m.sampling, f.name)
+                                for f in fields(SamplerConfig)})
+    return LaneNumerics(**scalars, sampling=sampling)
 
 
 # ---- passes -------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 One ``Verify`` stream per decoder. Its first message is a Hello; the servicer checks it
 against the registry (the epoch must be the decoder's current one) and against its own
-model (weights, dtype, numerics, KV geometry), maps the decoder's pool through the handle
+model (weights, dtype, kernels, KV geometry), maps the decoder's pool through the handle
 and builds a ``ModelRunner`` over it, cached per decoder and epoch. Then it answers every
 lane pass, in order, with the runner's decisions; the lane writes its K/V in place into the
 decoder's pool. Passes of all streams run one at a time on a single lane thread (one
@@ -24,13 +24,13 @@ import grpc
 import redis
 import torch
 
-from detserve.config import SamplerConfig
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import ModelRunner
 from detserve.lane import LanePass, LaneResult
 from detserve.model.identity import ModelInfo
 from detserve.model.llama import LlamaModel
 from detserve.model.loader import load_model
+from detserve.numerics import LaneNumerics
 from services.cluster_auth import ClusterAuth
 from services.kv_handle import KVHandle, open_kv
 from services.registry import Registry
@@ -70,6 +70,7 @@ class _Attached:
     epoch: int
     handle: KVHandle
     runner: ModelRunner
+    kernels: str  # codec.kernels_profile(runner)
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
@@ -149,18 +150,23 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             handle = KVHandle.from_json(hello.kv_handle)
         except (ValueError, KeyError, TypeError) as e:
             raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV handle: {e}") from e
-        with self._lock:
-            cached = self._attached.get(hello.decoder_id)
-        known = cached is not None and cached.epoch == hello.epoch and cached.handle == handle
+        unreachable: redis.RedisError | None = None
         try:
             self._check_current(hello, handle)
         except redis.RedisError as e:
+            unreachable = e
+        self._check_compatible(hello, handle)
+        numerics = _numerics(hello)
+        with self._lock:
+            cached = self._attached.get(hello.decoder_id)
+        # (a hello whose numerics or kernels differ is checked like a new one)
+        known = (cached is not None and cached.epoch == hello.epoch and cached.handle == handle
+                 and cached.runner.numerics == numerics and cached.kernels == hello.kernels)
+        if unreachable is not None and not known:
             # Redis away: a decoder this verifier already attached at this very epoch and
             # pool reconnects (a broken stream); anyone else waits until it can be checked
-            if not known:
-                raise HelloRefused(grpc.StatusCode.UNAVAILABLE,
-                                   f"the registry is unreachable: {e}") from e
-        self._check_compatible(hello, handle)
+            raise HelloRefused(grpc.StatusCode.UNAVAILABLE,
+                               f"the registry is unreachable: {unreachable}") from unreachable
         if known:
             assert cached is not None
             return cached.runner
@@ -170,25 +176,18 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise HelloRefused(grpc.StatusCode.NOT_FOUND, f"KV pool not found: {e}") from e
         except (ValueError, RuntimeError) as e:
             raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT, f"cannot map KV pool: {e}") from e
-        g = codec.decode_geometry(hello.geometry)
         mc = self.model.config
-        pool = KVPool(mc.num_layers, handle.shape[2], g.block_size, mc.num_kv_heads,
+        pool = KVPool(mc.num_layers, handle.shape[2], numerics.block_size, mc.num_kv_heads,
                       mc.head_dim, handle.torch_dtype, self.device, storage=storage)
-        runner = ModelRunner(self.model, pool, g.lane_rows, g.window, g.batch_invariant_rows,
-                             lane_gemm_rows=g.lane_gemm_rows,
-                             lane_attention_split=g.lane_attention_split,
-                             lane_dot_sums=not g.lane_plain_sums,
-                             fused_silu_mul=g.fused_silu_mul,
-                             fused_add_rmsnorm=g.fused_add_rmsnorm,
-                             sampling=SamplerConfig(logprob_kernel=g.logprob_kernel))
-        numerics = codec.numerics_profile(runner)
-        if hello.numerics != numerics:
+        runner = ModelRunner(self.model, pool, numerics)
+        kernels = codec.kernels_profile(runner)
+        if hello.kernels != kernels:
             raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"numerics {hello.numerics!r} != {numerics!r}")
+                               f"kernels {hello.kernels!r} != {kernels!r}")
         if self.cuda_graphs:  # a pass's block tables are at most the whole pool wide
             runner.enable_cuda_graphs(None, lane=True, max_batch=1, max_blocks=handle.shape[2])
         with self._lock:  # a newer epoch replaces (and unmaps) the old one
-            self._attached[hello.decoder_id] = _Attached(hello.epoch, handle, runner)
+            self._attached[hello.decoder_id] = _Attached(hello.epoch, handle, runner, kernels)
         return runner
 
     def _check_current(self, hello: pb.Hello, handle: KVHandle) -> None:
@@ -212,7 +211,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _check_compatible(self, hello: pb.Hello, handle: KVHandle) -> None:
         """Refuse a decoder whose lane this verifier would not reproduce bit for bit."""
         mc = self.model.config
-        g = hello.geometry
+        g = _numerics(hello)
         problems = []
         if hello.weights_hash != self.info.weights_hash:
             problems.append(f"weights {hello.weights_hash[:12]} != {self.info.weights_hash[:12]}")
@@ -224,10 +223,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         want = KVPool.shape_for(mc.num_layers, nb, g.block_size, mc.num_kv_heads, mc.head_dim)
         if handle.shape != want:
             problems.append(f"KV pool shape {handle.shape} != {want}")
-        if min(g.lane_rows, g.window, g.batch_invariant_rows) <= 0 or g.lane_rows % g.window:
-            problems.append(f"bad lane geometry {g.lane_rows}/{g.window}")
         if problems:
             raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
+
+
+def _numerics(hello: pb.Hello) -> LaneNumerics:
+    try:
+        return codec.decode_numerics(hello.numerics)
+    except (TypeError, ValueError) as e:
+        raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT, f"bad lane numerics: {e}") from e
 
 
 class VerifierServer:

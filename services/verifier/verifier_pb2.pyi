@@ -7,47 +7,61 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class LaneGeometry(_message.Message):
-    __slots__ = ("lane_rows", "window", "batch_invariant_rows", "block_size", "lane_gemm_rows", "lane_attention_split", "lane_plain_sums", "unfused_silu_mul", "unfused_add_rmsnorm", "logprob_kernel")
-    LANE_ROWS_FIELD_NUMBER: _ClassVar[int]
-    WINDOW_FIELD_NUMBER: _ClassVar[int]
-    BATCH_INVARIANT_ROWS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
-    LANE_GEMM_ROWS_FIELD_NUMBER: _ClassVar[int]
-    LANE_ATTENTION_SPLIT_FIELD_NUMBER: _ClassVar[int]
-    LANE_PLAIN_SUMS_FIELD_NUMBER: _ClassVar[int]
-    UNFUSED_SILU_MUL_FIELD_NUMBER: _ClassVar[int]
-    UNFUSED_ADD_RMSNORM_FIELD_NUMBER: _ClassVar[int]
+class SamplerConfig(_message.Message):
+    __slots__ = ("gumbel_chunk_rows", "gumbel_kernel", "logprob_kernel")
+    GUMBEL_CHUNK_ROWS_FIELD_NUMBER: _ClassVar[int]
+    GUMBEL_KERNEL_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_KERNEL_FIELD_NUMBER: _ClassVar[int]
-    lane_rows: int
-    window: int
-    batch_invariant_rows: int
-    block_size: int
-    lane_gemm_rows: int
-    lane_attention_split: int
-    lane_plain_sums: bool
-    unfused_silu_mul: bool
-    unfused_add_rmsnorm: bool
+    gumbel_chunk_rows: int
+    gumbel_kernel: bool
     logprob_kernel: bool
-    def __init__(self, lane_rows: _Optional[int] = ..., window: _Optional[int] = ..., batch_invariant_rows: _Optional[int] = ..., block_size: _Optional[int] = ..., lane_gemm_rows: _Optional[int] = ..., lane_attention_split: _Optional[int] = ..., lane_plain_sums: _Optional[bool] = ..., unfused_silu_mul: _Optional[bool] = ..., unfused_add_rmsnorm: _Optional[bool] = ..., logprob_kernel: _Optional[bool] = ...) -> None: ...
+    def __init__(self, gumbel_chunk_rows: _Optional[int] = ..., gumbel_kernel: _Optional[bool] = ..., logprob_kernel: _Optional[bool] = ...) -> None: ...
+
+class LaneNumerics(_message.Message):
+    __slots__ = ("verify_window", "verify_group", "block_size", "batch_invariant_rows", "lane_gemm_rows", "lane_one_calls", "lane_dot_sums", "lane_full_tiles", "aligned_decode_lane", "fused_silu_mul", "fused_add_rmsnorm", "sampling")
+    VERIFY_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_GROUP_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INVARIANT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LANE_GEMM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LANE_ONE_CALLS_FIELD_NUMBER: _ClassVar[int]
+    LANE_DOT_SUMS_FIELD_NUMBER: _ClassVar[int]
+    LANE_FULL_TILES_FIELD_NUMBER: _ClassVar[int]
+    ALIGNED_DECODE_LANE_FIELD_NUMBER: _ClassVar[int]
+    FUSED_SILU_MUL_FIELD_NUMBER: _ClassVar[int]
+    FUSED_ADD_RMSNORM_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    verify_window: int
+    verify_group: int
+    block_size: int
+    batch_invariant_rows: int
+    lane_gemm_rows: int
+    lane_one_calls: bool
+    lane_dot_sums: bool
+    lane_full_tiles: bool
+    aligned_decode_lane: str
+    fused_silu_mul: bool
+    fused_add_rmsnorm: bool
+    sampling: SamplerConfig
+    def __init__(self, verify_window: _Optional[int] = ..., verify_group: _Optional[int] = ..., block_size: _Optional[int] = ..., batch_invariant_rows: _Optional[int] = ..., lane_gemm_rows: _Optional[int] = ..., lane_one_calls: _Optional[bool] = ..., lane_dot_sums: _Optional[bool] = ..., lane_full_tiles: _Optional[bool] = ..., aligned_decode_lane: _Optional[str] = ..., fused_silu_mul: _Optional[bool] = ..., fused_add_rmsnorm: _Optional[bool] = ..., sampling: _Optional[_Union[SamplerConfig, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("decoder_id", "epoch", "kv_handle", "weights_hash", "dtype", "geometry", "numerics")
+    __slots__ = ("decoder_id", "epoch", "kv_handle", "weights_hash", "dtype", "numerics", "kernels")
     DECODER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_HASH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
-    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     decoder_id: str
     epoch: int
     kv_handle: str
     weights_hash: str
     dtype: str
-    geometry: LaneGeometry
-    numerics: str
-    def __init__(self, decoder_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kv_handle: _Optional[str] = ..., weights_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., geometry: _Optional[_Union[LaneGeometry, _Mapping]] = ..., numerics: _Optional[str] = ...) -> None: ...
+    numerics: LaneNumerics
+    kernels: str
+    def __init__(self, decoder_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kv_handle: _Optional[str] = ..., weights_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., numerics: _Optional[_Union[LaneNumerics, _Mapping]] = ..., kernels: _Optional[str] = ...) -> None: ...
 
 class SamplingSpec(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs", "min_tokens", "prompt_len", "stop_ids", "bias_ids", "bias_values", "presence_penalty", "frequency_penalty")
