@@ -2,8 +2,9 @@
 
 Keys (``<p>`` is the prefix, ``detserve`` by default):
 
-- ``<p>:epoch:<decoder_id>``: integer, INCR'd by a decoder at every start. The value is the
-  decoder's current epoch; a handle or hello with a smaller epoch is stale.
+- ``<p>:epoch:<decoder_id>``: integer, INCR'd by a decoder at every start (the first one
+  sets it to the clock in microseconds). The value is the decoder's current epoch; a
+  handle or hello with a smaller epoch is stale.
 - ``<p>:decoder:<decoder_id>``: JSON ``DecoderRecord`` of the current epoch (KV handle,
   weights hash, ``LaneNumerics``, kernel set). Written once the pool exists, deleted when the
   decoder shuts down cleanly (only if still its epoch).
@@ -23,8 +24,9 @@ Redis may go away and come back empty (the embedded server restarted by its supe
 StatefulSet pod rescheduled). Every record is therefore re-written by the process that owns
 it, by a ``Heartbeat``: verifiers and links re-register within a third of their TTL, and a
 decoder restores its epoch and record (``restore_decoder``). The epoch counter stays
-monotonic: a restore raises it back to the decoder's epoch and never lowers it; a decoder
-that finds a newer epoch of its id is stale and stops.
+monotonic: a restore raises it back to the decoder's epoch and never lowers it, a counter
+started afresh starts at the clock (``next_epoch``), and a decoder that finds a newer epoch
+of its id is stale and stops.
 
 Nothing here lets a reader talk to a server: links and verifiers ask for the cluster secret
 (``services.cluster_auth``), which is never written to Redis. The Redis URL carries the
@@ -59,6 +61,14 @@ if v and cjson.decode(v)['epoch'] == tonumber(ARGV[1]) then
 end
 redis.call('DEL', KEYS[2])
 return 0
+"""
+# KEYS: epoch; ARGV: where a missing counter starts
+_NEXT_EPOCH = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return redis.call('INCR', KEYS[1])
+end
+redis.call('SET', KEYS[1], ARGV[1])
+return tonumber(ARGV[1])
 """
 # KEYS: epoch, record; ARGV: epoch, record JSON. 0: a newer epoch is current (stale)
 _RESTORE = """
@@ -152,6 +162,7 @@ class Registry:
                                       password=password)
         self._retire = self.r.register_script(_RETIRE)
         self._restore = self.r.register_script(_RESTORE)
+        self._next_epoch = self.r.register_script(_NEXT_EPOCH)
 
     def ping(self) -> bool:
         return bool(self.r.ping())
@@ -188,8 +199,12 @@ class Registry:
 
     # ---- decoders -------------------------------------------------------------------
     def next_epoch(self, decoder_id: str) -> int:
-        """Start a new epoch for ``decoder_id``: every earlier handle becomes stale."""
-        return int(self.r.incr(self.epoch_key(decoder_id)))
+        """Start a new epoch for ``decoder_id``: every earlier handle becomes stale. The
+        counter is incremented; where there is none (the first start, or a Redis that lost
+        its data) it starts at the wall clock in microseconds, above any epoch this id had
+        before the loss (restarts are far rarer than one a microsecond)."""
+        floor = time.time_ns() // 1000
+        return int(self._next_epoch(keys=[self.epoch_key(decoder_id)], args=[floor]))
 
     def current_epoch(self, decoder_id: str) -> int | None:
         v = self.r.get(self.epoch_key(decoder_id))

@@ -164,12 +164,15 @@ def test_restore_decoder_keeps_epochs_monotonic(registry: Registry) -> None:
     record = _record("d2", epoch)
     registry.publish_decoder(record)
     registry.r.delete(registry.epoch_key("d2"), registry.decoder_key("d2"))  # data lost
-    registry.next_epoch("d2")  # a counter started again from nothing: 1, below ours
+    registry.r.set(registry.epoch_key("d2"), 1)  # a counter started again from nothing
     assert registry.restore_decoder(record)
     assert registry.current_epoch("d2") == epoch and registry.get_decoder("d2") == record
     assert registry.next_epoch("d2") == epoch + 1, "the next epoch is above every one seen"
     assert not registry.restore_decoder(record), "a newer epoch: the old one is stale"
     assert registry.current_epoch("d2") == epoch + 1, "a stale restore writes nothing"
+    # a decoder (re)started while the counter is gone starts above every earlier epoch
+    registry.r.delete(registry.epoch_key("d2"))
+    assert registry.next_epoch("d2") > epoch + 1
 
 
 def test_heartbeats_write_their_records_again_after_redis_lost_its_data() -> None:
