@@ -148,6 +148,8 @@ def test_streams_and_new_requests_are_served_while_redis_is_away(
         assert events[-1][1]["choices"][0]["finish_reason"] == "length"
     assert len(_tokens(nondet)) == LONG_TOKENS
     assert _tokens(det) == long_ref, "a deterministic stream released an unverified token"
+    # negative control: the fast path is perturbed, so unverified tokens would differ
+    assert _tokens(nondet) != long_ref
     # new requests during the outage: served, the deterministic one exactly
     det_new, nondet_new = out["fresh"]
     assert det_new.status_code == 200 and nondet_new.status_code == 200, det_new.text
