@@ -240,7 +240,8 @@ def test_health_turns_unavailable_when_verification_cannot_continue(
         cluster: Cluster, offline: LLM) -> None:
     """Redis away AND the verifier lost: no decoder can find another verifier, so
     deterministic requests would fail: /health says so (503, ``no_verifier``) within
-    ``UNAVAILABLE_S``, while non-deterministic requests are still served. Redis back
+    ``UNAVAILABLE_S``, a deterministic request gets that 503 at once, and
+    non-deterministic requests are still served. Redis back
     (empty): the restarted verifier registers, /health is ready again within
     ``RECOVERY_S`` + one probe period, and the decoder fails over to the new verifier (its
     hello checked against the restored registry) with the same deterministic output."""
@@ -255,6 +256,10 @@ def test_health_turns_unavailable_when_verification_cannot_continue(
         assert error["code"] == "no_verifier" and "verif" in error["message"], error
         grpc_health = _grpc_health(cluster)
         assert not grpc_health.ready and "verifier" in grpc_health.status, grpc_health
+        # a deterministic request ends at once with that error (the decoder's engine is not
+        # stopped over it); a non-deterministic one is served
+        resp = client.post("/v1/completions", json=body(cluster, SHORT, SHORT_TOKENS, True))
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_verifier"
         resp = client.post("/v1/completions", json=body(cluster, SHORT, SHORT_TOKENS, False))
         assert resp.status_code == 200, resp.text
         redis.stop()

@@ -135,6 +135,10 @@ def test_health_tells_what_a_request_would_meet(ctx: ModelContext) -> None:
     health = client.get("/health")
     assert health.status_code == 503 and health.json()["error"]["code"] == "no_verifier"
     assert health.json()["status"] == "unavailable"
+    # a deterministic request is refused the same way; a non-deterministic one is served
+    refused = client.post("/v1/completions", json=_body(ctx, is_deterministic=True))
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_verifier"
+    assert client.post("/v1/completions", json=_body(ctx)).status_code == 200
     decoder.verifier_ready = True
     asyncio.run(service.health.probe())
     assert client.get("/health").json() == {"status": "ok", "decoders_ready": 1}

@@ -73,12 +73,18 @@ class DecoderHealth:
             return unavailable(f"no decoder is ready ({self.last_error})")
         if self._links is not None and not self._links.attached:
             return unavailable("no decoder link is attached: requests would wait for one")
+        return self.verification_refusal()
+
+    def verification_refusal(self) -> APIError | None:
+        """The 503 a deterministic request meets while a decoder seen lately can neither
+        use nor find a verifier (it would stop its engine rather than release an
+        unverified token), else None."""
         horizon = time.monotonic() - 5 * self.period_s
         lacking = sorted(r for r, (t, ok) in self._verifying.items() if t >= horizon and not ok)
         if lacking:
-            return APIError(503, f"decoder {lacking[0]} has no verifier stream: deterministic "
-                            "requests cannot be verified", type="service_unavailable",
-                            code="no_verifier")
+            return APIError(503, f"decoder {lacking[0]} has no verifier to turn to: "
+                            "deterministic requests cannot be verified now",
+                            type="service_unavailable", code="no_verifier")
         return None
 
     async def probe(self) -> bool:
