@@ -5,8 +5,9 @@ is one ``stats()`` call routed to some replica (Ray, not Redis); its answer also
 the engine counters of /metrics while no request is running. Requests ask
 ``ensure_ready`` so that a router that has not probed yet (just started) does not refuse
 them. ``status`` adds what this router alone knows and a request needs: a decoder link
-attached (``LinkHub``), and a verifier stream on each decoder seen lately (remote
-verification: deterministic requests fail without one).
+attached (``LinkHub``), and, on each decoder seen lately, a verifier stream open or one
+it could fail over to (remote verification: deterministic requests fail without one; they
+are refused with the same 503, ``verification_refusal``).
 
 Redis is not asked: a router serves over the links it holds while Redis is away, so the
 answer stays ready then, and turns unavailable only once requests would fail.
@@ -33,7 +34,7 @@ class DecoderHealth:
         self._decoder = decoder
         self._metrics = metrics
         self._links = links
-        self._verifying: dict[str, tuple[float, bool]] = {}  # replica -> (when, has a stream)
+        self._verifying: dict[str, tuple[float, bool]] = {}  # replica -> (when, has a verifier)
         self.period_s = period_s
         self.timeout_s = timeout_s
         self._seen: dict[str, float] = {}   # healthy replica -> last answer (monotonic)
