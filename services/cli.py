@@ -158,6 +158,9 @@ def _start_mps(stack: ExitStack, device: str) -> None:
 def _embedded_redis(stack: ExitStack) -> str:
     from services.redis_server import EmbeddedRedis
 
-    redis = stack.enter_context(EmbeddedRedis())
-    print(f"detserve: embedded Redis at {redis.address} (password-protected)", flush=True)
+    # supervised: restarted (same port and password, empty) if it dies; the cluster's
+    # processes write their records again
+    redis = stack.enter_context(EmbeddedRedis()).supervise()
+    print(f"detserve: embedded Redis at {redis.address} (password-protected, supervised)",
+          flush=True)
     return redis.url

@@ -6,6 +6,10 @@ It listens on a free localhost port, keeps nothing on disk and dies with its own
 asks for a password generated at start (in ``url``: ``redis://:PASSWORD@host:port/0``),
 written to a config file only its owner can read rather than passed on the command line,
 where every local user could see it; a client without it is refused (NOAUTH).
+
+``supervise()`` restarts the server whenever it exits (killed, crashed), on the same port
+with the same password, so clients reconnect with the URL they have. It comes back empty:
+the registry's owners write their records again (``services.registry.Heartbeat``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from types import TracebackType
 
@@ -87,6 +92,10 @@ class EmbeddedRedis:
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self.password = secrets.token_urlsafe(24)  # URL-safe: goes into ``url`` as is
+        self.restarts = 0  # by the supervisor
+        self._supervisor: threading.Thread | None = None
+        self._supervising = threading.Event()
+        self._lock = threading.Lock()  # start/stop against the supervisor's restarts
 
     @property
     def address(self) -> str:
@@ -104,11 +113,47 @@ class EmbeddedRedis:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def supervise(self, poll_s: float = 0.2) -> EmbeddedRedis:
+        """Restart the server (same port and password, empty) whenever it exits, until
+        ``stop``; checks every ``poll_s``."""
+        if self._supervisor is None:
+            self._supervising.set()
+            self._supervisor = threading.Thread(target=self._watch, args=(poll_s,),
+                                                name="redis-supervisor", daemon=True)
+            self._supervisor.start()
+        return self
+
+    def _watch(self, poll_s: float) -> None:
+        while self._supervising.is_set():
+            time.sleep(poll_s)
+            with self._lock:
+                if not self._supervising.is_set() or self.running:
+                    continue
+                code = self._proc.poll() if self._proc is not None else None
+                self._discard()
+                try:
+                    self._launch(pick_port=False)
+                except (RuntimeError, OSError) as e:  # the port is busy a while: try again
+                    print(f"detserve: embedded Redis did not restart: {e}", file=sys.stderr,
+                          flush=True)
+                    continue
+                self.restarts += 1
+                print(f"detserve: embedded Redis exited ({code}); restarted on {self.address}",
+                      file=sys.stderr, flush=True)
+
     def start(self) -> EmbeddedRedis:
-        if self._proc is not None:
-            raise RuntimeError("already started")
+        with self._lock:
+            if self._proc is not None:
+                raise RuntimeError("already started")
+            self._launch(pick_port=self.port is None)
+        return self
+
+    def _launch(self, pick_port: bool) -> None:
         binary = self.binary or find_redis_server()
-        pick_port = self.port is None
         for attempt in range(3):  # a free port may be taken before redis binds it
             if pick_port:
                 self.port = free_port(self.host)
@@ -124,13 +169,13 @@ class EmbeddedRedis:
                                           stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
             try:
                 self._wait_ready()
-                return self
+                return
             except RuntimeError:
-                self.stop()
+                self._discard()
                 if not pick_port or attempt == 2:
                     raise
             except BaseException:
-                self.stop()
+                self._discard()
                 raise
         raise AssertionError("unreachable")
 
@@ -161,6 +206,16 @@ class EmbeddedRedis:
             return False
 
     def stop(self) -> None:
+        """Stop the supervisor, then the server."""
+        self._supervising.clear()
+        supervisor, self._supervisor = self._supervisor, None
+        if supervisor is not None:
+            supervisor.join(timeout=15)
+        with self._lock:
+            self._discard()
+
+    def _discard(self) -> None:
+        """End the server process (if still running) and remove its directory."""
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
             proc.terminate()

@@ -2,8 +2,9 @@
 
 Keys (``<p>`` is the prefix, ``detserve`` by default):
 
-- ``<p>:epoch:<decoder_id>``: integer, INCR'd by a decoder at every start. The value is the
-  decoder's current epoch; a handle or hello with a smaller epoch is stale.
+- ``<p>:epoch:<decoder_id>``: integer, INCR'd by a decoder at every start (the first one
+  sets it to the clock in microseconds). The value is the decoder's current epoch; a
+  handle or hello with a smaller epoch is stale.
 - ``<p>:decoder:<decoder_id>``: JSON ``DecoderRecord`` of the current epoch (KV handle,
   weights hash, ``LaneNumerics``, kernel set). Written once the pool exists, deleted when the
   decoder shuts down cleanly (only if still its epoch).
@@ -16,6 +17,16 @@ Keys (``<p>`` is the prefix, ``detserve`` by default):
 - ``<p>:link:<replica_id>``: JSON ``LinkRecord`` (the decoder replica's link address), with
   a TTL kept alive by the decoder's heartbeat: routers find decoders' links here
   (``services.decoder.link``).
+- ``<p>:instance``: a random id set by the first reader that finds none: a new value means
+  Redis lost its data (restarted empty) since the reader last looked.
+
+Redis may go away and come back empty (the embedded server restarted by its supervisor, a
+StatefulSet pod rescheduled). Every record is therefore re-written by the process that owns
+it, by a ``Heartbeat``: verifiers and links re-register within a third of their TTL, and a
+decoder restores its epoch and record (``restore_decoder``). The epoch counter stays
+monotonic: a restore raises it back to the decoder's epoch and never lowers it, a counter
+started afresh starts at the clock (``next_epoch``), and a decoder that finds a newer epoch
+of its id is stale and stops.
 
 Nothing here lets a reader talk to a server: links and verifiers ask for the cluster secret
 (``services.cluster_auth``), which is never written to Redis. The Redis URL carries the
@@ -50,6 +61,27 @@ if v and cjson.decode(v)['epoch'] == tonumber(ARGV[1]) then
 end
 redis.call('DEL', KEYS[2])
 return 0
+"""
+# KEYS: epoch; ARGV: where a missing counter starts
+_NEXT_EPOCH = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return redis.call('INCR', KEYS[1])
+end
+redis.call('SET', KEYS[1], ARGV[1])
+return tonumber(ARGV[1])
+"""
+# KEYS: epoch, record; ARGV: epoch, record JSON. 0: a newer epoch is current (stale)
+_RESTORE = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+local epoch = tonumber(ARGV[1])
+if current > epoch then
+  return 0
+end
+if current < epoch then
+  redis.call('SET', KEYS[1], ARGV[1])
+end
+redis.call('SET', KEYS[2], ARGV[2], 'NX')
+return 1
 """
 
 
@@ -115,7 +147,7 @@ class LinkRecord:
         return cls(**json.loads(text))
 
 
-Record = VerifierRecord | LinkRecord
+Record = VerifierRecord | LinkRecord | DecoderRecord
 
 
 class Registry:
@@ -129,6 +161,8 @@ class Registry:
                                       socket_connect_timeout=5.0, health_check_interval=10,
                                       password=password)
         self._retire = self.r.register_script(_RETIRE)
+        self._restore = self.r.register_script(_RESTORE)
+        self._next_epoch = self.r.register_script(_NEXT_EPOCH)
 
     def ping(self) -> bool:
         return bool(self.r.ping())
@@ -152,15 +186,25 @@ class Registry:
     def link_key(self, replica: str) -> str:
         return f"{self.prefix}:link:{replica}"
 
-    def key_of(self, record: Record) -> str:
+    def key_of(self, record: VerifierRecord | LinkRecord) -> str:
         if isinstance(record, VerifierRecord):
             return self.verifier_key(record.verifier_id)
         return self.link_key(record.replica)
 
+    def instance(self) -> str:
+        """This Redis's data generation: changes when Redis restarts empty."""
+        key = f"{self.prefix}:instance"
+        self.r.set(key, os.urandom(8).hex(), nx=True)
+        return _text(self.r.get(key) or "")
+
     # ---- decoders -------------------------------------------------------------------
     def next_epoch(self, decoder_id: str) -> int:
-        """Start a new epoch for ``decoder_id``: every earlier handle becomes stale."""
-        return int(self.r.incr(self.epoch_key(decoder_id)))
+        """Start a new epoch for ``decoder_id``: every earlier handle becomes stale. The
+        counter is incremented; where there is none (the first start, or a Redis that lost
+        its data) it starts at the wall clock in microseconds, above any epoch this id had
+        before the loss (restarts are far rarer than one a microsecond)."""
+        floor = time.time_ns() // 1000
+        return int(self._next_epoch(keys=[self.epoch_key(decoder_id)], args=[floor]))
 
     def current_epoch(self, decoder_id: str) -> int | None:
         v = self.r.get(self.epoch_key(decoder_id))
@@ -178,6 +222,13 @@ class Registry:
     def get_decoder(self, decoder_id: str) -> DecoderRecord | None:
         v = self.r.get(self.decoder_key(decoder_id))
         return None if v is None else DecoderRecord.from_json(_text(v))
+
+    def restore_decoder(self, record: DecoderRecord) -> bool:
+        """Re-publish ``record`` after Redis lost it: the epoch counter is raised to the
+        record's epoch if lower (never lowered), the record written if absent. False (and
+        nothing written) when a newer epoch of this decoder is current: it is stale."""
+        keys = [self.epoch_key(record.decoder_id), self.decoder_key(record.decoder_id)]
+        return bool(self._restore(keys=keys, args=[record.epoch, record.to_json()]))
 
     def retire_decoder(self, decoder_id: str, epoch: int) -> bool:
         """Delete the record (if still ``epoch``'s) and that epoch's block tables."""
@@ -200,11 +251,11 @@ class Registry:
         return {_text(rid): json.loads(v) for rid, v in raw.items()}
 
     # ---- verifiers and decoder links (records with a TTL) ------------------------------
-    def register(self, record: Record, ttl_s: float) -> None:
+    def register(self, record: VerifierRecord | LinkRecord, ttl_s: float) -> None:
         """(Re)register; also the heartbeat: the key expires ``ttl_s`` after the last call."""
         self.r.set(self.key_of(record), record.to_json(), px=max(1, int(ttl_s * 1000)))
 
-    def deregister(self, record: Record) -> None:
+    def deregister(self, record: VerifierRecord | LinkRecord) -> None:
         self.r.delete(self.key_of(record))
 
     def _live(self, pattern: str) -> list[str]:
@@ -227,21 +278,29 @@ def _text(value: str | bytes) -> str:
 
 
 class Heartbeat:
-    """Background thread that keeps a verifier's or a decoder link's registration alive
-    (every ttl/3)."""
+    """Background thread that keeps a record in Redis (every ttl/3), and writes it again
+    when Redis comes back without it: a verifier's or a link's registration (TTL ``ttl_s``),
+    or a decoder's epoch and record (``restore_decoder``; no TTL). A decoder's heartbeat
+    that finds a newer epoch sets ``stale`` and stops."""
 
     def __init__(self, registry: Registry, record: Record, ttl_s: float = 3.0) -> None:
         self.registry = registry
         self.record = record
         self.ttl_s = ttl_s
+        self.stale = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="registry-heartbeat",
                                         daemon=True)
         self.last_ok = 0.0  # time.monotonic() of the last successful refresh
 
-    def start(self) -> Heartbeat:
-        self.registry.register(self.record, self.ttl_s)
-        self.last_ok = time.monotonic()
+    def start(self, required: bool = True) -> Heartbeat:
+        """Write the record and start refreshing it; ``required=False``: a Redis that does
+        not answer now is no error, the record is written once it does."""
+        try:
+            self._refresh()
+        except redis.RedisError:
+            if required:
+                raise
         self._thread.start()
         return self
 
@@ -254,13 +313,22 @@ class Heartbeat:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def _refresh(self) -> None:
+        if isinstance(self.record, DecoderRecord):
+            if not self.registry.restore_decoder(self.record):
+                self.stale = True
+                self._stop.set()
+                return
+        else:
+            self.registry.register(self.record, self.ttl_s)
+        self.last_ok = time.monotonic()
+
     def _run(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                self.registry.register(self.record, self.ttl_s)
-                self.last_ok = time.monotonic()
+                self._refresh()
             except redis.RedisError:
-                pass  # a Redis hiccup: retry; the key expires if it persists
+                pass  # Redis is away: retry; the record is written again once it is back
 
     def stop(self, deregister: bool = True) -> None:
         self._stop.set()
@@ -268,6 +336,9 @@ class Heartbeat:
             self._thread.join(timeout=5)
         if deregister:
             try:
-                self.registry.deregister(self.record)
+                if isinstance(self.record, DecoderRecord):
+                    self.registry.retire_decoder(self.record.decoder_id, self.record.epoch)
+                else:
+                    self.registry.deregister(self.record)
             except redis.RedisError:
-                pass  # the TTL removes it anyway
+                pass  # a TTL record expires anyway; a decoder's is replaced by its next epoch

@@ -33,6 +33,7 @@ class Cluster:
     http_url: str            # http://127.0.0.1:PORT
     grpc_address: str        # 127.0.0.1:PORT
     startup_s: float
+    redis: Any = None        # the EmbeddedRedis (tests kill and restart it)
 
     @property
     def base_url(self) -> str:
@@ -62,4 +63,4 @@ def serving_cluster(*, limits: ServingLimits | None = None, **overrides: Any
         serve.run(compose(args, limits=limits, replica_cpus=0.5), name="detserve",
                   route_prefix="/")
         yield Cluster(args, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}",
-                      time.monotonic() - t0)
+                      time.monotonic() - t0, redis)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import time
 import uuid
@@ -152,3 +154,62 @@ def test_link_records_are_kept_apart_from_verifiers_and_expire(registry: Registr
     finally:
         beat.stop(deregister=True)
     assert registry.live_links() == []
+
+
+def test_restore_decoder_keeps_epochs_monotonic(registry: Registry) -> None:
+    """A decoder re-publishes its epoch and record into a Redis that lost them; the counter
+    is raised to the decoder's epoch, never lowered, and a newer epoch makes it stale."""
+    for _ in range(3):
+        epoch = registry.next_epoch("d2")
+    record = _record("d2", epoch)
+    registry.publish_decoder(record)
+    registry.r.delete(registry.epoch_key("d2"), registry.decoder_key("d2"))  # data lost
+    registry.r.set(registry.epoch_key("d2"), 1)  # a counter started again from nothing
+    assert registry.restore_decoder(record)
+    assert registry.current_epoch("d2") == epoch and registry.get_decoder("d2") == record
+    assert registry.next_epoch("d2") == epoch + 1, "the next epoch is above every one seen"
+    assert not registry.restore_decoder(record), "a newer epoch: the old one is stale"
+    assert registry.current_epoch("d2") == epoch + 1, "a stale restore writes nothing"
+    # a decoder (re)started while the counter is gone starts above every earlier epoch
+    registry.r.delete(registry.epoch_key("d2"))
+    assert registry.next_epoch("d2") > epoch + 1
+
+
+def test_heartbeats_write_their_records_again_after_redis_lost_its_data() -> None:
+    """A supervised embedded Redis killed comes back on the same URL, empty, within a
+    second; the heartbeats (decoder, verifier, link) write their records again within a
+    third of their TTL of its return, and a reader sees a new ``instance``."""
+    ttl = 0.6
+    with EmbeddedRedis() as server:
+        server.supervise(poll_s=0.1)
+        reg = Registry(server.url, prefix="lost")
+        decoder = _record("d3", reg.next_epoch("d3"))
+        reg.publish_decoder(decoder)
+        link = LinkRecord("replica-2", "127.0.0.1:5")
+        verifier = VerifierRecord("vd", "127.0.0.1:6", "h", "cpu", "w")
+        beats = [Heartbeat(reg, r, ttl_s=ttl).start() for r in (decoder, link, verifier)]
+        try:
+            before = reg.instance()
+            pid, url = server.pid, server.url
+            assert pid is not None
+            t0 = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            while server.restarts < 1:
+                assert time.monotonic() - t0 < 5, "the supervisor did not restart Redis"
+                time.sleep(0.02)
+            restarted = time.monotonic() - t0
+            assert server.url == url and server.pid != pid and server.running
+            assert restarted < 2.0, f"restarted after {restarted:.2f} s"
+            while not (reg.live_links() and reg.live_verifiers() and reg.get_decoder("d3")):
+                assert time.monotonic() - t0 < restarted + ttl, "records not written again"
+                time.sleep(0.02)
+            assert reg.live_links() == [link] and reg.live_verifiers() == [verifier]
+            assert reg.get_decoder("d3") == decoder
+            assert reg.current_epoch("d3") == decoder.epoch
+            assert reg.instance() != before, "a reader can tell that Redis lost its data"
+            assert all(b.alive and not b.stale for b in beats)
+        finally:
+            for b in beats:
+                b.stop(deregister=True)
+            reg.close()
+    assert not server.running and server.restarts == 1, "stop() ends the supervisor too"

@@ -40,16 +40,19 @@ class FakeDecoder:
         self.requests: list[DecodeRequest] = []
         self.aborted: list[str] = []
         self.stats = _Call(self._stats)
+        self.link_up = True         # its link is attached
+        self.verifier_ready = True  # it has a verifier stream
 
     async def _stats(self) -> ReplicaStats:
         if not self.healthy:
             raise TimeoutError("no replica")
-        return ReplicaStats("fake", {"rollbacks": 3.0}, 0, 0, True, "InProcessVerifier")
+        return ReplicaStats("fake", {"rollbacks": 3.0}, 0, 0, True, "InProcessVerifier",
+                            verifier_ready=self.verifier_ready)
 
     # ---- what the dispatcher uses of a ``LinkHub`` -----------------------------------
     @property
     def attached(self) -> list[str]:
-        return ["fake"]
+        return ["fake"] if self.link_up else []
 
     async def wait(self, request: DecodeRequest, timeout_s: float) -> str | None:
         return "fake"
@@ -110,9 +113,35 @@ def _events(text: str) -> list[Any]:
 def test_not_ready_without_decoders(ctx: ModelContext) -> None:
     client, _ = client_for(ctx, FakeDecoder(hello, healthy=False))
     health = client.get("/health")
-    assert health.status_code == 503 and "no replica" in health.json()["error"]
+    assert health.status_code == 503 and "no replica" in health.json()["error"]["message"]
     resp = client.post("/v1/completions", json=_body(ctx))
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_decoder_ready"
+
+
+def test_health_tells_what_a_request_would_meet(ctx: ModelContext) -> None:
+    """/health answers 503 with an OpenAI error body as soon as requests would fail (no
+    decoder link attached; a decoder without a verifier stream, for deterministic
+    requests), and 200 again once they would succeed."""
+    decoder = FakeDecoder(hello)
+    client, service = client_for(ctx, decoder)
+    assert client.get("/health").status_code == 200
+    decoder.link_up = False
+    health = client.get("/health")
+    assert health.status_code == 503, health.text
+    error = health.json()["error"]
+    assert error["type"] == "service_unavailable" and "link" in error["message"]
+    decoder.link_up, decoder.verifier_ready = True, False
+    asyncio.run(service.health.probe())  # the next background probe
+    health = client.get("/health")
+    assert health.status_code == 503 and health.json()["error"]["code"] == "no_verifier"
+    assert health.json()["status"] == "unavailable"
+    # a deterministic request is refused the same way; a non-deterministic one is served
+    refused = client.post("/v1/completions", json=_body(ctx, is_deterministic=True))
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_verifier"
+    assert client.post("/v1/completions", json=_body(ctx)).status_code == 200
+    decoder.verifier_ready = True
+    asyncio.run(service.health.probe())
+    assert client.get("/health").json() == {"status": "ok", "decoders_ready": 1}
 
 
 def test_completion_and_metrics(ctx: ModelContext) -> None:

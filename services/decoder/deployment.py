@@ -102,7 +102,8 @@ class Decoder:
         return ReplicaStats(self.replica, dict(self.loop.stats), self.loop.outstanding_tokens,
                             self.loop.num_streams, self.loop.healthy,
                             type(self.loop.engine.verifier).__name__,
-                            self.link.submitted if self.link else 0)
+                            self.link.submitted if self.link else 0,
+                            bool(getattr(self.loop.engine.verifier, "ready", True)))
 
     def request_timings(self, since: float = 0.0) -> list[RequestTiming]:
         """Where finished requests' time to first token went in this replica (see

@@ -127,3 +127,6 @@ class ReplicaStats:
     healthy: bool
     verifier: str = ""        # how lane passes are verified: "RemoteVerifier", "InProcessVerifier"
     link_requests: int = 0    # requests received over its link (services.decoder.link)
+    # deterministic requests would be verified now: a verifier stream is open or one can
+    # be found (always, for an in-process verifier)
+    verifier_ready: bool = True

@@ -93,9 +93,9 @@ class Router:
                 grpc_context.set_details(message)
             raise GrpcRefused(message)
         health = self.service.health
-        ready = await health.ensure_ready()
-        return pb.HealthResponse(ready=ready, decoders_ready=health.decoders_ready,
-                                 status="ok" if ready else health.last_error)
+        refusal = await health.status()
+        return pb.HealthResponse(ready=refusal is None, decoders_ready=health.decoders_ready,
+                                 status="ok" if refusal is None else refusal.message)
 
     def __del__(self) -> None:
         self.service.health.stop()

@@ -95,12 +95,12 @@ def build_http_app(service: RouterService) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        ready = await service.health.ensure_ready()
-        body = {"status": "ok" if ready else "unavailable",
-                "decoders_ready": service.health.decoders_ready}
-        if not ready:
-            body["error"] = service.health.last_error
-        return JSONResponse(body, status_code=200 if ready else 503)
+        refusal = await service.health.status()
+        body: dict[str, Any] = {"status": "ok" if refusal is None else "unavailable",
+                                "decoders_ready": service.health.decoders_ready}
+        if refusal is not None:  # what a request would meet, as an OpenAI error body
+            body.update(refusal.body())
+        return JSONResponse(body, status_code=200 if refusal is None else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -12,6 +12,11 @@ each of its requests ``LinkLost``, which the dispatcher turns into a failure or 
 deterministic replay; its record is tried again only after ``retry_s``. While no link is
 attached (a router that just started, replicas restarting) ``wait`` waits for one, for a
 bounded time.
+
+Redis only tells where links are: while it is away the hub keeps the links it has and
+requests go on over them. When it comes back empty (``Registry.instance`` changed), the
+links' heartbeats write them again within a third of their TTL; until ``relist_s`` has
+passed the hub does not take a link that is missing from the listing for a withdrawn one.
 """
 
 from __future__ import annotations
@@ -132,12 +137,16 @@ class _Link:
 
 class LinkHub:
     def __init__(self, redis_url: str, auth: ClusterAuth, *, poll_s: float = 1.0,
-                 attach_timeout_s: float = 5.0, retry_s: float = 10.0) -> None:
+                 attach_timeout_s: float = 5.0, retry_s: float = 10.0,
+                 relist_s: float = 3.0) -> None:
         self._registry = Registry(redis_url)
         self.auth = auth
         self.poll_s = poll_s
         self.attach_timeout_s = attach_timeout_s
         self.retry_s = retry_s
+        self.relist_s = relist_s
+        self._instance = ""                          # the registry's data generation
+        self._relisting_until = 0.0                  # Redis came back empty: links re-register
         self._links: dict[str, _Link] = {}          # replica -> its link
         self._failed: dict[LinkRecord, float] = {}   # record -> when its link broke
         self.queues: dict[str, asyncio.Queue[Item]] = {}   # request -> its chunks
@@ -164,10 +173,19 @@ class LinkHub:
     async def _poll(self) -> None:
         while True:
             try:
-                self.refresh(await asyncio.to_thread(self._registry.live_links))
+                self.refresh(await asyncio.to_thread(self._read_registry))
             except Exception as e:  # RedisError, a record that does not parse: links
                 log.warning("cannot read decoder links: %s", e)  # already open stay in use
             await asyncio.sleep(self.poll_s)
+
+    def _read_registry(self) -> list[LinkRecord]:
+        instance = self._registry.instance()
+        if self._instance and instance != self._instance:
+            log.warning("Redis lost its data: waiting %.0f s for the links to re-register",
+                        self.relist_s)
+            self._relisting_until = time.monotonic() + self.relist_s
+        self._instance = instance
+        return self._registry.live_links()
 
     def refresh(self, records: list[LinkRecord]) -> None:
         """The registry's live links now: open the new ones, stop choosing the gone ones."""
@@ -177,8 +195,10 @@ class LinkHub:
         # replica's heartbeat still renews it), and forgotten once Redis forgets it
         self._failed = {r: t for r, t in self._failed.items()
                         if listed.get(r.replica) == r and now - t < self.retry_s}
+        relisting = now < self._relisting_until
         for replica, link in self._links.items():
-            link.listed = listed.get(replica) == link.record
+            if not relisting or replica in listed:
+                link.listed = listed.get(replica) == link.record
         for replica, record in listed.items():
             if replica not in self._links and record not in self._failed:
                 self._links[replica] = _Link(self, record)

@@ -60,14 +60,19 @@ class RouterService:
         self.metrics.links.set_function(lambda: len(links.attached))
         self.admission = Admission(limits.max_outstanding, limits.retry_after_s)
         self.dispatcher = Dispatcher(links, self.metrics)
-        self.health = DecoderHealth(decoder, self.metrics)
+        self.health = DecoderHealth(decoder, self.metrics, links)
 
     async def open(self, job: Job) -> OpenStream:
-        """Raises APIError: 503 no decoder ready, 429 overloaded, 4xx/502 from the decoder."""
+        """Raises APIError: 503 no decoder ready (or, for a deterministic job, no verifier),
+        429 overloaded, 4xx/502 from the decoder."""
         self.metrics.count_request(job.is_deterministic, job.determinism_source)
         if not await self.health.ensure_ready():
             self.metrics.failures.labels("unavailable").inc()
             raise unavailable(f"no decoder is ready ({self.health.last_error})")
+        refusal = self.health.verification_refusal() if job.is_deterministic else None
+        if refusal is not None:  # refused here, not by stopping a decoder's engine
+            self.metrics.failures.labels("unavailable").inc()
+            raise refusal
         try:
             slot = self.admission.acquire(len(job.choices))
         except APIError:

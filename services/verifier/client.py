@@ -8,7 +8,15 @@ re-sends every pass still without a result, in submission order. Re-running a pa
 safe: a request in the lane is touched by nothing else, so the same rows give the same K/V
 bits and the same decisions. Results only ever come from a verifier; if none can be had,
 ``poll`` raises ``VerifierUnavailable`` and the engine stops instead of committing
-anything unverified.
+anything unverified. A stream that breaks with no pass in flight is only dropped: the next
+pass finds a verifier, so an engine serving only non-deterministic requests meanwhile
+never waits for one.
+
+Redis is needed only to find a verifier (a hello is checked against the registry): while
+Redis is away an open stream goes on verifying, the block tables wait to be published, and
+the decoder's record is written again once Redis is back (a ``Heartbeat``). A decoder that
+finds a newer epoch of its own id there is stale: ``submit`` and ``poll`` raise
+``StaleEpochError``.
 """
 
 from __future__ import annotations
@@ -26,7 +34,13 @@ from detserve.executor.runner import ModelRunner
 from detserve.lane import LanePass, LaneResult
 from services.cluster_auth import ClusterAuth
 from services.kv_handle import KVExporter, KVHandle
-from services.registry import DEFAULT_PREFIX, DecoderRecord, Registry, VerifierRecord
+from services.registry import (
+    DEFAULT_PREFIX,
+    DecoderRecord,
+    Heartbeat,
+    Registry,
+    VerifierRecord,
+)
 from services.verifier import codec
 from services.verifier import verifier_pb2 as pb
 from services.verifier.stream import Closed, Event, LaneStream
@@ -70,11 +84,13 @@ class RemoteVerifier:
         self._generation = 0
         self._bad: dict[str, float] = {}  # verifier address -> when it last failed us
         self._tables: dict[str, tuple[int, ...]] = {}
+        self._beat: Heartbeat | None = None  # keeps this decoder's record in Redis
         self.failovers = 0
         self.resent_passes = 0
 
     # ---- the Verifier protocol --------------------------------------------------------
     def submit(self, lane_pass: LanePass) -> None:
+        self._check_epoch()
         self._publish_tables(lane_pass)
         self._pending[lane_pass.pass_id] = lane_pass
         if self._stream is None:
@@ -84,6 +100,7 @@ class RemoteVerifier:
             self._stream.send(codec.encode_pass(lane_pass))
 
     def poll(self, wait: bool = False) -> list[LaneResult]:
+        self._check_epoch()
         self._drain(block=False)
         if wait and not self._ready and self._pending:
             self._drain(block=True)
@@ -97,10 +114,14 @@ class RemoteVerifier:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
-        try:
-            self.registry.retire_decoder(self.record.decoder_id, self.record.epoch)
-        except redis.RedisError:
-            log.warning("could not retire decoder %s from the registry", self.record.decoder_id)
+        if self._beat is not None:
+            self._beat.stop(deregister=True)
+        else:
+            try:
+                self.registry.retire_decoder(self.record.decoder_id, self.record.epoch)
+            except redis.RedisError:
+                log.warning("could not retire decoder %s from the registry",
+                            self.record.decoder_id)
         self.registry.close()
 
     # ---- extras for the decoder service -------------------------------------------------
@@ -109,11 +130,27 @@ class RemoteVerifier:
         """The verifier currently in use."""
         return self._stream.verifier if self._stream else None
 
+    @property
+    def ready(self) -> bool:
+        """Deterministic requests can be verified now: a verifier stream is open, or a
+        failover would find a usable verifier in the registry. Safe from any thread."""
+        stream = self._stream
+        return (stream is not None and stream.open) or bool(self._candidates())
+
+    def keep_registered(self, ttl_s: float = 3.0) -> None:
+        """Keep this decoder's epoch and record in Redis (written again after Redis lost
+        them), every ``ttl_s / 3``."""
+        if self._beat is None:
+            self._beat = Heartbeat(self.registry, self.record, ttl_s).start()
+
     def drop_requests(self, request_ids: Iterable[str]) -> None:
-        """Forget finished requests' block tables (in Redis too)."""
+        """Forget finished requests' block tables (in Redis too, when it is reachable)."""
         gone = [rid for rid in request_ids if self._tables.pop(rid, None) is not None]
         if gone:
-            self.registry.drop_block_tables(self.record.decoder_id, self.record.epoch, gone)
+            try:
+                self.registry.drop_block_tables(self.record.decoder_id, self.record.epoch, gone)
+            except redis.RedisError as e:
+                log.debug("block tables not dropped (Redis away): %s", e)
 
     def connect(self) -> None:
         """Open a stream to a usable verifier and (re-)send every pending pass."""
@@ -133,6 +170,11 @@ class RemoteVerifier:
             time.sleep(0.1)
 
     # ---- internals --------------------------------------------------------------------
+    def _check_epoch(self) -> None:
+        if self._beat is not None and self._beat.stale:
+            raise StaleEpochError(f"decoder {self.record.decoder_id!r}: the registry holds a "
+                                  f"newer epoch than {self.record.epoch}")
+
     def _candidates(self) -> list[VerifierRecord]:
         """Live verifiers that can map our pool and run our model; ones that failed us
         recently only after a while (their registration may not have expired yet)."""
@@ -194,8 +236,10 @@ class RemoteVerifier:
                 continue
             current = self._stream is not None and gen == self._stream.generation
             if isinstance(event, Closed):
-                if current:
+                if current and self._pending:
                     self._failover(f"stream closed: {event.code}: {event.details}")
+                elif current:  # nothing to verify now: the next pass finds a verifier
+                    self._drop_stream(f"stream closed: {event.code}: {event.details}")
             else:
                 self._take(event)
 
@@ -212,14 +256,16 @@ class RemoteVerifier:
             if self._pending.pop(result.pass_id, None) is not None:
                 self._ready.append(result)
 
-    def _failover(self, reason: str) -> None:
-        old = self._stream
-        self._stream = None
+    def _drop_stream(self, reason: str) -> None:
+        old, self._stream = self._stream, None
         if old is not None:
-            log.warning("verifier %s lost (%s); failing over with %d passes in flight",
-                        old.verifier.address, reason, len(self._pending))
+            log.warning("verifier %s lost (%s); %d passes in flight", old.verifier.address,
+                        reason, len(self._pending))
             self._bad[old.verifier.address] = time.monotonic()
             old.close()
+
+    def _failover(self, reason: str) -> None:
+        self._drop_stream(reason)
         self.failovers += 1
         self.resent_passes += len(self._pending)
         self.connect()
@@ -230,7 +276,12 @@ class RemoteVerifier:
         changed = {s.request_id: s.block_table for s in lane_pass.segments
                    if self._tables.get(s.request_id) != s.block_table}
         if changed:
-            self.registry.publish_block_tables(self.record.decoder_id, self.record.epoch, changed)
+            try:
+                self.registry.publish_block_tables(self.record.decoder_id, self.record.epoch,
+                                                   changed)
+            except redis.RedisError as e:  # published with the next change once it is back
+                log.debug("block tables not published (Redis away): %s", e)
+                return
             self._tables.update(changed)
 
 
@@ -258,6 +309,7 @@ def make_verifier_factory(redis_url: str, decoder_id: str, kv_handle: KVHandle |
         registry = Registry(redis_url, prefix)
         registry.publish_decoder(record)
         verifier = RemoteVerifier(registry, record, auth, **options)  # type: ignore[arg-type]
+        verifier.keep_registered()
         if connect:
             verifier.connect()
         return verifier

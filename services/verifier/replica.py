@@ -46,7 +46,9 @@ class VerifierReplica:
         self.record = VerifierRecord(self.verifier_id, f"{advertise}:{self.server.port}",
                                      socket.gethostname(), device, info.weights_hash)
         self.server.gate.allow(self.record.address)  # where decoders dial it
-        self.heartbeat = Heartbeat(self.registry, self.record, ttl_s).start()
+        # a replica (re)started while Redis is away does not fail to start: it registers
+        # as soon as Redis answers
+        self.heartbeat = Heartbeat(self.registry, self.record, ttl_s).start(required=False)
         self._closed = False
         log.info("verifier %s serving %s on %s", self.verifier_id, info.name, self.record.address)
 
@@ -58,8 +60,8 @@ class VerifierReplica:
         """Raise if this replica cannot serve: Ray Serve then replaces it."""
         if self._closed or not self.servicer.serving:
             raise RuntimeError("verifier is shut down")
-        if not self.heartbeat.registered:
-            raise RuntimeError("the registration in Redis is not being refreshed")
+        if not self.heartbeat.alive:  # Redis away is not this replica's fault: it re-registers
+            raise RuntimeError("the registration heartbeat stopped")
         with self.auth.channel(self.address) as ch:
             reply = pb_grpc.VerifierStub(ch).Health(
                 pb.HealthRequest(), timeout=5.0,

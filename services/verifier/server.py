@@ -7,6 +7,8 @@ and builds a ``ModelRunner`` over it, cached per decoder and epoch. Then it answ
 lane pass, in order, with the runner's decisions; the lane writes its K/V in place into the
 decoder's pool. Passes of all streams run one at a time on a single lane thread (one
 device, one model copy), which also keeps the gRPC threads free for Health checks.
+While Redis is away, open streams go on and a decoder already attached at the same epoch
+may say hello again; a new one is refused with UNAVAILABLE until the registry answers.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
+import redis
 import torch
 
 from detserve.executor.kv_pool import KVPool
@@ -147,15 +150,26 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             handle = KVHandle.from_json(hello.kv_handle)
         except (ValueError, KeyError, TypeError) as e:
             raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV handle: {e}") from e
-        self._check_current(hello, handle)
+        unreachable: redis.RedisError | None = None
+        try:
+            self._check_current(hello, handle)
+        except redis.RedisError as e:
+            unreachable = e
         self._check_compatible(hello, handle)
         numerics = _numerics(hello)
         with self._lock:
             cached = self._attached.get(hello.decoder_id)
-            if cached is not None and cached.epoch == hello.epoch and cached.handle == handle:
-                # (a hello whose numerics or kernels differ is checked like a new one)
-                if cached.runner.numerics == numerics and cached.kernels == hello.kernels:
-                    return cached.runner
+        # (a hello whose numerics or kernels differ is checked like a new one)
+        known = (cached is not None and cached.epoch == hello.epoch and cached.handle == handle
+                 and cached.runner.numerics == numerics and cached.kernels == hello.kernels)
+        if unreachable is not None and not known:
+            # Redis away: a decoder this verifier already attached at this very epoch and
+            # pool reconnects (a broken stream); anyone else waits until it can be checked
+            raise HelloRefused(grpc.StatusCode.UNAVAILABLE,
+                               f"the registry is unreachable: {unreachable}") from unreachable
+        if known:
+            assert cached is not None
+            return cached.runner
         try:
             storage = open_kv(handle)
         except FileNotFoundError as e:

@@ -58,6 +58,11 @@ class LaneStream:
     def send(self, request: pb.LaneRequest) -> None:
         self._outbox.put(request)
 
+    @property
+    def open(self) -> bool:
+        """Not ended yet (its reader posts ``Closed`` as it ends)."""
+        return self._reader.is_alive()
+
     def close(self) -> None:
         """Half-close and cancel; the reader thread ends with a Closed event."""
         self._outbox.put(None)
