@@ -97,7 +97,7 @@ class LLMEngine:
         eos = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
         self.scheduler = Scheduler(sc, self.blocks, eos, prefix_caching=cc.enable_prefix_caching,
                                    lane_sizes=self.numerics.lane_sizes,
-                                   stop_string_hit=self.outputs.stop_string_hit)
+                                   stop_string_end=self.outputs.stop_string_end)
         if cuda and config.cuda_graphs:
             mode = config.mode
             decode = {"llm42": "fast", "nondeterministic": "fast", "batch_invariant": "bi"}.get(mode)

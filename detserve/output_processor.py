@@ -89,10 +89,32 @@ class OutputProcessor:
             d.text, d.prefix, d.read = d.text + after[len(before):], d.read, len(ids)
         return d.text
 
-    def stop_string_hit(self, seq: Sequence) -> bool:
-        """Whether the committed text holds one of the request's stop strings (the
-        scheduler's stop check)."""
-        return _stop_cut(self.text(seq), seq.params.stop) is not None
+    def stop_string_end(self, seq: Sequence) -> int | None:
+        """The position (in ``seq.token_ids``) of the first token whose committed text
+        holds one of the request's stop strings, or None (the scheduler's stop check). The
+        answer depends on the tokens alone, not on how many of them a step settled: a
+        window the lane commits at once stops where token-by-token decoding would have.
+        Text only grows as tokens are added, so the first such token is found by
+        bisection (a few decodes, once per request that stops this way)."""
+        stop = seq.params.stop
+        if _stop_cut(self.text(seq), stop) is None:
+            return None
+        skip = seq.params.skip_special_tokens
+        prompt = seq.num_prompt
+
+        def hit(idx: int) -> bool:
+            ids = seq.token_ids[prompt:idx + 1]
+            return _stop_cut(self.tokenizer.decode(ids, skip_special_tokens=skip),
+                             stop) is not None
+
+        lo, hi = prompt, seq.num_settled - 1  # (the whole settled output holds one)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if hit(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def build(self, seq: Sequence, num_new: int) -> RequestOutput:
         """The output of ``seq`` now, ``num_new`` of its tokens committed since the last."""

@@ -64,12 +64,14 @@ class Scheduler:
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager,
                  eos_token_ids: Iterable[int] = (), prefix_caching: bool = True,
                  lane_sizes: Iterable[int] = (),
-                 stop_string_hit: Callable[[Sequence], bool] | None = None) -> None:
+                 stop_string_end: Callable[[Sequence], int | None] | None = None
+                 ) -> None:
         """``lane_sizes``: the row counts a lane pass runs at, ascending (the runner's
         ``LaneNumerics.lane_sizes``; default: the whole pass); a pass's spare rows are the
         ones past its used rows up to the smallest size that holds them.
-        ``stop_string_hit(seq)``: whether the committed text of ``seq`` holds one of its
-        stop strings (the output processor's check; None: stop strings are not checked)."""
+        ``stop_string_end(seq)``: the position of the first token whose committed text
+        holds one of its stop strings, or None (the output processor's check; None: stop
+        strings are not checked)."""
         self.cfg = cfg
         self.blocks = blocks
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -80,7 +82,7 @@ class Scheduler:
         self.prefix_hit_tokens = 0
         sizes = tuple(lane_sizes) or (cfg.lane_rows,)
         self.lane = LanePlanner(self, lambda used: lane_run_rows(sizes, used))
-        self._stop_string_hit = stop_string_hit
+        self._stop_string_end = stop_string_end
         # where the running lane sequences sat, summed over the steps that planned fast
         # rows ("steps"; see _count_lane_states)
         self.lane_state_steps: Counter[str] = Counter()
@@ -547,13 +549,23 @@ class Scheduler:
         return out
 
     def _check_stop(self, seq: Sequence, first_new: int) -> None:
+        """Finish ``seq`` at the first of its tokens settled since ``first_new`` that ends
+        it (a stop token past ``min_tokens``, its length, a stop string's last token),
+        dropping what follows: where it ends depends on its tokens alone, not on how many
+        of them this step settled."""
         p = seq.params
         stop_ids = self.stop_ids(seq)
         limit = self.cfg.max_model_len
+        text_end = (self._stop_string_end(seq)
+                    if p.stop and self._stop_string_end is not None else None)
+        if text_end is not None:  # (a stop string the incremental text saw late)
+            first_new = min(first_new, text_end)
         for idx in range(first_new, seq.num_settled):
             out_index = idx - seq.num_prompt
             reason = None
             if seq.token_ids[idx] in stop_ids and out_index >= p.min_tokens:
+                reason = "stop"
+            elif idx == text_end:
                 reason = "stop"
             elif out_index + 1 >= p.max_tokens or idx + 1 >= limit:
                 reason = "length"
@@ -563,8 +575,6 @@ class Scheduler:
                 del seq.logprobs[out_index + 1:]
                 self.finish(seq, reason)
                 return
-        if p.stop and self._stop_string_hit is not None and self._stop_string_hit(seq):
-            self.finish(seq, "stop")
 
     def check_integrity(self) -> None:
         tables = [s.block_table for s in self.running] + [s.block_table for s in self.waiting]

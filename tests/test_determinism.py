@@ -601,3 +601,39 @@ def test_partial_windows_in_spare_lane_rows_keep_the_oracle(model: str, async_: 
                              "partial_windows", async_scheduling=async_)
 
 
+
+
+def test_stop_string_ends_at_its_token_however_many_a_step_commits(model: str) -> None:
+    """A deterministic request with a stop string ends at the token that completes it,
+    whether the lane commits a whole window at once (llm42, no perturbation: every
+    window verifies whole), a window cut short by a rollback (llm42, perturbed) or one
+    token a pass (lane_only): the same tokens, logprobs and text in all three. Control:
+    the stop string's token is the last one; finishing with whatever the step settled (the
+    rule before) kept the rest of the window in the unperturbed llm42 run (17 tokens
+    against 11 in the model this test builds)."""
+    from detserve.model.loader import load_model
+
+    tok = load_model(model)[1]
+    free = SamplingParams(max_tokens=24, is_deterministic=True, logprobs=1, ignore_eos=True)
+    ref, _, _ = run_engine(model, [Req(TARGET, free)], "lane_only")
+    out_ids = ref[0].token_ids
+    # a stop string completed by a token in the middle of the W=8 window that holds it
+    stop = None
+    for k in (10, 11, 12, 13, 9, 14):
+        piece = tok.decode(out_ids[k:k + 1]).strip()
+        if piece and piece not in tok.decode(out_ids[:k]):
+            stop, end = piece, k
+            break
+    if stop is None:
+        pytest.skip("no output token with fresh text in this random model")
+    params = SamplingParams(max_tokens=24, is_deterministic=True, logprobs=1,
+                            ignore_eos=True, stop=[stop])
+    others = _others(4, det=False, seed=7)
+    got = {(mode, p): run_engine(model, [Req(TARGET, params), *others], mode,
+                                 perturbation=p)[0][0]
+           for mode, p in (("llm42", 0.0), ("llm42", 0.3), ("lane_only", 0.0))}
+    assert len({signature(o) for o in got.values()}) == 1
+    for o in got.values():
+        assert o.finish_reason == "stop" and o.text == tok.decode(o.token_ids)[:len(o.text)]
+        assert stop in tok.decode(o.token_ids) and stop not in tok.decode(o.token_ids[:-1])
+        assert len(o.token_ids) <= end + 1

@@ -642,7 +642,9 @@ def test_stop_conditions_are_applied_with_the_step_results() -> None:
     a sequence hitting none of them runs on and gets no output while its token is unread."""
     cfg = SchedulerConfig(mode="nondeterministic", max_model_len=128)
     s = Scheduler(cfg, BlockManager(64, 4), eos_token_ids=[EOS],
-                  stop_string_hit=lambda seq: seq.token_ids[-1] == 11)
+                  stop_string_end=lambda seq: next(
+                      (i for i, t in enumerate(seq.token_ids) if i >= seq.num_prompt and t == 11),
+                      None))
     seqs = [Sequence(f"s{i}", [3, 4, 5], SamplingParams(max_tokens=mt, stop=stop),
                      uses_lane=False, deterministic=False, arrival=i)
             for i, (mt, stop) in enumerate([(2, ()), (9, ()), (9, ("!",)), (9, ())])]
