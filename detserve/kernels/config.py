@@ -98,13 +98,13 @@ class LaneConfig:
     num_stages: int = 3
     # Tiles that every live slot of a program sees whole run without the position masks
     # (``_lane_full_tile``): the same operations on the same values, so the same bits with
-    # fewer instructions. Shown on an H100 (2026-11-25: GPU tests bit-equal, 67.9 vs 69.8 us
-    # for 64 decode rows at context 520), hence on; False runs every tile masked
+    # fewer instructions (GPU tests check the bits; timings in docs/benchmarks/gpu);
+    # False runs every tile masked
     full_tiles: bool = True
     # A row's sum of probabilities over a tile as a matrix product with ones (of the
     # probabilities as they multiply V) instead of ``tl.sum``: *bits*. The product's order
     # does not depend on how the warps split the tile, so every block_m and num_warps gives
-    # a row the same bits (shown on an H200, 2026-11-26), and the fast path's decode rows
+    # a row the same bits (tests/test_kernels_lane_attention.py), and the fast path's decode rows
     # take a query tile and a one-row kernel of their own (``_lane_decode_kernel``,
     # ``EngineConfig.aligned_decode_lane``) as fast as split-KV, with the lane's bits.
     # False: ``tl.sum``, whose bits hold only for tiles whose warps own whole rows
@@ -116,11 +116,9 @@ class LaneConfig:
             raise ValueError("lane tile and block_m must be >= 16 (tl.dot)")
 
 
-# the decode rows' query tile and launch with dot sums ("auto"): of the one-row tiles
-# `bench_lane_decode` tries, the fastest or within 1.5 % of it in every case on an H200 and
-# an H100, and the llm42 decode step at batch 64 as fast as nondeterministic's (H200 6.68 vs
-# 6.69 ms, H100 8.63 vs 8.57; 16:4:2, the default before, 7.07 and 8.87): see
-# docs/benchmarks/gpu/2026-11-26-kernels3. Every tile gives the same bits (dot sums)
+# the decode rows' query tile and launch with dot sums ("auto"): the fastest one-row tile
+# `bench_lane_decode` found (docs/benchmarks/gpu/2026-11-26-kernels3 has the figures).
+# Every tile gives the same bits (dot sums)
 DECODE_LANE_AUTO = "16:2:3"
 
 

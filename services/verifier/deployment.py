@@ -13,8 +13,7 @@ uses every SM unless ``confine`` asks to confine it to that share:
   ``confine`` caps this process with ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (set before it
   first touches CUDA). Not by default: a capped client sees fewer SMs, and cuBLAS picks its
   GEMM algorithms, so its reduction orders, by the SM count; the lane's products then stop
-  matching the decoder's aligned fast path and nearly every window rolls back (an 8B run on
-  an H100 recomputed every fast-path token and served 0.10x of the offline engine,
+  matching the decoder's aligned fast path and nearly every window rolls back (measured in
   docs/benchmarks/gpu/README.md). Output stays correct either way: the lane decides.
 - without MPS the GPU time-slices between the two processes: a verifier kernel never runs
   beside a decoder kernel, so confining the lane to a slice of the SMs only leaves the
