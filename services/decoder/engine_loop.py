@@ -258,7 +258,8 @@ class EngineLoop:
                 chunk = DecodeChunk(out.request_id, self.replica, finished=True,
                                     finish_reason="error",
                                     error=lane_error or "verification unavailable",
-                                    error_type="server_error", engine_stats=self._stats)
+                                    error_type="verifier_unavailable",
+                                    engine_stats=self._stats)
         self._send(stream.sink, chunk)
 
     def _forget(self, request_ids: list[str]) -> None:
