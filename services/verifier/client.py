@@ -10,9 +10,9 @@ bits and the same decisions. Results only ever come from a verifier; if none can
 ``submit`` or ``poll`` raises ``VerifierUnavailable`` having dropped every pass in flight,
 and the engine fails its deterministic requests (``LLMEngine.fail_lane``) instead of
 committing anything unverified. Until a verifier is found again, a later pass looks for one
-once, without waiting: it fails at once while none is usable, and is verified as soon as
-one is (the engine loop is not held up for each deterministic request meanwhile). A stream that breaks with no pass in flight is only dropped: the next
-pass finds a verifier, so an engine serving only non-deterministic requests meanwhile
+once, without waiting: it fails at once while none is usable (the engine loop is not held
+up for each deterministic request meanwhile), and is verified as soon as one is. A stream
+that breaks with no pass in flight is only dropped: the next pass finds a verifier, so an engine serving only non-deterministic requests meanwhile
 never waits for one.
 
 Redis is needed only to find a verifier (a hello is checked against the registry): while
@@ -89,7 +89,8 @@ class RemoteVerifier:
         self._bad: dict[str, float] = {}  # verifier address -> when it last failed us
         self._tables: dict[str, tuple[int, ...]] = {}
         self._beat: Heartbeat | None = None  # keeps this decoder's record in Redis
-        self._lost: str | None = None  # why the last search found no verifier (None: found)
+        # why a search that dropped passes found no verifier; None once one is found
+        self._lost: str | None = None
         self.failovers = 0
         self.resent_passes = 0
 
