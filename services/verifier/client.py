@@ -12,8 +12,8 @@ and the engine fails its deterministic requests (``LLMEngine.fail_lane``) instea
 committing anything unverified. Until a verifier is found again, a later pass looks for one
 once, without waiting: it fails at once while none is usable (the engine loop is not held
 up for each deterministic request meanwhile), and is verified as soon as one is. A stream
-that breaks with no pass in flight is only dropped: the next pass finds a verifier, so an engine serving only non-deterministic requests meanwhile
-never waits for one.
+that breaks with no pass in flight is only dropped: the next pass finds a verifier, so an
+engine serving only non-deterministic requests meanwhile never waits for one.
 
 Redis is needed only to find a verifier (a hello is checked against the registry): while
 Redis is away an open stream goes on verifying, the block tables wait to be published, and
