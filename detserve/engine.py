@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import platform
 from collections import Counter
 from collections.abc import Callable
@@ -43,6 +44,8 @@ from detserve.scheduler import FastItem, LaneItem, Scheduler, SchedulerOutput
 from detserve.sequence import PLACEHOLDER, Sequence
 from detserve.stats import StepClock, report
 from detserve.verifier import InProcessVerifier, ThreadedVerifier, Verifier
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -172,6 +175,24 @@ class LLMEngine:
         """Abort a request; its final output (``abort``) comes with the next step."""
         seq = self._seqs.get(request_id)
         return seq is not None and self.scheduler.abort(seq)
+
+    def fail_lane(self, reason: str) -> list[RequestOutput]:
+        """Verification cannot continue (``reason``: the verifier's error). Drops the lane
+        passes in flight and finishes every deterministic sequence with ``finish_reason``
+        ``"error"``: none of its unverified candidates is committed, its blocks are
+        released. Non-deterministic sequences go on untouched. Returns the outputs due now
+        (the failed sequences', and any the interrupted step had not released yet).
+
+        The caller keeps stepping the engine; the verifier must not return the dropped
+        passes' results (one that still does is ignored), and a later lane pass is
+        submitted to it as usual."""
+        self._inflight.clear()
+        failed = self.scheduler.fail_lane()
+        self.counters["lane_failures"] += 1
+        self.counters["lane_failed_requests"] += len(failed)
+        log.warning("verification unavailable (%s): %d deterministic requests failed",
+                    reason, len(failed))
+        return self._outputs()
 
     def has_unfinished_requests(self) -> bool:
         # (aborted requests still owe their final output to the next step)
@@ -350,7 +371,9 @@ class LLMEngine:
     def _apply_lane(self, result: LaneResult) -> None:
         """Hand a pass's decisions to the scheduler (a window whose run past it is still on
         the device has that token read first: whether the run goes on depends on it)."""
-        items = self._inflight.pop(result.pass_id)
+        items = self._inflight.pop(result.pass_id, None)
+        if items is None:  # dropped by ``fail_lane``: its sequences have finished
+            return
         self.counters["lane_seconds_us"] += int(result.elapsed_s * 1e6)
         for d in result.decisions:
             it = items[d.request_id]

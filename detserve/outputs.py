@@ -53,7 +53,7 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finished: bool
-    finish_reason: str | None          # "stop" | "length" | "abort" | None
+    finish_reason: str | None          # "stop" | "length" | "abort" | "error" | None
     logprobs: list[TokenLogprob] | None
     is_deterministic: bool
     num_new_tokens: int = 0            # committed in the step that produced this output

@@ -511,6 +511,20 @@ class Scheduler:
             self.finish(seq, "abort")
         return True
 
+    def fail_lane(self) -> list[Sequence]:
+        """Verification cannot continue: finish every lane sequence (running or waiting)
+        with ``"error"`` (one already aborted keeps ``"abort"``), its unverified candidates
+        dropped and its blocks released; the engine has dropped their lane work in flight.
+        Other sequences are untouched. Returns the finished sequences."""
+        failed = [s for s in (*self.running, *self.waiting) if s.uses_lane]
+        for seq in failed:
+            self._touch(seq)
+            seq.lane_items = seq.lane_sent = seq.lane_end = 0
+            del seq.token_ids[seq.num_committed:]  # candidates: never released unverified
+            seq.num_computed = min(seq.num_computed, seq.num_tokens)
+            self.finish(seq, "abort" if seq.finish_reason == "abort" else "error")
+        return failed
+
     def finish(self, seq: Sequence, reason: str) -> None:
         settled = seq.num_settled
         if settled < seq.num_committed:  # a placeholder after the end: never read

@@ -25,7 +25,9 @@ COUNTS = (
     # asynchronous scheduling: rows fed the previous step's token on the device, and rows
     # planned after what turned out to be a stop token (run, then dropped)
     "fed_rows", "dropped_rows",
-    "decode_steps", "mixed_steps")
+    "decode_steps", "mixed_steps",
+    # verification lost (``LLMEngine.fail_lane``): times, and deterministic requests failed
+    "lane_failures", "lane_failed_requests")
 # where the engine's wall time goes: scheduling, fast-path steps (decode only, or with
 # prefill rows), submitting lane passes and waiting for or applying their results,
 # building outputs (reported as ``<name>_seconds``)

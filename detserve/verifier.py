@@ -14,6 +14,13 @@ from detserve.executor.runner import ModelRunner
 from detserve.lane import LanePass, LaneResult
 
 
+class LaneUnavailable(RuntimeError):
+    """Raised by a verifier's ``submit`` or ``poll``: verification cannot continue (no
+    verifier can be had), and every pass in flight is dropped. The engine's deterministic
+    requests must be failed (``LLMEngine.fail_lane``); later passes may be submitted
+    again (they fail the same way until a verifier is back)."""
+
+
 class Verifier(Protocol):
     # a pass submitted now runs after everything already queued on the engine's device
     # stream (in-process verifiers); else the engine reads its batch in flight first

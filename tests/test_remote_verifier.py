@@ -298,6 +298,64 @@ def test_killed_verifier_loses_nothing(model: str, redis_url: str,
             p.stop()
 
 
+def test_lost_verifier_fails_deterministic_requests_then_recovers(
+        model: str, redis_url: str, oracle: list[tuple]) -> None:
+    """The only verifier killed mid-run: the deterministic requests end "error" with only
+    verified tokens, the others finish; while none is there a new deterministic request
+    fails at once; a verifier started later serves the next ones equal to the oracle."""
+    prefix = f"lost{uuid.uuid4().hex[:6]}"
+    (proc,) = start_verifiers(1, model, redis_url, prefix)
+    engine, exporter = make_engine(model, redis_url, prefix, "dec-lost", failover_timeout_s=1.0,
+                                   hello_timeout_s=2.0)
+    remote = engine.verifier
+    assert isinstance(remote, RemoteVerifier)
+    submit, submitted, lost = remote.submit, [0], []
+
+    def submit_then_kill(lane_pass: LanePass) -> None:
+        submit(lane_pass)
+        submitted[0] += 1
+        if submitted[0] == 3:  # the pass just sent is certainly still in flight
+            proc.kill()
+
+    step = engine.step
+
+    def step_as_the_decoder_loop() -> list[RequestOutput]:
+        try:
+            return step()
+        except VerifierUnavailable as e:
+            lost.append(str(e))
+            return engine.fail_lane(str(e))
+
+    remote.submit = submit_then_kill  # type: ignore[method-assign]
+    engine.step = step_as_the_decoder_loop  # type: ignore[method-assign]
+    late: list[VerifierProc] = []
+    try:
+        outs = drive(engine, REQS, oracle_prefix_checker(oracle))
+        assert lost and "no usable verifier" in lost[0]
+        for i, out in enumerate(outs):
+            if i in DET:
+                assert out.finish_reason == "error"
+                assert len(out.token_ids) < REQS[i].params.max_tokens
+            else:
+                assert len(out.token_ids) == REQS[i].params.max_tokens
+        assert engine.blocks.num_free == engine.blocks.num_blocks - 1, "blocks leaked"
+        assert remote.in_flight() == 0
+        t0 = time.monotonic()
+        (again,) = drive(engine, [REQS[0]])
+        assert again.finish_reason == "error" and again.token_ids == []
+        assert time.monotonic() - t0 < 5, "failed slowly while no verifier was there"
+        late.append(VerifierProc(model, redis_url, prefix).wait_ready())
+        outs = drive(engine, REQS, oracle_prefix_checker(oracle))
+        for i in DET:
+            assert signature(outs[i]) == oracle[i], f"r{i} differs from the oracle"
+        assert remote.verifier is not None and remote.verifier.address == late[0].address
+    finally:
+        remote.close()
+        exporter.close()
+        for p in (proc, *late):
+            p.stop()
+
+
 def test_stale_or_incompatible_decoder_is_refused(model: str, redis_url: str,
                                                   pool: tuple[str, list[VerifierProc]]) -> None:
     prefix, procs = pool

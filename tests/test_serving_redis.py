@@ -274,3 +274,61 @@ def test_health_turns_unavailable_when_verification_cannot_continue(
         print(f"\nredis and verifier lost: /health 503 after {unavailable_s:.2f} s; redis back "
               f"empty: /health 200 after {ready_s:.2f} s, deterministic request served "
               f"{served_s:.2f} s after", flush=True)
+
+
+FAILOVER_S = 30.0  # RemoteVerifier's failover_timeout_s: how long a decoder looks for another
+LANE_LOST_S = FAILOVER_S + 15.0  # verifier lost, none to be had -> the stream's error within
+
+
+async def _streams_through_lane_loss(cluster: Cluster) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    async with httpx.AsyncClient(base_url=cluster.http_url, timeout=STREAM_TIMEOUT_S) as client:
+        started = [asyncio.Event(), asyncio.Event()]
+        streams = [asyncio.create_task(_stream(client, body(cluster, LONG, LONG_TOKENS, d,
+                                                            stream=True), e))
+                   for d, e in zip((True, False), started, strict=True)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        out["lost_at"] = time.monotonic()
+        os.kill(cluster.redis.pid, signal.SIGKILL)
+        assert await asyncio.to_thread(_kill_verifiers) == 1
+        out["det"], out["nondet"] = await asyncio.wait_for(asyncio.gather(*streams),
+                                                           STREAM_TIMEOUT_S)
+    return out
+
+
+def test_lost_verification_ends_deterministic_streams_only(
+        cluster: Cluster, offline: LLM) -> None:
+    """Redis away AND the verifier killed while a deterministic and a non-deterministic
+    stream run: the deterministic stream ends with a clear error (no_verifier,
+    "verification unavailable") within ``LANE_LOST_S``, every token it got being the
+    offline lane's; the non-deterministic one streams on to its last token. Redis back:
+    /health is ready again and deterministic output is the offline lane's."""
+    long_ref = reference(offline, LONG, LONG_TOKENS)
+    redis = cluster.redis
+    try:
+        out = asyncio.run(_streams_through_lane_loss(cluster))
+    finally:
+        redis.stop()
+        redis.start()
+    det, nondet = out["det"], out["nondet"]
+    error = det[-1][1].get("error")
+    assert error is not None and error["code"] == "no_verifier", det[-1]
+    assert "verification unavailable" in error["message"], error
+    ended_s = det[-1][0] - out["lost_at"]
+    assert ended_s < LANE_LOST_S, f"the deterministic stream ended {ended_s:.1f} s after"
+    got = _tokens(det)
+    assert got == long_ref[:len(got)] and len(got) < LONG_TOKENS, "an unverified token"
+    assert not any("error" in e for _, e in nondet), nondet[-1]
+    assert nondet[-1][1]["choices"][0]["finish_reason"] == "length"
+    assert len(_tokens(nondet)) == LONG_TOKENS
+    assert nondet[-1][0] > det[-1][0], "the non-deterministic stream went on after the error"
+    with httpx.Client(base_url=cluster.http_url, timeout=60) as client:
+        back = time.monotonic()
+        ready_s, _ = _wait_health(client, 200, back, RECOVERY_S + 2 * PROBE_S + FAILOVER_S)
+        resp = client.post("/v1/completions", json=body(cluster, SHORT, SHORT_TOKENS, True))
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["token_ids"] == reference(offline, SHORT, SHORT_TOKENS)
+    print(f"\nredis and verifier lost under load: deterministic stream ended with "
+          f"no_verifier {ended_s:.2f} s after ({len(got)} verified tokens); the other one "
+          f"streamed on to its {LONG_TOKENS} tokens; /health 200 {ready_s:.2f} s after Redis "
+          "came back", flush=True)

@@ -17,6 +17,7 @@ from detserve.engine import LLMEngine
 from detserve.output_processor import DeltaCursor
 from detserve.outputs import RequestOutput, TokenLogprob
 from detserve.params import SamplingParams
+from detserve.verifier import LaneUnavailable
 from services.affinity import prefix_keys
 from services.decoder.engine_loop import EngineLoop
 from services.decoder.messages import DecodeChunk, DecodeRequest, coalesce
@@ -238,6 +239,45 @@ def test_engine_loop_fails_streams_when_the_engine_fails() -> None:
     assert not loop.healthy
     loop.submit(DecodeRequest("y", (1, 2), SamplingParams()), got.append)
     assert got[-1].request_id == "y" and got[-1].is_error
+
+
+def test_engine_loop_ends_only_deterministic_streams_when_verification_is_lost() -> None:
+    engine = LLMEngine.from_args(tiny_model(), "llm42", max_model_len=256, verify_window=8,
+                                 verify_group=4)
+    loop = EngineLoop(engine, "test")
+    step, steps = engine.step, [0]
+
+    def step_losing_the_lane_once() -> list[RequestOutput]:
+        steps[0] += 1
+        if steps[0] == 4:
+            raise LaneUnavailable("no usable verifier (test)")
+        return step()
+
+    engine.step = step_losing_the_lane_once  # type: ignore[method-assign]
+    got: dict[str, list[DecodeChunk]] = {"d": [], "n": [], "d2": []}
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    loop.start()
+    loop.submit(DecodeRequest("d", (5, 6, 7), replace(params, is_deterministic=True)),
+                got["d"].append)
+    loop.submit(DecodeRequest("n", (5, 6, 7), params), got["n"].append)
+    deadline = time.monotonic() + 30
+    while not (got["d"] and got["d"][-1].finished and got["n"] and got["n"][-1].finished):
+        assert time.monotonic() < deadline, got
+        time.sleep(0.01)
+    loop.submit(DecodeRequest("d2", (5, 6, 7), replace(params, is_deterministic=True)),
+                got["d2"].append)
+    while not (got["d2"] and got["d2"][-1].finished):
+        assert time.monotonic() < deadline, got
+        time.sleep(0.01)
+    loop.stop()
+    last = got["d"][-1]
+    assert last.error_type == "verifier_unavailable" and last.finish_reason == "error"
+    assert last.error == "verification unavailable: no usable verifier (test)"
+    assert sum(len(c.token_ids) for c in got["d"]) < params.max_tokens
+    for rid in ("n", "d2"):
+        assert not any(c.is_error for c in got[rid]) and got[rid][-1].finish_reason == "length"
+        assert sum(len(c.token_ids) for c in got[rid]) == params.max_tokens
+    assert loop.healthy and engine.stats()["lane_failed_requests"] == 1
 
 
 def test_engine_loop_refuses_invalid_requests_with_an_error_chunk() -> None:

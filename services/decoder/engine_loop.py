@@ -6,9 +6,11 @@ one step go out in one call of ``deliver`` (on this thread): by default it calls
 sink; the deployment hands the whole batch to its event loop in one wake-up instead of
 one per request. With ``stream_interval`` N > 1 a stream's chunk waits until it carries
 N new tokens (the first one and the last one go out at once), as vLLM's ``stream_interval``:
-fewer messages per step when many streams are open. A failing step is fatal:
-every open stream gets an error chunk and ``healthy`` turns False, so Ray Serve's health
-check restarts the replica.
+fewer messages per step when many streams are open. A step whose verification cannot
+continue (``LaneUnavailable``: the verifier is lost and no other one can be had) ends the
+deterministic streams with an error chunk ("verification unavailable: ...") and serves the
+others on. Any other failing step is fatal: every open stream gets an error chunk and
+``healthy`` turns False, so Ray Serve's health check restarts the replica.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 
 from detserve.engine import LLMEngine
 from detserve.outputs import Delta, RequestOutput
+from detserve.verifier import LaneUnavailable
 from services.decoder.channel import Deliver, Sink, deliver_each
 from services.decoder.messages import DecodeChunk, DecodeRequest
 
@@ -146,13 +149,19 @@ class EngineLoop:
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
                     continue
-                outputs = self.engine.step()
+                lane_error = None
+                try:
+                    outputs = self.engine.step()
+                except LaneUnavailable as e:
+                    lane_error = f"verification unavailable: {e}"
+                    log.warning("%s: %s", self.replica, lane_error)
+                    outputs = self.engine.fail_lane(str(e))
                 t = time.perf_counter()
                 stats = self.engine.stats()  # a fresh dict each step
                 stats["loop_deliver_seconds"] = self._deliver_s
                 self._stats = stats
                 for out in outputs:
-                    self._deliver(out)
+                    self._deliver(out, lane_error)
                 self._flush()
                 self._forget([out.request_id for out in outputs if out.finished])
                 # the engine thread's own work between steps (chunks, text, hand-off): the
@@ -207,7 +216,9 @@ class EngineLoop:
             self._outstanding_tokens -= stream.request.cost_tokens
             self.engine.abort_request(request_id)
 
-    def _deliver(self, out: RequestOutput) -> None:
+    def _deliver(self, out: RequestOutput, lane_error: str | None = None) -> None:
+        """Send ``out``'s chunk; one that ended with ``"error"`` (``LLMEngine.fail_lane``)
+        carries ``lane_error``."""
         stream = self._streams.get(out.request_id)
         if stream is None:  # aborted by its client
             return
@@ -242,6 +253,13 @@ class EngineLoop:
                 chunk = DecodeChunk(out.request_id, self.replica, finished=True,
                                     finish_reason="abort", error="request aborted by the engine",
                                     error_type="server_error", engine_stats=self._stats)
+            elif out.finish_reason == "error":
+                # its tokens so far went out before; the unverified ones never exist here
+                chunk = DecodeChunk(out.request_id, self.replica, finished=True,
+                                    finish_reason="error",
+                                    error=lane_error or "verification unavailable",
+                                    error_type="verifier_unavailable",
+                                    engine_stats=self._stats)
         self._send(stream.sink, chunk)
 
     def _forget(self, request_ids: list[str]) -> None:

@@ -54,8 +54,9 @@ class DecodeChunk:
     ``text`` is the text added by this chunk: text is held back while it could still
     change (an incomplete UTF-8 character, a possible stop-string prefix), so the
     concatenation of all ``text`` fields is exactly the final text. ``error`` ends the
-    stream: ``error_type`` is "invalid_request" (the engine refused the request) or
-    "server_error" (the engine failed or is shutting down).
+    stream: ``error_type`` is "invalid_request" (the engine refused the request),
+    "verifier_unavailable" (a deterministic request whose verification cannot continue)
+    or "server_error" (the engine failed or is shutting down).
     """
 
     request_id: str

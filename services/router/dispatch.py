@@ -2,7 +2,8 @@
 
 One ``ChoiceEvent`` per decoder chunk that adds something. A decoder failure (the replica
 died, or its engine failed) ends a non-deterministic sequence with ``DecoderFailure``; a
-deterministic one is replayed on another replica up to ``max_replays`` times, and only the
+deterministic one is replayed on another replica up to ``max_replays`` times (not when
+its decoder lost verification: ``VerificationLost`` ends it at once), and only the
 part the client has not seen yet is streamed (see ``replay``). An attempt that failed
 before its decoder sent anything (its link broke at once: the replica died with the one
 that failed it; or the replica refused it) is sent again to another replica without
@@ -40,6 +41,11 @@ class DecoderFailure(Exception):
 
 class NoLink(DecoderFailure):
     """No decoder link attached in time for a replay: nowhere to send it."""
+
+
+class VerificationLost(DecoderFailure):
+    """The decoder could not go on verifying a deterministic sequence (its verifier lost,
+    no other one to be had): not replayed, the client gets the decoder's reason at once."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,7 @@ class Dispatcher:
                 except ReplayDiverged as e:
                     raise DecoderFailure(f"deterministic replay diverged: {e}") from e
                 except DecoderFailure as e:
-                    if not request.is_deterministic or isinstance(e, NoLink):
+                    if not request.is_deterministic or isinstance(e, NoLink | VerificationLost):
                         raise
                     if started:
                         if replays >= self.max_replays:
@@ -167,6 +173,8 @@ class Dispatcher:
                 if chunk.error is not None:
                     if chunk.error_type == "invalid_request":
                         raise invalid(chunk.error)
+                    if chunk.error_type == "verifier_unavailable":
+                        raise VerificationLost(chunk.error, chunk.replica)
                     raise DecoderFailure(chunk.error, chunk.replica)
                 yield chunk
         except DecoderFailure:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from services.router.admission import Admission, Slot
-from services.router.dispatch import ChoiceEvent, DecoderFailure, Dispatcher
+from services.router.dispatch import ChoiceEvent, DecoderFailure, Dispatcher, VerificationLost
 from services.router.errors import APIError, unavailable
 from services.router.health import DecoderHealth
 from services.router.limits import ServingLimits
@@ -23,6 +23,8 @@ from services.router.prepare import Job
 
 
 def decoder_failed(e: DecoderFailure) -> APIError:
+    if isinstance(e, VerificationLost):  # as /health says meanwhile (``health``)
+        return APIError(503, str(e), type="service_unavailable", code="no_verifier")
     return APIError(502, str(e), type="server_error", code="decoder_failed")
 
 

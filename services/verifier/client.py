@@ -7,10 +7,13 @@ verifier, waiting up to ``failover_timeout_s`` for one to appear, says hello aga
 re-sends every pass still without a result, in submission order. Re-running a pass is
 safe: a request in the lane is touched by nothing else, so the same rows give the same K/V
 bits and the same decisions. Results only ever come from a verifier; if none can be had,
-``poll`` raises ``VerifierUnavailable`` and the engine stops instead of committing
-anything unverified. A stream that breaks with no pass in flight is only dropped: the next
-pass finds a verifier, so an engine serving only non-deterministic requests meanwhile
-never waits for one.
+``submit`` or ``poll`` raises ``VerifierUnavailable`` having dropped every pass in flight,
+and the engine fails its deterministic requests (``LLMEngine.fail_lane``) instead of
+committing anything unverified. Until a verifier is found again, a later pass looks for one
+once, without waiting: it fails at once while none is usable (the engine loop is not held
+up for each deterministic request meanwhile), and is verified as soon as one is. A stream
+that breaks with no pass in flight is only dropped: the next pass finds a verifier, so an
+engine serving only non-deterministic requests meanwhile never waits for one.
 
 Redis is needed only to find a verifier (a hello is checked against the registry): while
 Redis is away an open stream goes on verifying, the block tables wait to be published, and
@@ -32,6 +35,7 @@ import redis
 
 from detserve.executor.runner import ModelRunner
 from detserve.lane import LanePass, LaneResult
+from detserve.verifier import LaneUnavailable
 from services.cluster_auth import ClusterAuth
 from services.kv_handle import KVExporter, KVHandle
 from services.registry import (
@@ -48,7 +52,7 @@ from services.verifier.stream import Closed, Event, LaneStream
 log = logging.getLogger(__name__)
 
 
-class VerifierUnavailable(RuntimeError):
+class VerifierUnavailable(LaneUnavailable):
     """No usable verifier appeared within the failover timeout."""
 
 
@@ -85,6 +89,8 @@ class RemoteVerifier:
         self._bad: dict[str, float] = {}  # verifier address -> when it last failed us
         self._tables: dict[str, tuple[int, ...]] = {}
         self._beat: Heartbeat | None = None  # keeps this decoder's record in Redis
+        # why a search that dropped passes found no verifier; None once one is found
+        self._lost: str | None = None
         self.failovers = 0
         self.resent_passes = 0
 
@@ -153,20 +159,31 @@ class RemoteVerifier:
                 log.debug("block tables not dropped (Redis away): %s", e)
 
     def connect(self) -> None:
-        """Open a stream to a usable verifier and (re-)send every pending pass."""
-        deadline = time.monotonic() + self.failover_timeout_s
+        """Open a stream to a usable verifier and (re-)send every pending pass.
+
+        Waits up to ``failover_timeout_s`` for one. Raises ``VerifierUnavailable`` having
+        dropped every pending pass (their results will never come); once passes were
+        dropped so, later searches look once without waiting, until one finds a verifier:
+        the engine loop is not held up by each deterministic request while none is there."""
+        wait_s = 0.0 if self._lost is not None else self.failover_timeout_s
+        deadline = time.monotonic() + wait_s
         last_error = "no verifier registered"
         while True:
             for verifier in self._candidates():
                 error = self._open(verifier)
                 if error is None:
+                    self._lost = None
                     return
                 last_error = f"{verifier.address}: {error}"
                 self._bad[verifier.address] = time.monotonic()
             if time.monotonic() >= deadline:
-                raise VerifierUnavailable(
-                    f"no usable verifier for decoder {self.record.decoder_id!r} within "
-                    f"{self.failover_timeout_s:.0f} s (last error: {last_error})")
+                error = (f"no usable verifier for decoder {self.record.decoder_id!r} "
+                         f"within {wait_s:.0f} s (last error: {last_error})")
+                if self._pending or self._lost is not None:
+                    self._lost = error
+                self._pending.clear()
+                self._ready.clear()
+                raise VerifierUnavailable(error)
             time.sleep(0.1)
 
     # ---- internals --------------------------------------------------------------------
