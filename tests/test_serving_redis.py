@@ -111,16 +111,26 @@ def _grpc_health(cluster: Cluster) -> pb.HealthResponse:
         return reply
 
 
+async def _kill_redis_under_streams(client: httpx.AsyncClient, cluster: Cluster
+                                   ) -> tuple[list[asyncio.Task[Any]], float]:
+    """Open a deterministic and a non-deterministic long stream, and once both have their
+    first event kill Redis (SIGKILL). Returns the streams (deterministic first) and when
+    Redis was killed."""
+    started = [asyncio.Event(), asyncio.Event()]
+    streams = [asyncio.create_task(_stream(client, body(cluster, LONG, LONG_TOKENS, d,
+                                                        stream=True), e))
+               for d, e in zip((True, False), started, strict=True)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    killed = time.monotonic()
+    os.kill(cluster.redis.pid, signal.SIGKILL)
+    return streams, killed
+
+
 async def _through_outage(cluster: Cluster) -> dict[str, Any]:
     out: dict[str, Any] = {}
     async with httpx.AsyncClient(base_url=cluster.http_url, timeout=STREAM_TIMEOUT_S) as client:
-        started = [asyncio.Event(), asyncio.Event()]
-        streams = [asyncio.create_task(_stream(client, body(cluster, LONG, LONG_TOKENS, d,
-                                                            stream=True), e))
-                   for d, e in zip((True, False), started, strict=True)]
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-        out["killed_at"] = killed = time.monotonic()
-        os.kill(cluster.redis.pid, signal.SIGKILL)
+        streams, killed = await _kill_redis_under_streams(client, cluster)
+        out["killed_at"] = killed
         health = asyncio.create_task(_watch_health(client, killed + OUTAGE_S))
         await asyncio.sleep(4.0)  # past the link's and the verifier's TTL
         assert not cluster.redis.running
@@ -283,13 +293,7 @@ LANE_LOST_S = FAILOVER_S + 15.0  # verifier lost, none to be had -> the stream's
 async def _streams_through_lane_loss(cluster: Cluster) -> dict[str, Any]:
     out: dict[str, Any] = {}
     async with httpx.AsyncClient(base_url=cluster.http_url, timeout=STREAM_TIMEOUT_S) as client:
-        started = [asyncio.Event(), asyncio.Event()]
-        streams = [asyncio.create_task(_stream(client, body(cluster, LONG, LONG_TOKENS, d,
-                                                            stream=True), e))
-                   for d, e in zip((True, False), started, strict=True)]
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-        out["lost_at"] = time.monotonic()
-        os.kill(cluster.redis.pid, signal.SIGKILL)
+        streams, out["lost_at"] = await _kill_redis_under_streams(client, cluster)
         assert await asyncio.to_thread(_kill_verifiers) == 1
         out["det"], out["nondet"] = await asyncio.wait_for(asyncio.gather(*streams),
                                                            STREAM_TIMEOUT_S)
