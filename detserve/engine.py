@@ -92,9 +92,9 @@ class LLMEngine:
         self.alignment = self._alignment() if cuda and sc.uses_lane else None
         # the lane's GEMM chunk, resolved: the probed one on CUDA (nondeterministic mode has
         # no lane to align with: its decode rows take split-KV attention, the faster kernel)
-        self.lane_gemm_rows = (self.alignment.chunk if self.alignment else
-                               config.lane_gemm_rows if sc.uses_lane else 0)
-        self.numerics = LaneNumerics.from_config(config, self.lane_gemm_rows)
+        self.numerics = LaneNumerics.from_config(
+            config, self.alignment.chunk if self.alignment else
+            config.lane_gemm_rows if sc.uses_lane else 0)
         self.runner = ModelRunner(self.model, self.pool, self.numerics, self.alignment)
         self.outputs = OutputProcessor(self.tokenizer)
         eos = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
@@ -152,6 +152,11 @@ class LLMEngine:
         if config.lane_threaded or config.device.startswith("cuda"):
             return partial(ThreadedVerifier, lane_sms=config.lane_sms)
         return InProcessVerifier
+
+    @property
+    def lane_gemm_rows(self) -> int:
+        """The lane's GEMM row chunk as resolved (0: none)."""
+        return self.numerics.lane_gemm_rows
 
     @classmethod
     def from_args(cls, model: str, mode: str = "llm42", **kw: object) -> LLMEngine:

@@ -91,9 +91,13 @@ OPTIONAL_ARGS: Mapping[str, Any] = {name: o.default for name, o in OPTIONS.items
                                     if name not in ARG_NAMES}
 
 
-def engine_config(args: Mapping[str, Any]) -> EngineConfig:
-    """The decoders' engine config of validated app args."""
+def engine_config(args: Mapping[str, Any], *, read_checkpoint: bool = True) -> EngineConfig:
+    """The decoders' engine config of validated app args. ``read_checkpoint`` False: dtype
+    "auto" stands in as float32, so no checkpoint is read (validation, e.g. when rendering
+    manifests on a machine without the model)."""
     kw = engine_kwargs(args)
+    if not read_checkpoint and kw.get("dtype") == "auto":
+        kw["dtype"] = "float32"
     return EngineConfig.create(args["model"], **kw)
 
 
@@ -253,9 +257,8 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
             _check_number(name, args[name], lo=0.0, hi=1.0)
     for name, value in args.items():
         OPTIONS[name].check(value)
-    try:  # (not the model's dtype: validation reads no checkpoint, e.g. rendering manifests)
-        EngineConfig.create(args["model"], **{**engine_kwargs(args), "dtype": (
-            "float32" if args["dtype"] == "auto" else args["dtype"])})
+    try:
+        engine_config(args, read_checkpoint=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"bad engine options: {e}") from None
     return {name: args[name] for name in (*ARG_NAMES, *OPTIONAL_ARGS) if name in args}
