@@ -313,6 +313,14 @@ class Heartbeat:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def refresh(self) -> bool:
+        """Write the record now (not waiting for the next beat); whether Redis took it."""
+        try:
+            self._refresh()
+        except redis.RedisError:
+            return False
+        return not self.stale
+
     def _refresh(self) -> None:
         if isinstance(self.record, DecoderRecord):
             if not self.registry.restore_decoder(self.record):

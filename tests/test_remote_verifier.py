@@ -388,6 +388,45 @@ def test_stale_or_incompatible_decoder_is_refused(model: str, redis_url: str,
         registry.close()
 
 
+def test_a_decoder_record_lost_with_redis_is_written_again_on_connect(
+        model: str, redis_url: str, oracle: list[tuple],
+        pool: tuple[str, list[VerifierProc]]) -> None:
+    """Redis came back empty and a verifier re-registered before the decoder's heartbeat
+    wrote its record again: the verifier refuses the hello (NOT_FOUND), the decoder writes
+    its record at once and is verified; until then it does not call itself ready. Control:
+    a decoder without a heartbeat is refused the same way, and stays refused."""
+    prefix, procs = pool
+    registry = Registry(redis_url, prefix)
+    engines = {name: make_engine(model, redis_url, prefix, name, connect=False,
+                                 failover_timeout_s=1.0)
+               for name in ("dec-kept", "dec-unkept")}
+    kept, unkept = (engines[n][0].verifier for n in ("dec-kept", "dec-unkept"))
+    assert isinstance(kept, RemoteVerifier) and isinstance(unkept, RemoteVerifier)
+    for remote in (kept, unkept):  # the factory's heartbeats beat each second: too often
+        assert remote._beat is not None
+        remote._beat.stop(deregister=False)
+        remote._beat = None
+    kept.keep_registered(ttl_s=60.0)  # its next beat comes long after this test
+    try:
+        for name in engines:  # what a Redis that came back empty holds of these decoders
+            registry.r.delete(registry.epoch_key(name), registry.decoder_key(name))
+        assert kept._beat is not None
+        kept._beat.last_ok = 0.0  # Redis was away longer than one TTL
+        assert not kept.ready, "ready while no verifier would accept this decoder"
+        outs = drive(engines["dec-kept"][0], REQS, oracle_prefix_checker(oracle))
+        for i in DET:
+            assert signature(outs[i]) == oracle[i], f"r{i} differs from the oracle"
+        assert registry.current_epoch("dec-kept") == kept.record.epoch
+        assert kept.ready
+        with pytest.raises(VerifierUnavailable, match="not in the registry"):
+            unkept.connect()
+    finally:
+        for engine, exporter in engines.values():
+            engine.verifier.close()
+            exporter.close()
+        registry.close()
+
+
 def _hello_status(address: str, hello: pb.LaneRequest,
                   metadata: tuple[tuple[str, str], ...] | None = None) -> grpc.StatusCode:
     """The verifier's answer to ``hello`` from a caller sending ``metadata`` (default: a

@@ -141,7 +141,12 @@ class RemoteVerifier:
         """Deterministic requests can be verified now: a verifier stream is open, or a
         failover would find a usable verifier in the registry. Safe from any thread."""
         stream = self._stream
-        return (stream is not None and stream.open) or bool(self._candidates())
+        if stream is not None and stream.open:
+            return True
+        # a verifier only accepts a decoder whose record is in Redis: after Redis came back
+        # empty, not ready until our heartbeat wrote it again
+        registered = self._beat is None or self._beat.registered
+        return registered and bool(self._candidates())
 
     def keep_registered(self, ttl_s: float = 3.0) -> None:
         """Keep this decoder's epoch and record in Redis (written again after Redis lost
@@ -170,11 +175,14 @@ class RemoteVerifier:
         last_error = "no verifier registered"
         while True:
             for verifier in self._candidates():
-                error = self._open(verifier)
-                if error is None:
+                refused = self._open(verifier)
+                if (refused is not None and refused.code == grpc.StatusCode.NOT_FOUND
+                        and self._beat is not None and self._beat.refresh()):
+                    refused = self._open(verifier)  # Redis had lost our record: written again
+                if refused is None:
                     self._lost = None
                     return
-                last_error = f"{verifier.address}: {error}"
+                last_error = f"{verifier.address}: {refused.code}: {refused.details}"
                 self._bad[verifier.address] = time.monotonic()
             if time.monotonic() >= deadline:
                 error = (f"no usable verifier for decoder {self.record.decoder_id!r} "
@@ -208,8 +216,8 @@ class RemoteVerifier:
         return sorted(usable, key=lambda v: hashlib.sha1(
             f"{self.record.decoder_id}/{v.verifier_id}".encode()).digest())
 
-    def _open(self, verifier: VerifierRecord) -> str | None:
-        """Say hello; on Ready, re-send the pending passes. Returns an error or None."""
+    def _open(self, verifier: VerifierRecord) -> Closed | None:
+        """Say hello; on Ready, re-send the pending passes. Returns why it failed or None."""
         self._generation += 1
         stream = LaneStream(verifier, self._generation, self._events, self.auth)
         stream.send(codec.encode_hello(self.record))
@@ -219,7 +227,8 @@ class RemoteVerifier:
                 gen, event = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 stream.close()
-                return f"no answer to hello within {self.hello_timeout_s} s"
+                return Closed(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"no answer to hello within {self.hello_timeout_s} s")
             if gen != stream.generation:
                 self._take(event)  # a late reply of an old stream: keep its results
                 continue
@@ -227,7 +236,7 @@ class RemoteVerifier:
                 stream.close()
                 if event.code == grpc.StatusCode.FAILED_PRECONDITION:
                     raise StaleEpochError(event.details)
-                return f"{event.code}: {event.details}"
+                return event
             if event.WhichOneof("kind") == "ready":
                 break
         self._stream = stream
