@@ -1,0 +1,144 @@
+"""Process groups made at run time, and the waits that never hang on a dead peer.
+
+torch.distributed's default group is one per process, formed once at start-up. A decoder
+that talks to whichever verifier it finds, and a tensor-parallel replica whose workers can
+be replaced, need groups they can make, use and drop while the process lives: each is a
+backend object (gloo on CPU, NCCL on CUDA) over a ``PrefixStore`` of a shared TCP store,
+never registered as the default group. Who hosts the store and how peers learn its address
+(the registry in Redis, or a parent process) is the caller's business.
+
+Every operation on a group is awaited with ``wait`` and a deadline: a peer that died or
+stopped answering raises ``PeerLost`` within it, and the group is aborted (its NCCL
+communicator too), never left half-used. NCCL's own watchdog is told to clean up, not to
+kill the process (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``), set before the first group.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class PeerLost(RuntimeError):
+    """A group operation did not complete within its deadline, or its peer is gone."""
+
+
+def backend_for(device: torch.device | str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def open_store(host: str, port: int, *, server: bool, timeout_s: float = 30.0) -> dist.TCPStore:
+    """The TCP store a group's members meet in: ``server`` hosts it (``port`` 0: any free
+    port, read back from ``store.port``); the others connect to ``host:port``. Any number
+    of groups share one store, each under its own prefix."""
+    return dist.TCPStore(host, port, is_master=server, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s), use_libuv=True)
+
+
+@dataclass
+class Group:
+    """One run-time process group: ``rank`` of ``size`` over ``backend``."""
+
+    backend: str
+    rank: int
+    size: int
+    pg: Any  # ProcessGroupGloo | ProcessGroupNCCL
+    timeout_s: float
+    device: torch.device
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Any:
+        return self._checked(lambda: self.pg.send([tensor], dst, tag))
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Any:
+        return self._checked(lambda: self.pg.recv([tensor], src, tag))
+
+    def all_gather(self, out: list[torch.Tensor], tensor: torch.Tensor) -> Any:
+        return self._checked(lambda: self.pg.allgather([out], [tensor]))
+
+    def all_reduce(self, tensor: torch.Tensor) -> Any:
+        return self._checked(lambda: self.pg.allreduce([tensor]))
+
+    def barrier(self) -> None:
+        """Every member got here (a small all-reduce: the same on either backend)."""
+        one = torch.ones(1, device=self.device)
+        self.wait(self.all_reduce(one))
+        if int(one.item()) != self.size:
+            raise PeerLost(f"barrier counted {one.item()} of {self.size}")
+
+    def wait(self, work: Any, timeout_s: float | None = None) -> None:
+        """Until ``work`` completed (CUDA: its stream is ordered after it), or raise
+        ``PeerLost`` and abort the group once ``timeout_s`` (default: the group's) passed."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        if self.backend == "gloo":
+            try:
+                work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+                return
+            except RuntimeError as e:
+                self.abort()
+                raise PeerLost(str(e)) from e
+        # NCCL: poll, so that a lost peer costs the deadline, not the watchdog's timeout
+        pause = 20e-6
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                self.abort()
+                raise PeerLost(f"no completion within {self.timeout_s} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        try:
+            work.wait()
+        except RuntimeError as e:
+            self.abort()
+            raise PeerLost(str(e)) from e
+
+    def abort(self) -> None:
+        """Drop the group (its communicator, for NCCL); later operations fail."""
+        try:
+            self.pg.abort()
+        except (RuntimeError, AttributeError):
+            pass
+        self.pg = None
+
+    @property
+    def alive(self) -> bool:
+        return self.pg is not None
+
+    def _checked(self, op: Any) -> Any:
+        if self.pg is None:
+            raise PeerLost("the group was aborted")
+        try:
+            return op()
+        except RuntimeError as e:
+            self.abort()
+            raise PeerLost(str(e)) from e
+
+
+def new_group(store: dist.Store, name: str, rank: int, size: int, device: torch.device | str,
+              timeout_s: float = 30.0) -> Group:
+    """Join group ``name`` (its members all call this with the same name, size and store);
+    returns once all of them have (gloo) or lazily at the first operation (NCCL).
+
+    Raises ``PeerLost`` if the members do not all arrive within ``timeout_s``."""
+    device = torch.device(device)
+    backend = backend_for(device)
+    prefixed = dist.PrefixStore(f"detserve/{name}/", store)
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        if backend == "gloo":
+            pg: Any = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+        else:
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # clean up, live on
+            opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+            opts._timeout = timeout
+            pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+    except RuntimeError as e:
+        raise PeerLost(f"group {name!r}: {e}") from e
+    group = Group(backend, rank, size, pg, timeout_s, device)
+    if backend == "nccl":
+        group.barrier()  # make the communicator now, not inside a lane pass
+    return group
