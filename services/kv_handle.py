@@ -43,6 +43,24 @@ _OWNED_CUDA: dict[str, Tensor] = {}
 _PINNED_OPENED: list[shared_memory.SharedMemory] = []
 
 
+HOST_ID_ENV = "DETSERVE_HOST_ID"
+
+
+def host_id() -> str:
+    """This machine as the registry names it: the hostname, or ``DETSERVE_HOST_ID`` (two
+    processes of one machine that must not share memory, as on two hosts)."""
+    return os.environ.get(HOST_ID_ENV) or socket.gethostname()
+
+
+def device_key(device: str) -> str:
+    """What says two processes use the same device: "cpu", or the GPU's UUID (indexes
+    differ between processes that see different CUDA_VISIBLE_DEVICES)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return "cpu"
+    return str(torch.cuda.get_device_properties(dev).uuid)
+
+
 @dataclass(frozen=True)
 class KVHandle:
     """A reference to a decoder's KV pool tensor (not the data)."""
@@ -54,7 +72,7 @@ class KVHandle:
     device: str                 # the exporter's device: "cpu" | "cuda:N"
     epoch: int
     decoder_id: str
-    host: str = field(default_factory=socket.gethostname)  # maps only on this host
+    host: str = field(default_factory=lambda: host_id())  # maps only on this host
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -68,6 +86,11 @@ class KVHandle:
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)  # type: ignore[no-any-return]
+
+    @property
+    def device_key(self) -> str:
+        """``device_key`` of the exporter's device."""
+        return "cpu" if self.kind == "shm" else str(json.loads(self.name)["device_uuid"])
 
     @property
     def nbytes(self) -> int:

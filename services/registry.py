@@ -39,7 +39,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
@@ -119,9 +119,12 @@ class DecoderRecord:
 class VerifierRecord:
     verifier_id: str
     address: str            # host:port of its gRPC server
-    host: str               # hostname: co-location with a decoder's KV pool
+    host: str               # host id: co-location with a decoder's KV pool
     device: str
     weights_hash: str
+    device_key: str = ""    # "cpu" or the GPU's UUID: the same as a pool's -> it can map it
+    kv_store: str = ""      # host:port of the store its K/V transfer groups meet in
+    load: int = 0           # decoders it verifies for now (refreshed with the heartbeat)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -283,9 +286,13 @@ class Heartbeat:
     or a decoder's epoch and record (``restore_decoder``; no TTL). A decoder's heartbeat
     that finds a newer epoch sets ``stale`` and stops."""
 
-    def __init__(self, registry: Registry, record: Record, ttl_s: float = 3.0) -> None:
+    def __init__(self, registry: Registry, record: Record, ttl_s: float = 3.0,
+                 update: Callable[[Record], Record] | None = None) -> None:
+        """``update``: the record to write at each beat, from the last one (a verifier's
+        load)."""
         self.registry = registry
         self.record = record
+        self._update = update
         self.ttl_s = ttl_s
         self.stale = False
         self._stop = threading.Event()
@@ -322,6 +329,8 @@ class Heartbeat:
         return not self.stale
 
     def _refresh(self) -> None:
+        if self._update is not None:
+            self.record = self._update(self.record)
         if isinstance(self.record, DecoderRecord):
             if not self.registry.restore_decoder(self.record):
                 self.stale = True

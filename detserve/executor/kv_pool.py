@@ -50,3 +50,20 @@ class KVPool:
         k = self.k(layer)[idx].flatten(0, 1)[:length]
         v = self.v(layer)[idx].flatten(0, 1)[:length]
         return k, v
+
+    def slots(self, block_table: list[int] | tuple[int, ...], start: int, end: int) -> Tensor:
+        """The slots of positions ``start .. end-1`` of a sequence with ``block_table``."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(
+            self.data.device)
+
+    def read_rows(self, slots: Tensor) -> Tensor:
+        """K/V of every layer at ``slots``: ``[layers, 2, len(slots), kv_heads, head_dim]``,
+        contiguous (what a transfer sends)."""
+        flat = self.data.flatten(2, 3)
+        return flat.index_select(2, slots)
+
+    def write_rows(self, slots: Tensor, rows: Tensor) -> None:
+        """Store ``rows`` (as ``read_rows`` returns them) at ``slots``."""
+        self.data.flatten(2, 3).index_copy_(2, slots, rows.to(self.data.dtype))

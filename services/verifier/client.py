@@ -1,6 +1,9 @@
 """``RemoteVerifier``: the decoder's side of the verifier pool (implements ``Verifier``).
 
-It keeps one stream to one co-located verifier found in the registry. ``submit`` sends a
+It keeps one stream to one verifier found in the registry: a co-located one (same host and
+device: it maps the decoder's pool) when there is one, else the least loaded of those that
+do K/V transfer (``transfer``: the verifier keeps its own copy of the lane K/V; rows move
+over a pair of process groups made for the stream). ``submit`` sends a
 pass and remembers it until its result arrives; ``poll`` returns results. When the stream
 breaks (the verifier died, was restarted, stopped answering), it picks another live
 verifier, waiting up to ``failover_timeout_s`` for one to appear, says hello again and
@@ -28,11 +31,14 @@ import hashlib
 import logging
 import queue
 import time
+import uuid
 from collections.abc import Callable, Iterable
 
 import grpc
 import redis
 
+from detserve.distributed import PeerLost, backend_for, open_store
+from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import ModelRunner
 from detserve.lane import LanePass, LaneResult
 from detserve.verifier import LaneUnavailable
@@ -48,6 +54,7 @@ from services.registry import (
 from services.verifier import codec
 from services.verifier import verifier_pb2 as pb
 from services.verifier.stream import Closed, Event, LaneStream
+from services.verifier.transfer import DecoderTransfer, TransferStats
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +77,17 @@ class RemoteVerifier:
     stream_ordered = False
 
     def __init__(self, registry: Registry, record: DecoderRecord, auth: ClusterAuth, *,
+                 pool: KVPool | None = None,
                  failover_timeout_s: float = 30.0, hello_timeout_s: float = 10.0,
                  pass_timeout_s: float = 120.0, retry_bad_after_s: float = 2.0,
-                 publish_block_tables: bool = True) -> None:
+                 transfer_timeout_s: float = 30.0, publish_block_tables: bool = True) -> None:
+        """``pool``: the engine's KV pool, for K/V transfer (without it, co-located
+        verifiers only)."""
         self.registry = registry
+        self.pool = pool
+        self.transfer_timeout_s = transfer_timeout_s
+        self._xfer: DecoderTransfer | None = None  # the current stream's, if it transfers
+        self._xfer_gens: set[int] = set()  # generations of streams that transferred
         self.record = record
         self.auth = auth  # what verifiers ask of their callers
         self.failover_timeout_s = failover_timeout_s
@@ -102,8 +116,7 @@ class RemoteVerifier:
         if self._stream is None:
             self.connect()  # sends every pending pass, this one included
         else:
-            assert self._stream is not None
-            self._stream.send(codec.encode_pass(lane_pass))
+            self._send(lane_pass)
 
     def poll(self, wait: bool = False) -> list[LaneResult]:
         self._check_epoch()
@@ -117,9 +130,7 @@ class RemoteVerifier:
         return len(self._pending) + len(self._ready)
 
     def close(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
+        self._drop_stream(None)
         if self._beat is not None:
             self._beat.stop(deregister=True)
         else:
@@ -154,8 +165,20 @@ class RemoteVerifier:
         if self._beat is None:
             self._beat = Heartbeat(self.registry, self.record, ttl_s).start()
 
+    @property
+    def transfer_stats(self) -> TransferStats | None:
+        """K/V moved over the current stream (None: co-located, or no stream)."""
+        return self._xfer.stats if self._xfer is not None else None
+
     def drop_requests(self, request_ids: Iterable[str]) -> None:
-        """Forget finished requests' block tables (in Redis too, when it is reachable)."""
+        """Forget finished requests' block tables (in Redis too, when it is reachable), and
+        have a transferring verifier drop their K/V."""
+        request_ids = list(request_ids)
+        if self._xfer is not None and self._stream is not None:
+            held = [rid for rid in request_ids if rid in self._xfer.held]
+            if held:
+                self._xfer.release(held)
+                self._stream.send(pb.LaneRequest(release=pb.Release(request_ids=held)))
         gone = [rid for rid in request_ids if self._tables.pop(rid, None) is not None]
         if gone:
             try:
@@ -201,26 +224,52 @@ class RemoteVerifier:
                                   f"newer epoch than {self.record.epoch}")
 
     def _candidates(self) -> list[VerifierRecord]:
-        """Live verifiers that can map our pool and run our model; ones that failed us
-        recently only after a while (their registration may not have expired yet)."""
+        """Live verifiers that run our model and can reach our K/V: co-located ones first
+        (they map the pool), then those that transfer K/V, least loaded first; ones that
+        failed us recently only after a while (their registration may not have expired)."""
         try:
             live = self.registry.live_verifiers()
         except redis.RedisError as e:
             log.warning("registry unreachable: %s", e)
             return []
         now = time.monotonic()
-        usable = [v for v in live if v.host == self.record.kv_handle.host
-                  and v.weights_hash == self.record.weights_hash
+        usable = [v for v in live if v.weights_hash == self.record.weights_hash
+                  and (self._colocated(v) or (v.kv_store and self.pool is not None))
                   and now - self._bad.get(v.address, -1e9) > self.retry_bad_after_s]
-        # rendezvous hashing: decoders spread over the pool, each with a stable preference
-        return sorted(usable, key=lambda v: hashlib.sha1(
-            f"{self.record.decoder_id}/{v.verifier_id}".encode()).digest())
+        # rendezvous hashing breaks ties: decoders spread over the pool, each with a
+        # stable preference
+        return sorted(usable, key=lambda v: (not self._colocated(v), v.load, hashlib.sha1(
+            f"{self.record.decoder_id}/{v.verifier_id}".encode()).digest()))
+
+    def _colocated(self, v: VerifierRecord) -> bool:
+        handle = self.record.kv_handle
+        return v.host == handle.host and v.device_key in ("", handle.device_key)
+
+    def _send(self, lane_pass: LanePass) -> None:
+        """Put a pass on the current stream (with its pushed rows, when transferring)."""
+        assert self._stream is not None
+        if self._xfer is None:
+            self._stream.send(codec.encode_pass(lane_pass))
+            return
+        kv_from = self._xfer.plan(lane_pass)
+        self._stream.send(codec.encode_pass(lane_pass, kv_from))
+        try:
+            self._xfer.push(lane_pass, kv_from)
+        except PeerLost as e:
+            self._failover(f"K/V push: {e}")
 
     def _open(self, verifier: VerifierRecord) -> Closed | None:
         """Say hello; on Ready, re-send the pending passes. Returns why it failed or None."""
         self._generation += 1
         stream = LaneStream(verifier, self._generation, self._events, self.auth)
-        stream.send(codec.encode_hello(self.record))
+        transfer = None
+        if not self._colocated(verifier):
+            assert self.pool is not None
+            transfer = pb.KVTransfer(
+                group=f"{self.record.decoder_id}/{self.record.epoch}/{self._generation}/"
+                      f"{uuid.uuid4().hex[:8]}",
+                backend=backend_for(self.pool.data.device), device=str(self.pool.data.device))
+        stream.send(codec.encode_hello(self.record, transfer))
         deadline = time.monotonic() + self.hello_timeout_s
         while True:
             try:
@@ -230,7 +279,7 @@ class RemoteVerifier:
                 return Closed(grpc.StatusCode.DEADLINE_EXCEEDED,
                               f"no answer to hello within {self.hello_timeout_s} s")
             if gen != stream.generation:
-                self._take(event)  # a late reply of an old stream: keep its results
+                self._take(gen, event)  # a late reply of an old stream
                 continue
             if isinstance(event, Closed):
                 stream.close()
@@ -239,9 +288,21 @@ class RemoteVerifier:
                 return event
             if event.WhichOneof("kind") == "ready":
                 break
+        if transfer is not None:
+            try:
+                host, port = verifier.kv_store.rsplit(":", 1)
+                store = open_store(host, int(port), server=False,
+                                   timeout_s=self.transfer_timeout_s)
+                assert self.pool is not None
+                self._xfer = DecoderTransfer(store, transfer.group, self.pool,
+                                             self.transfer_timeout_s)
+            except (PeerLost, RuntimeError, ValueError) as e:
+                stream.close()
+                return Closed(grpc.StatusCode.UNAVAILABLE, f"K/V transfer groups: {e}")
+            self._xfer_gens.add(stream.generation)
         self._stream = stream
-        for p in self._pending.values():
-            stream.send(codec.encode_pass(p))
+        for p in list(self._pending.values()):
+            self._send(p)
         log.info("decoder %s verified by %s (%s), %d passes re-sent", self.record.decoder_id,
                  verifier.address, event.ready.verifier_id, len(self._pending))
         return None
@@ -267,27 +328,42 @@ class RemoteVerifier:
                 elif current:  # nothing to verify now: the next pass finds a verifier
                     self._drop_stream(f"stream closed: {event.code}: {event.details}")
             else:
-                self._take(event)
+                self._take(gen, event)
 
-    def _take(self, event: pb.LaneReply | Closed) -> None:
+    def _take(self, gen: int, event: pb.LaneReply | Closed) -> None:
         if isinstance(event, Closed):
             return
+        current = self._stream is not None and gen == self._stream.generation
+        if gen in self._xfer_gens and not current:
+            return  # an old transferring stream's: its rows cannot be had, the pass re-runs
         kind = event.WhichOneof("kind")
         if kind == "error":
             raise VerifierError(f"lane pass {event.error.pass_id}: {event.error.message}")
         if kind == "decisions":
             result = codec.decode_result(event.decisions)
+            lane_pass = self._pending.get(result.pass_id)
+            if lane_pass is not None and current and self._xfer is not None:
+                try:  # the committed rows, into the pool before the decisions apply
+                    self._xfer.pull(lane_pass, result, event.decisions.kv_rows)
+                except PeerLost as e:
+                    self._failover(f"K/V pull: {e}")
+                    return
             # a duplicate (the pass was re-sent after its result was already under way)
             # carries the same bits; only the first one counts
             if self._pending.pop(result.pass_id, None) is not None:
                 self._ready.append(result)
 
-    def _drop_stream(self, reason: str) -> None:
+    def _drop_stream(self, reason: str | None) -> None:
+        """Close the current stream (``reason``: it failed) and its transfer groups."""
         old, self._stream = self._stream, None
+        xfer, self._xfer = self._xfer, None
+        if xfer is not None:
+            xfer.close()
         if old is not None:
-            log.warning("verifier %s lost (%s); %d passes in flight", old.verifier.address,
-                        reason, len(self._pending))
-            self._bad[old.verifier.address] = time.monotonic()
+            if reason is not None:
+                log.warning("verifier %s lost (%s); %d passes in flight",
+                            old.verifier.address, reason, len(self._pending))
+                self._bad[old.verifier.address] = time.monotonic()
             old.close()
 
     def _failover(self, reason: str) -> None:
@@ -334,7 +410,8 @@ def make_verifier_factory(redis_url: str, decoder_id: str, kv_handle: KVHandle |
                                runner.numerics, codec.kernels_profile(runner))
         registry = Registry(redis_url, prefix)
         registry.publish_decoder(record)
-        verifier = RemoteVerifier(registry, record, auth, **options)  # type: ignore[arg-type]
+        verifier = RemoteVerifier(registry, record, auth, pool=runner.pool,
+                                  **options)  # type: ignore[arg-type]
         verifier.keep_registered()
         if connect:
             verifier.connect()

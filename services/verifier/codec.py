@@ -8,6 +8,7 @@ checks ``decode(encode(x)) == x``.
 from __future__ import annotations
 
 import platform
+from collections.abc import Mapping
 from dataclasses import asdict, fields
 from typing import cast
 
@@ -36,12 +37,17 @@ def kernels_profile(runner: ModelRunner) -> str:
 
 
 # ---- hello --------------------------------------------------------------------------
-def encode_hello(record: DecoderRecord) -> pb.LaneRequest:
-    return pb.LaneRequest(hello=pb.Hello(
+def encode_hello(record: DecoderRecord, transfer: pb.KVTransfer | None = None
+                 ) -> pb.LaneRequest:
+    """``transfer``: ask for K/V transfer (the verifier cannot map the pool)."""
+    hello = pb.Hello(
         decoder_id=record.decoder_id, epoch=record.epoch,
         kv_handle=record.kv_handle.to_json(), weights_hash=record.weights_hash,
         dtype=record.kv_handle.dtype, numerics=encode_numerics(record.numerics),
-        kernels=record.kernels))
+        kernels=record.kernels)
+    if transfer is not None:
+        hello.transfer.CopyFrom(transfer)
+    return pb.LaneRequest(hello=hello)
 
 
 def encode_numerics(n: LaneNumerics) -> pb.LaneNumerics:
@@ -80,13 +86,16 @@ def _decode_spec(s: pb.SamplingSpec) -> SamplingSpec:
                         frequency_penalty=s.frequency_penalty)
 
 
-def encode_pass(p: LanePass) -> pb.LaneRequest:
+def encode_pass(p: LanePass, kv_from: Mapping[int, int] | None = None) -> pb.LaneRequest:
+    """``kv_from``: segment index -> first pushed row (K/V transfer)."""
+    kv_from = kv_from or {}
     segs = [pb.LaneSegment(request_id=s.request_id, is_window=s.kind == "window", start=s.start,
                            input_ids=s.input_ids, block_table=s.block_table,
                            candidates=s.candidates, sample_rows=s.sample_rows,
                            spec=_encode_spec(s.spec), history=s.history,
-                           prompt_logprobs=s.prompt_logprobs, prompt_targets=s.prompt_targets)
-            for s in p.segments]
+                           prompt_logprobs=s.prompt_logprobs, prompt_targets=s.prompt_targets,
+                           kv_from=kv_from.get(i))
+            for i, s in enumerate(p.segments)]
     return pb.LaneRequest(lane_pass=pb.LanePass(pass_id=p.pass_id, rows=p.rows, segments=segs))
 
 
@@ -98,6 +107,20 @@ def decode_pass(p: pb.LanePass) -> LanePass:
                              tuple(s.prompt_targets))
                  for s in p.segments)
     return LanePass(p.pass_id, p.rows, segs)
+
+
+def decode_kv_from(p: pb.LanePass) -> list[int | None]:
+    """Each segment's first pushed row, None where nothing is pushed. Raises ValueError
+    for a range that is not within 0 .. start."""
+    out: list[int | None] = []
+    for s in p.segments:
+        if not s.HasField("kv_from"):
+            out.append(None)
+        elif not 0 <= s.kv_from < s.start:
+            raise ValueError(f"kv_from {s.kv_from} outside 0 .. {s.start}")
+        else:
+            out.append(s.kv_from)
+    return out
 
 
 # ---- results ------------------------------------------------------------------------
@@ -114,7 +137,7 @@ def _decode_logprob(lp: pb.Logprob) -> TokenLogprob | None:
     return TokenLogprob(lp.token_id, lp.logprob, {t.token_id: t.logprob for t in lp.top})
 
 
-def encode_result(r: LaneResult) -> pb.LaneReply:
+def encode_result(r: LaneResult, kv_rows: int = 0) -> pb.LaneReply:
     decisions = [pb.LaneDecision(request_id=d.request_id, is_window=d.kind == "window",
                                  start=d.start, accepted=d.accepted, tokens=d.tokens,
                                  logprobs=[_encode_logprob(lp) for lp in d.logprobs],
@@ -123,7 +146,7 @@ def encode_result(r: LaneResult) -> pb.LaneReply:
                  for d in r.decisions]
     return pb.LaneReply(decisions=pb.LaneResult(pass_id=r.pass_id, decisions=decisions,
                                                 padding_rows=r.padding_rows,
-                                                elapsed_s=r.elapsed_s))
+                                                elapsed_s=r.elapsed_s, kv_rows=kv_rows))
 
 
 def decode_result(r: pb.LaneResult) -> LaneResult:

@@ -4,8 +4,10 @@ This is everything a verifier process does, without Ray: the Ray Serve deploymen
 (``deployment.py``) wraps it, and ``python -m services.verifier.replica`` runs it
 stand-alone (tests start verifiers this way, in processes of their own).
 
-A replica binds to loopback by default: it can only serve decoders whose KV pool it maps,
-and those live on the same host.
+A replica serves co-located decoders (it maps their KV pools) and, with ``kv_blocks`` set,
+any other decoder through K/V transfer: it then hosts the TCP store their process groups
+meet in and publishes its address in its registry record. It binds to loopback by default
+(decoders on this host only); ``--host 0.0.0.0`` for decoders elsewhere.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
+from detserve.distributed import open_store
 from services.cluster_auth import ClusterAuth
+from services.kv_handle import device_key, host_id
 from services.registry import DEFAULT_PREFIX, Heartbeat, Registry, VerifierRecord
 from services.verifier import verifier_pb2 as pb
 from services.verifier import verifier_pb2_grpc as pb_grpc
@@ -32,23 +37,33 @@ class VerifierReplica:
     def __init__(self, model: str, redis_url: str, auth: ClusterAuth, *, dtype: str = "float32",
                  device: str = "cpu", host: str = "127.0.0.1", port: int = 0,
                  ttl_s: float = 3.0, prefix: str = DEFAULT_PREFIX,
-                 lane_thread_init: Callable[[], None] | None = None) -> None:
+                 lane_thread_init: Callable[[], None] | None = None, kv_blocks: int = 0,
+                 store_port: int = 0) -> None:
         """Loads the model, starts serving, then registers (so a registered verifier is
-        always ready to answer a hello)."""
+        always ready to answer a hello). ``kv_blocks`` > 0: serve decoders it cannot map,
+        with a pool of that many blocks of its own; their groups meet in a TCP store on
+        ``store_port`` (0: any free port)."""
         self.verifier_id = uuid.uuid4().hex[:12]
         self.registry = Registry(redis_url, prefix)
         weights, info = load_model_once(model, dtype, device)
+        advertise = socket.gethostbyname(socket.gethostname()) if host == "0.0.0.0" else host
+        self.store = open_store(host, store_port, server=True) if kv_blocks > 0 else None
         self.servicer = VerifierServicer(weights, info, self.registry, device, self.verifier_id,
-                                         lane_thread_init=lane_thread_init)
+                                         lane_thread_init=lane_thread_init, store=self.store,
+                                         kv_blocks=kv_blocks)
         self.auth = auth
         self.server = VerifierServer(self.servicer, auth, host, port).start()
-        advertise = socket.gethostbyname(socket.gethostname()) if host == "0.0.0.0" else host
-        self.record = VerifierRecord(self.verifier_id, f"{advertise}:{self.server.port}",
-                                     socket.gethostname(), device, info.weights_hash)
+        self.record = VerifierRecord(
+            self.verifier_id, f"{advertise}:{self.server.port}", host_id(), device,
+            info.weights_hash, device_key=device_key(device),
+            kv_store=f"{advertise}:{self.store.port}" if self.store is not None else "")
         self.server.gate.allow(self.record.address)  # where decoders dial it
         # a replica (re)started while Redis is away does not fail to start: it registers
-        # as soon as Redis answers
-        self.heartbeat = Heartbeat(self.registry, self.record, ttl_s).start(required=False)
+        # as soon as Redis answers; each beat publishes its load (decoders attached)
+        self.heartbeat = Heartbeat(
+            self.registry, self.record, ttl_s,
+            update=lambda r: replace(r, load=self.servicer.streams),  # type: ignore[type-var]
+        ).start(required=False)
         self._closed = False
         log.info("verifier %s serving %s on %s", self.verifier_id, info.name, self.record.address)
 
@@ -89,11 +104,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--ttl", type=float, default=3.0, help="registration TTL in seconds")
     ap.add_argument("--prefix", default=DEFAULT_PREFIX)
+    ap.add_argument("--kv-blocks", type=int, default=0,
+                    help="blocks of its own KV pool, for decoders on other devices or hosts "
+                         "(K/V transfer); 0: co-located decoders only")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     replica = VerifierReplica(args.model, args.redis_url, ClusterAuth.from_env(),
                               dtype=args.dtype, device=args.device,
-                              host=args.host, port=args.port, ttl_s=args.ttl, prefix=args.prefix)
+                              host=args.host, port=args.port, ttl_s=args.ttl, prefix=args.prefix,
+                              kv_blocks=args.kv_blocks)
     print(f"READY {replica.verifier_id} {replica.address}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

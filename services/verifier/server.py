@@ -1,12 +1,15 @@
-"""The verifier's gRPC servicer: maps decoders' KV pools and runs their lane passes.
+"""The verifier's gRPC servicer: runs decoders' lane passes, on their pools or its own.
 
 One ``Verify`` stream per decoder. Its first message is a Hello; the servicer checks it
 against the registry (the epoch must be the decoder's current one) and against its own
-model (weights, dtype, kernels, KV geometry), maps the decoder's pool through the handle
-and builds a ``ModelRunner`` over it, cached per decoder and epoch. Then it answers every
-lane pass, in order, with the runner's decisions; the lane writes its K/V in place into the
-decoder's pool. Passes of all streams run one at a time on a single lane thread (one
-device, one model copy), which also keeps the gRPC threads free for Health checks.
+model (weights, dtype, kernels, KV geometry). A co-located decoder's pool is mapped through
+its handle and a ``ModelRunner`` built over it, cached per decoder and epoch; the lane
+writes its K/V in place there. A decoder that asks for K/V transfer (another GPU or host)
+gets its sequences' blocks in the verifier's own pool, shared by all such streams, and a
+pair of process groups for the rows that move (``transfer``). Then the servicer answers
+every lane pass, in order, with the runner's decisions. Passes of all streams run one at a
+time on a single lane thread (one device, one model copy), which also keeps the gRPC
+threads free for Health checks.
 While Redis is away, open streams go on and a decoder already attached at the same epoch
 may say hello again; a new one is refused with UNAVAILABLE until the registry answers.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +28,7 @@ import grpc
 import redis
 import torch
 
+from detserve.distributed import PeerLost, backend_for
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import ModelRunner
 from detserve.lane import LanePass, LaneResult
@@ -37,6 +42,7 @@ from services.registry import Registry
 from services.verifier import codec
 from services.verifier import verifier_pb2 as pb
 from services.verifier import verifier_pb2_grpc as pb_grpc
+from services.verifier.transfer import KVFull, VerifierKV, VerifierTransfer
 
 log = logging.getLogger(__name__)
 _MODELS: dict[tuple[str, str, str], tuple[LlamaModel, ModelInfo]] = {}
@@ -77,10 +83,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def __init__(self, model: LlamaModel, info: ModelInfo, registry: Registry, device: str,
                  verifier_id: str | None = None,
                  lane_thread_init: Callable[[], None] | None = None,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, store: object | None = None,
+                 kv_blocks: int = 0, transfer_timeout_s: float = 30.0) -> None:
         """``cuda_graphs`` (CUDA): run each lane pass as a CUDA graph (captured on the lane
         thread at its first pass of each size), as the offline engine's lane does; eager,
-        a pass of a large model costs tens of ms of kernel launches."""
+        a pass of a large model costs tens of ms of kernel launches. ``store`` (the TCP
+        store transfer groups meet in) and ``kv_blocks`` (its own pool's size): K/V
+        transfer for decoders that cannot be mapped; without them such a hello is refused."""
         self.model = model
         self.info = info
         self.registry = registry
@@ -91,8 +100,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                         initializer=lane_thread_init)
         self._attached: dict[str, _Attached] = {}
         self._lock = threading.Lock()
+        self.store = store
+        self.kv_blocks = kv_blocks
+        self.transfer_timeout_s = transfer_timeout_s
+        self._own: VerifierKV | None = None  # made at the first transfer hello
+        self._own_runners: dict[LaneNumerics, ModelRunner] = {}
         self.streams = 0
         self.passes = 0
+        self.busy_s = 0.0
+        self.kv_bytes_in = 0
+        self.kv_bytes_out = 0
         self.serving = True
 
     # ---- RPCs ---------------------------------------------------------------------
@@ -102,30 +119,51 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if first is None or first.WhichOneof("kind") != "hello":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a hello")
             return
+        hello = first.hello
         try:
-            runner = self._attach(first.hello)
+            runner = (self._attach_transfer(hello) if hello.HasField("transfer")
+                      else self._attach(hello))
         except HelloRefused as e:
-            log.warning("refused %s: %s", first.hello.decoder_id, e)
+            log.warning("refused %s: %s", hello.decoder_id, e)
             context.abort(e.code, str(e))
             return
         with self._lock:
             self.streams += 1
+        transfer: VerifierTransfer | None = None
         try:
             yield pb.LaneReply(ready=pb.Ready(verifier_id=self.verifier_id))
+            if hello.HasField("transfer"):
+                assert self._own is not None
+                try:  # the decoder joins as soon as it reads Ready
+                    transfer = VerifierTransfer(self.store, hello.transfer.group, self._own,
+                                                self.transfer_timeout_s)
+                except PeerLost as e:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, f"transfer groups: {e}")
             for req in request_iterator:
-                if req.WhichOneof("kind") != "lane_pass":
+                kind = req.WhichOneof("kind")
+                if kind == "release":
+                    if transfer is not None:
+                        self._lane.submit(transfer.release, list(req.release.request_ids))
+                    continue
+                if kind != "lane_pass":
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, "hello sent twice")
                 if not context.is_active() or not self.serving:
                     return  # the decoder has moved on: write nothing more into its pool
-                yield self._run(runner, codec.decode_pass(req.lane_pass))
+                yield self._run(runner, req.lane_pass, transfer, context)
         finally:
+            if transfer is not None:
+                try:
+                    self._lane.submit(transfer.close)
+                except RuntimeError:  # the servicer is closing: the lane thread is gone
+                    transfer.close()
             with self._lock:
                 self.streams -= 1
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
         return pb.HealthReply(serving=self.serving, verifier_id=self.verifier_id,
                               weights_hash=self.info.weights_hash, streams=self.streams,
-                              passes=self.passes)
+                              passes=self.passes, kv_bytes_in=self.kv_bytes_in,
+                              kv_bytes_out=self.kv_bytes_out, busy_s=self.busy_s)
 
     def close(self) -> None:
         self.serving = False
@@ -134,16 +172,46 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             self._attached.clear()
 
     # ---- internals ----------------------------------------------------------------
-    def _run(self, runner: ModelRunner, lane_pass: LanePass) -> pb.LaneReply:
+    def _run(self, runner: ModelRunner, message: pb.LanePass,
+             transfer: VerifierTransfer | None, context: grpc.ServicerContext) -> pb.LaneReply:
         try:
-            result: LaneResult = self._lane.submit(runner.run_lane, lane_pass).result()
+            lane_pass = codec.decode_pass(message)
+            kv_from = codec.decode_kv_from(message) if transfer is not None else []
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad lane pass: {e}")
+            raise  # (abort raises)
+        try:
+            reply = self._lane.submit(self._pass, runner, lane_pass, kv_from, transfer).result()
+        except (KVFull, PeerLost) as e:
+            # the stream cannot go on (its K/V is incomplete): the decoder fails over
+            code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, KVFull)
+                    else grpc.StatusCode.UNAVAILABLE)
+            context.abort(code, f"lane pass {lane_pass.pass_id}: {e}")
+            raise
         except Exception as e:  # a bad pass is a bug on one side: report it, never guess
             log.exception("lane pass %d failed", lane_pass.pass_id)
             return pb.LaneReply(error=pb.PassError(pass_id=lane_pass.pass_id,
                                                    message=f"{type(e).__name__}: {e}"))
         with self._lock:
             self.passes += 1
-        return codec.encode_result(result)
+        return reply
+
+    def _pass(self, runner: ModelRunner, lane_pass: LanePass, kv_from: list[int | None],
+              transfer: VerifierTransfer | None) -> pb.LaneReply:
+        """On the lane thread: one pass, with its transfers."""
+        t0 = time.perf_counter()
+        kv_rows = 0
+        if transfer is None:
+            result: LaneResult = runner.run_lane(lane_pass)
+        else:
+            before = (transfer.stats.bytes_in, transfer.stats.bytes_out)
+            lane_pass = transfer.prepare(lane_pass, kv_from)
+            result = runner.run_lane(lane_pass)
+            kv_rows = transfer.send_back(lane_pass, result)
+            self.kv_bytes_in += transfer.stats.bytes_in - before[0]
+            self.kv_bytes_out += transfer.stats.bytes_out - before[1]
+        self.busy_s += time.perf_counter() - t0
+        return codec.encode_result(result, kv_rows)
 
     def _attach(self, hello: pb.Hello) -> ModelRunner:
         try:
@@ -190,6 +258,51 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             self._attached[hello.decoder_id] = _Attached(hello.epoch, handle, runner, kernels)
         return runner
 
+    def _attach_transfer(self, hello: pb.Hello) -> ModelRunner:
+        """A decoder whose pool this verifier cannot map: checked as any other, then a
+        runner over the verifier's own pool (shared by every decoder with its numerics)."""
+        if self.store is None or self.kv_blocks < 2:
+            raise HelloRefused(grpc.StatusCode.FAILED_PRECONDITION,
+                               "this verifier does no K/V transfer (co-located decoders only)")
+        try:
+            handle = KVHandle.from_json(hello.kv_handle)
+        except (ValueError, KeyError, TypeError) as e:
+            raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV handle: {e}") from e
+        try:
+            self._check_current(hello, handle)
+        except redis.RedisError as e:
+            raise HelloRefused(grpc.StatusCode.UNAVAILABLE,
+                               f"the registry is unreachable: {e}") from e
+        self._check_compatible(hello, handle, mapped=False)
+        if hello.transfer.backend != backend_for(self.device):
+            raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"transfer backend {hello.transfer.backend!r}, this verifier "
+                               f"uses {backend_for(self.device)!r}")
+        numerics = _numerics(hello)
+        with self._lock:
+            if self._own is None:
+                mc = self.model.config
+                self._own = VerifierKV(KVPool(
+                    mc.num_layers, self.kv_blocks, numerics.block_size, mc.num_kv_heads,
+                    mc.head_dim, getattr(torch, self.info.dtype), self.device))
+            own = self._own
+            if own.pool.block_size != numerics.block_size:
+                raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"block size {numerics.block_size}: this verifier's pool "
+                                   f"has blocks of {own.pool.block_size}")
+            runner = self._own_runners.get(numerics)
+            if runner is None:
+                runner = ModelRunner(self.model, own.pool, numerics)
+                if self.cuda_graphs:
+                    runner.enable_cuda_graphs(None, lane=True, max_batch=1,
+                                              max_blocks=own.pool.data.shape[2])
+                self._own_runners[numerics] = runner
+        kernels = codec.kernels_profile(runner)
+        if hello.kernels != kernels:
+            raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"kernels {hello.kernels!r} != {kernels!r}")
+        return runner
+
     def _check_current(self, hello: pb.Hello, handle: KVHandle) -> None:
         """Refuse anything but the decoder's current epoch, as published in the registry."""
         current = self.registry.current_epoch(hello.decoder_id)
@@ -208,8 +321,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise HelloRefused(grpc.StatusCode.FAILED_PRECONDITION,
                                "the hello's KV handle is not the one the decoder published")
 
-    def _check_compatible(self, hello: pb.Hello, handle: KVHandle) -> None:
-        """Refuse a decoder whose lane this verifier would not reproduce bit for bit."""
+    def _check_compatible(self, hello: pb.Hello, handle: KVHandle, mapped: bool = True) -> None:
+        """Refuse a decoder whose lane this verifier would not reproduce bit for bit (or
+        whose pool it cannot map, when ``mapped``)."""
         mc = self.model.config
         g = _numerics(hello)
         problems = []
@@ -217,7 +331,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             problems.append(f"weights {hello.weights_hash[:12]} != {self.info.weights_hash[:12]}")
         if hello.dtype != self.info.dtype or handle.dtype != self.info.dtype:
             problems.append(f"dtype {hello.dtype} != {self.info.dtype}")
-        if (handle.kind == "shm") != (torch.device(self.device).type == "cpu"):
+        if mapped and (handle.kind == "shm") != (torch.device(self.device).type == "cpu"):
             problems.append(f"a {handle.kind} pool cannot be used on {self.device}")
         nb = handle.shape[2] if len(handle.shape) == 6 else -1
         want = KVPool.shape_for(mc.num_layers, nb, g.block_size, mc.num_kv_heads, mc.head_dim)

@@ -46,7 +46,7 @@ class LaneNumerics(_message.Message):
     def __init__(self, verify_window: _Optional[int] = ..., verify_group: _Optional[int] = ..., block_size: _Optional[int] = ..., batch_invariant_rows: _Optional[int] = ..., lane_gemm_rows: _Optional[int] = ..., lane_one_calls: _Optional[bool] = ..., lane_dot_sums: _Optional[bool] = ..., lane_full_tiles: _Optional[bool] = ..., aligned_decode_lane: _Optional[str] = ..., fused_silu_mul: _Optional[bool] = ..., fused_add_rmsnorm: _Optional[bool] = ..., sampling: _Optional[_Union[SamplerConfig, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("decoder_id", "epoch", "kv_handle", "weights_hash", "dtype", "numerics", "kernels")
+    __slots__ = ("decoder_id", "epoch", "kv_handle", "weights_hash", "dtype", "numerics", "kernels", "transfer")
     DECODER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class Hello(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
     KERNELS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
     decoder_id: str
     epoch: int
     kv_handle: str
@@ -61,7 +62,24 @@ class Hello(_message.Message):
     dtype: str
     numerics: LaneNumerics
     kernels: str
-    def __init__(self, decoder_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kv_handle: _Optional[str] = ..., weights_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., numerics: _Optional[_Union[LaneNumerics, _Mapping]] = ..., kernels: _Optional[str] = ...) -> None: ...
+    transfer: KVTransfer
+    def __init__(self, decoder_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kv_handle: _Optional[str] = ..., weights_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., numerics: _Optional[_Union[LaneNumerics, _Mapping]] = ..., kernels: _Optional[str] = ..., transfer: _Optional[_Union[KVTransfer, _Mapping]] = ...) -> None: ...
+
+class KVTransfer(_message.Message):
+    __slots__ = ("group", "backend", "device")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    backend: str
+    device: str
+    def __init__(self, group: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class Release(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SamplingSpec(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs", "min_tokens", "prompt_len", "stop_ids", "bias_ids", "bias_values", "presence_penalty", "frequency_penalty")
@@ -92,7 +110,7 @@ class SamplingSpec(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., prompt_len: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., bias_ids: _Optional[_Iterable[int]] = ..., bias_values: _Optional[_Iterable[float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ...) -> None: ...
 
 class LaneSegment(_message.Message):
-    __slots__ = ("request_id", "is_window", "start", "input_ids", "block_table", "candidates", "sample_rows", "spec", "history", "prompt_logprobs", "prompt_targets")
+    __slots__ = ("request_id", "is_window", "start", "input_ids", "block_table", "candidates", "sample_rows", "spec", "history", "prompt_logprobs", "prompt_targets", "kv_from")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IS_WINDOW_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +122,7 @@ class LaneSegment(_message.Message):
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    KV_FROM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     is_window: bool
     start: int
@@ -115,7 +134,8 @@ class LaneSegment(_message.Message):
     history: _containers.RepeatedScalarFieldContainer[int]
     prompt_logprobs: int
     prompt_targets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., is_window: _Optional[bool] = ..., start: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., block_table: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[int]] = ..., sample_rows: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[SamplingSpec, _Mapping]] = ..., history: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[int] = ..., prompt_targets: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_from: int
+    def __init__(self, request_id: _Optional[str] = ..., is_window: _Optional[bool] = ..., start: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., block_table: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[int]] = ..., sample_rows: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[SamplingSpec, _Mapping]] = ..., history: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[int] = ..., prompt_targets: _Optional[_Iterable[int]] = ..., kv_from: _Optional[int] = ...) -> None: ...
 
 class LanePass(_message.Message):
     __slots__ = ("pass_id", "rows", "segments")
@@ -128,12 +148,14 @@ class LanePass(_message.Message):
     def __init__(self, pass_id: _Optional[int] = ..., rows: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[LaneSegment, _Mapping]]] = ...) -> None: ...
 
 class LaneRequest(_message.Message):
-    __slots__ = ("hello", "lane_pass")
+    __slots__ = ("hello", "lane_pass", "release")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     LANE_PASS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     lane_pass: LanePass
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., lane_pass: _Optional[_Union[LanePass, _Mapping]] = ...) -> None: ...
+    release: Release
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., lane_pass: _Optional[_Union[LanePass, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -174,16 +196,18 @@ class LaneDecision(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., is_window: _Optional[bool] = ..., start: _Optional[int] = ..., accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[Logprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Logprob, _Mapping]]] = ...) -> None: ...
 
 class LaneResult(_message.Message):
-    __slots__ = ("pass_id", "decisions", "padding_rows", "elapsed_s")
+    __slots__ = ("pass_id", "decisions", "padding_rows", "elapsed_s", "kv_rows")
     PASS_ID_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
     PADDING_ROWS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    KV_ROWS_FIELD_NUMBER: _ClassVar[int]
     pass_id: int
     decisions: _containers.RepeatedCompositeFieldContainer[LaneDecision]
     padding_rows: int
     elapsed_s: float
-    def __init__(self, pass_id: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[LaneDecision, _Mapping]]] = ..., padding_rows: _Optional[int] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+    kv_rows: int
+    def __init__(self, pass_id: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[LaneDecision, _Mapping]]] = ..., padding_rows: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., kv_rows: _Optional[int] = ...) -> None: ...
 
 class Ready(_message.Message):
     __slots__ = ("verifier_id",)
@@ -214,15 +238,21 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("serving", "verifier_id", "weights_hash", "streams", "passes")
+    __slots__ = ("serving", "verifier_id", "weights_hash", "streams", "passes", "kv_bytes_in", "kv_bytes_out", "busy_s")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_HASH_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FIELD_NUMBER: _ClassVar[int]
     PASSES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     verifier_id: str
     weights_hash: str
     streams: int
     passes: int
-    def __init__(self, serving: _Optional[bool] = ..., verifier_id: _Optional[str] = ..., weights_hash: _Optional[str] = ..., streams: _Optional[int] = ..., passes: _Optional[int] = ...) -> None: ...
+    kv_bytes_in: int
+    kv_bytes_out: int
+    busy_s: float
+    def __init__(self, serving: _Optional[bool] = ..., verifier_id: _Optional[str] = ..., weights_hash: _Optional[str] = ..., streams: _Optional[int] = ..., passes: _Optional[int] = ..., kv_bytes_in: _Optional[int] = ..., kv_bytes_out: _Optional[int] = ..., busy_s: _Optional[float] = ...) -> None: ...

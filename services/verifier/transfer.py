@@ -1,0 +1,237 @@
+"""K/V between a decoder and a verifier that cannot map its pool (another GPU or host).
+
+The verifier keeps its own copy of the lane K/V of every deterministic sequence it
+verifies: it wrote all of it (prompt chunks prefilled in its lane, windows verified there),
+except rows it never saw, which the decoder sends before the pass that reads them. The
+decoder's pool holds the lane's bits of every committed position, as with a co-located
+verifier: after each pass the verifier sends back the rows the lane wrote from committed
+inputs, and the decoder writes them in place before the pass's decisions are applied.
+
+    decoder                                    verifier
+    submit: message (kv_from per segment) ---> recv pushed rows into its own blocks
+            push rows kv_from..start (push)    run the lane on its own blocks
+    poll:   <--- reply (kv_rows)               send committed rows (pull)
+            recv, write into its pool, then the engine applies the decisions
+
+Each direction has a process group of its own (``detserve.distributed``): NCCL runs a
+group's sends and receives in issue order on one stream, so a decoder that pushed pass
+k+1 before pulling pass k would otherwise wait on a verifier that sends k before it
+receives k+1. Within a direction both sides issue in pass order. A failed transfer
+(``PeerLost``) ends the stream: the decoder fails over and a new verifier starts from
+nothing, its first segment of each sequence pushing the whole committed prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from detserve.block_manager import BlockManager
+from detserve.distributed import Group, PeerLost, new_group
+from detserve.executor.kv_pool import KVPool
+from detserve.lane import LaneDecision, LanePass, LaneResult, LaneSegment
+
+log = logging.getLogger(__name__)
+VERIFIER_RANK, DECODER_RANK = 0, 1
+
+
+class KVFull(RuntimeError):
+    """The verifier's own pool has no room for a pass's rows."""
+
+
+def committed_rows(seg: LaneSegment, decision: LaneDecision) -> int:
+    """Rows of ``seg`` the lane computed from committed inputs: all of a prompt chunk; of a
+    window, its last committed token and the accepted candidates."""
+    return len(seg.input_ids) if seg.kind == "prefill" else decision.accepted + 1
+
+
+@dataclass
+class TransferStats:
+    bytes_in: int = 0       # rows received
+    bytes_out: int = 0      # rows sent
+    rows_in: int = 0
+    rows_out: int = 0
+    wait_s: float = 0.0     # host time spent waiting for transfers
+
+
+class _Pair:
+    """The two groups of one stream, and the sends not yet known to be complete (their
+    buffers stay alive until then)."""
+
+    def __init__(self, store: Any, name: str, rank: int, device: torch.device | str,
+                 timeout_s: float) -> None:
+        # the verifier is rank 0 in both; "push" carries decoder -> verifier
+        self.push = new_group(store, f"{name}/push", rank, 2, device, timeout_s)
+        self.pull = new_group(store, f"{name}/pull", rank, 2, device, timeout_s)
+        self.stats = TransferStats()
+        self._sends: list[tuple[Group, Any, torch.Tensor]] = []
+
+    def send(self, group: Group, rows: torch.Tensor, dst: int) -> None:
+        self._sends.append((group, group.send(rows, dst), rows))
+        self.stats.bytes_out += rows.numel() * rows.element_size()
+        self.stats.rows_out += rows.shape[2]
+
+    def recv(self, group: Group, rows: torch.Tensor, src: int) -> None:
+        t0 = time.perf_counter()
+        group.wait(group.recv(rows, src))
+        self.stats.wait_s += time.perf_counter() - t0
+        self.stats.bytes_in += rows.numel() * rows.element_size()
+        self.stats.rows_in += rows.shape[2]
+
+    def reap(self) -> None:
+        """Wait for the sends issued so far (each one's peer has had a whole pass to take
+        it); raises ``PeerLost`` past the deadline."""
+        t0 = time.perf_counter()
+        for group, work, _ in self._sends:
+            group.wait(work)
+        self._sends.clear()
+        self.stats.wait_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._sends.clear()
+        self.push.abort()
+        self.pull.abort()
+
+
+def _empty_rows(pool: KVPool, n: int) -> torch.Tensor:
+    d = pool.data
+    return torch.empty((d.shape[0], 2, n, d.shape[4], d.shape[5]), dtype=d.dtype, device=d.device)
+
+
+def _slots(pool: KVPool, spans: Iterable[tuple[Sequence[int], int, int]]) -> torch.Tensor:
+    parts = [pool.slots(table, a, b) for table, a, b in spans if b > a]
+    if not parts:
+        return torch.empty(0, dtype=torch.long, device=pool.data.device)
+    return torch.cat(parts)
+
+
+class DecoderTransfer:
+    """The decoder's side of one verifier stream: what the verifier holds of each sequence,
+    the rows to push before a pass, the rows to take back after it."""
+
+    def __init__(self, store: Any, name: str, pool: KVPool, timeout_s: float) -> None:
+        self.pool = pool
+        self.pair = _Pair(store, name, DECODER_RANK, pool.data.device, timeout_s)
+        # request id -> positions 0 .. n-1 the verifier holds (or will, once the passes
+        # sent so far have run)
+        self.held: dict[str, int] = {}
+
+    @property
+    def stats(self) -> TransferStats:
+        return self.pair.stats
+
+    def plan(self, lane_pass: LanePass) -> dict[int, int]:
+        """``kv_from`` of each segment that reads rows the verifier does not hold."""
+        kv_from = {}
+        for i, s in enumerate(lane_pass.segments):
+            held = self.held.get(s.request_id, 0)
+            if held < s.start:
+                kv_from[i] = held
+            self.held[s.request_id] = s.start + len(s.input_ids)
+        return kv_from
+
+    def push(self, lane_pass: LanePass, kv_from: dict[int, int]) -> None:
+        """Send the planned rows (from this pool: the lane's bits of committed positions);
+        does not wait for them to arrive."""
+        segs = lane_pass.segments
+        slots = _slots(self.pool, ((segs[i].block_table, a, segs[i].start)
+                                   for i, a in sorted(kv_from.items())))
+        if len(slots):
+            self.pair.send(self.pair.push, self.pool.read_rows(slots), VERIFIER_RANK)
+
+    def pull(self, lane_pass: LanePass, result: LaneResult, kv_rows: int) -> None:
+        """Take the pass's committed rows back into this pool (before its decisions are
+        applied). Raises ``PeerLost`` if they do not come."""
+        self.pair.reap()
+        segs = {s.request_id: s for s in lane_pass.segments}
+        spans = []
+        for d in result.decisions:
+            s = segs[d.request_id]
+            n = committed_rows(s, d)
+            spans.append((s.block_table, s.start, s.start + n))
+            if s.kind == "window":  # rows past the accepted ones are the rejected candidates'
+                self.held[s.request_id] = s.start + n
+        slots = _slots(self.pool, spans)
+        if len(slots) != kv_rows:
+            raise PeerLost(f"pass {result.pass_id}: the verifier sends {kv_rows} rows, "
+                           f"its decisions commit {len(slots)}")
+        if kv_rows:
+            rows = _empty_rows(self.pool, kv_rows)
+            self.pair.recv(self.pair.pull, rows, VERIFIER_RANK)
+            self.pool.write_rows(slots, rows)
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self.held.pop(rid, None)
+
+    def close(self) -> None:
+        self.pair.close()
+
+
+class VerifierKV:
+    """A verifier's own K/V: one pool and block manager shared by all its streams."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.blocks = BlockManager(pool.data.shape[2], pool.block_size)
+
+
+class VerifierTransfer:
+    """The verifier's side of one decoder's stream: that decoder's sequences' blocks in the
+    verifier's own pool, and the transfers around each pass."""
+
+    def __init__(self, store: Any, name: str, kv: VerifierKV, timeout_s: float) -> None:
+        self.kv = kv
+        self.pair = _Pair(store, name, VERIFIER_RANK, kv.pool.data.device, timeout_s)
+        self.tables: dict[str, list[int]] = {}
+
+    @property
+    def stats(self) -> TransferStats:
+        return self.pair.stats
+
+    def prepare(self, lane_pass: LanePass, kv_from: Sequence[int | None]) -> LanePass:
+        """Room for the pass's rows, the pushed rows received; the pass over this
+        verifier's blocks. Raises ``KVFull`` (nothing received: the stream must end) or
+        ``PeerLost``."""
+        pool, blocks = self.kv.pool, self.kv.blocks
+        for s in lane_pass.segments:
+            table = self.tables.setdefault(s.request_id, [])
+            if not blocks.grow(table, s.start + len(s.input_ids)):
+                raise KVFull(f"no room for {s.request_id!r} ({blocks.num_free} blocks free)")
+        spans = [(self.tables[s.request_id], a, s.start)
+                 for s, a in zip(lane_pass.segments, kv_from, strict=True) if a is not None]
+        slots = _slots(pool, spans)
+        if len(slots):
+            rows = _empty_rows(pool, len(slots))
+            self.pair.recv(self.pair.push, rows, DECODER_RANK)
+            pool.write_rows(slots, rows)
+        return replace(lane_pass, segments=tuple(
+            replace(s, block_table=tuple(self.tables[s.request_id])) for s in lane_pass.segments))
+
+    def send_back(self, lane_pass: LanePass, result: LaneResult) -> int:
+        """Send the committed rows of ``lane_pass`` (as ``prepare`` returned it); their
+        count, for the reply."""
+        self.pair.reap()
+        segs = {s.request_id: s for s in lane_pass.segments}
+        slots = _slots(self.kv.pool, (
+            (segs[d.request_id].block_table, segs[d.request_id].start,
+             segs[d.request_id].start + committed_rows(segs[d.request_id], d))
+            for d in result.decisions))
+        if len(slots):
+            self.pair.send(self.pair.pull, self.kv.pool.read_rows(slots), DECODER_RANK)
+        return len(slots)
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            table = self.tables.pop(rid, None)
+            if table:
+                self.kv.blocks.free(table)
+
+    def close(self) -> None:
+        self.release(list(self.tables))
+        self.pair.close()

@@ -1,0 +1,267 @@
+"""A verifier that cannot map the decoder's pool (another host; on GPUs another device)
+verifies through K/V transfer: its own copy of the lane K/V, rows moved over a pair of
+torch.distributed groups (gloo here, between processes that share no memory and register
+as different hosts), control on the gRPC stream.
+
+DVR output must equal the in-process ``lane_only`` oracle token for token and logprob for
+logprob, with the fast path perturbed; the control corrupts the rows the decoder pushes and
+shows the comparison catches it. A verifier killed mid-run, two decoders on one verifier,
+and a stale epoch are covered as for co-located verifiers.
+"""
+
+# ruff: noqa: F811  (the fixtures imported from test_remote_verifier are parameters here)
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from engine_utils import Req, drive, random_prompts, run_engine, signature
+from test_remote_verifier import (  # noqa: F401  (fixtures used by name)
+    AUTH,
+    DET,
+    NUM_BLOCKS,
+    REQS,
+    ROOT,
+    G,
+    VerifierProc,
+    W,
+    _hello_status,
+    cluster_secret,
+    make_engine,
+    model,
+    oracle,
+    oracle_prefix_checker,
+    redis_url,
+)
+
+from detserve.lane import LanePass
+from detserve.params import SamplingParams
+from services.kv_handle import HOST_ID_ENV
+from services.registry import Registry
+from services.verifier import codec
+from services.verifier import verifier_pb2 as pb
+from services.verifier import verifier_pb2_grpc as pb_grpc
+from services.verifier.client import RemoteVerifier
+from services.verifier.transfer import DecoderTransfer
+
+KV_BLOCKS = 256
+
+
+class TransferVerifier(VerifierProc):
+    """A verifier replica on "another host", with a pool of its own."""
+
+    def __init__(self, model: str, redis_url: str, prefix: str) -> None:
+        env = {**os.environ, HOST_ID_ENV: f"verifier-host-{uuid.uuid4().hex[:6]}"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.verifier.replica", "--model", model,
+             "--redis-url", redis_url, "--prefix", prefix, "--ttl", "1.0",
+             "--kv-blocks", str(KV_BLOCKS)],
+            cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
+        self.address = ""
+
+
+def start(n: int, model: str, redis_url: str, prefix: str) -> list[TransferVerifier]:
+    procs = [TransferVerifier(model, redis_url, prefix) for _ in range(n)]
+    return [p.wait_ready() for p in procs]  # type: ignore[misc]
+
+
+@pytest.fixture(autouse=True)
+def decoder_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process (the decoder) is a host of its own."""
+    monkeypatch.setenv(HOST_ID_ENV, "decoder-host")
+
+
+def health(address: str) -> pb.HealthReply:
+    with AUTH.channel(address) as ch:
+        return pb_grpc.VerifierStub(ch).Health(
+            pb.HealthRequest(), timeout=5, metadata=AUTH.handshake(address).metadata)
+
+
+# a deterministic prompt, then one that extends it: its first blocks come from the
+# decoder's prefix cache, so their K/V must be pushed to the verifier
+_BASE = random_prompts(1, [40], seed=7)[0]
+PREFIX_REQS = [
+    Req(_BASE, SamplingParams(max_tokens=12, is_deterministic=True, logprobs=1,
+                              ignore_eos=True)),
+    Req(_BASE + [5, 6, 7, 8, 9], SamplingParams(max_tokens=20, is_deterministic=True,
+                                                temperature=0.9, seed=3, logprobs=1,
+                                                ignore_eos=True), arrival=40),
+]
+
+
+@pytest.fixture(scope="module")
+def prefix_oracle(model: str) -> list[tuple]:
+    outs, stats, _ = run_engine(model, PREFIX_REQS, mode="lane_only", window=W, group=G,
+                                num_blocks=NUM_BLOCKS)
+    return [signature(o) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def pool(model: str, redis_url: str) -> Iterator[tuple[str, list[TransferVerifier]]]:
+    prefix = f"xfer{uuid.uuid4().hex[:6]}"
+    procs = start(1, model, redis_url, prefix)
+    yield prefix, procs
+    for p in procs:
+        p.stop()
+
+
+def test_transfer_lane_equals_oracle(model: str, redis_url: str, oracle: list[tuple],
+                                     prefix_oracle: list[tuple],
+                                     pool: tuple[str, list[TransferVerifier]]) -> None:
+    prefix, procs = pool
+    before = health(procs[0].address)
+    engine, exporter = make_engine(model, redis_url, prefix, "dec-xfer")
+    remote = engine.verifier
+    assert isinstance(remote, RemoteVerifier) and remote.verifier is not None
+    assert remote.verifier.address == procs[0].address
+    assert remote.transfer_stats is not None, "another host: K/V transfer, not a mapping"
+    try:
+        outs = drive(engine, REQS, oracle_prefix_checker(oracle))
+        stats = engine.stats()
+        assert stats["perturbed_tokens"] > 0 and stats["rollbacks"] > 0
+        for i in DET:
+            assert signature(outs[i]) == oracle[i], f"r{i} differs from the oracle"
+        pulled = remote.transfer_stats.rows_in
+        assert pulled > 0, "the lane's rows came back to the decoder"
+        pushed_before = remote.transfer_stats.rows_out
+        outs = drive(engine, PREFIX_REQS)
+        for i, out in enumerate(outs):
+            assert signature(out) == prefix_oracle[i], f"prefix request {i} differs"
+        assert engine.scheduler.prefix_hit_tokens > 0, "the second prompt hit the cache"
+        assert remote.transfer_stats.rows_out > pushed_before, "the cached rows were pushed"
+        after = health(procs[0].address)
+        assert after.kv_bytes_in > before.kv_bytes_in and after.kv_bytes_out > before.kv_bytes_out
+        assert after.busy_s > before.busy_s
+    finally:
+        remote.close()
+        exporter.close()
+
+
+def test_corrupted_pushes_are_caught(model: str, redis_url: str, prefix_oracle: list[tuple],
+                                     pool: tuple[str, list[TransferVerifier]],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: the rows the decoder pushes decide the verifier's bits. Noise
+    added to them (as a transfer that lost bits would) changes the output, so the
+    comparison above would catch a wrong transfer."""
+    prefix, _ = pool
+    real = DecoderTransfer.push
+
+    def noisy_push(self: DecoderTransfer, lane_pass: LanePass, kv_from: dict[int, int]) -> None:
+        self.pool.data.add_(torch.randn_like(self.pool.data) * 0.5)
+        real(self, lane_pass, kv_from)
+
+    engine, exporter = make_engine(model, redis_url, prefix, "dec-noisy")
+    monkeypatch.setattr(DecoderTransfer, "push", noisy_push)
+    try:
+        outs = drive(engine, PREFIX_REQS)
+        assert engine.scheduler.prefix_hit_tokens > 0
+        assert outs[1].finish_reason == "length"
+        assert signature(outs[1]) != prefix_oracle[1], "corrupted K/V went unnoticed"
+    finally:
+        engine.verifier.close()
+        exporter.close()
+
+
+def test_killed_verifier_mid_transfer_loses_nothing(model: str, redis_url: str,
+                                                    oracle: list[tuple]) -> None:
+    """Two transferring verifiers; the one in use killed while a pass (and its rows) is in
+    flight: the decoder fails over, the new verifier gets each sequence's committed rows
+    pushed, and every deterministic output equals the oracle."""
+    prefix = f"xkill{uuid.uuid4().hex[:6]}"
+    procs = start(2, model, redis_url, prefix)
+    by_address = {p.address: p for p in procs}
+    engine, exporter = make_engine(model, redis_url, prefix, "dec-xkill",
+                                   transfer_timeout_s=5.0)
+    remote = engine.verifier
+    assert isinstance(remote, RemoteVerifier) and remote.verifier is not None
+    first = remote.verifier.address
+    submit, submitted = remote.submit, [0]
+
+    def submit_then_kill(lane_pass: LanePass) -> None:
+        submit(lane_pass)
+        submitted[0] += 1
+        if submitted[0] == 4:
+            by_address[first].kill()
+
+    remote.submit = submit_then_kill  # type: ignore[method-assign]
+    try:
+        outs = drive(engine, REQS, oracle_prefix_checker(oracle))
+        assert by_address[first].proc.poll() is not None
+        assert remote.failovers >= 1 and remote.resent_passes >= 1
+        assert remote.verifier is not None and remote.verifier.address != first
+        assert all(o.finished and len(o.token_ids) == REQS[i].params.max_tokens
+                   for i, o in enumerate(outs)), "a request was lost"
+        for i in DET:
+            assert signature(outs[i]) == oracle[i], f"r{i} differs from the oracle"
+        assert remote.transfer_stats is not None and remote.transfer_stats.rows_out > 0, \
+            "the new verifier was pushed the committed rows"
+    finally:
+        remote.close()
+        exporter.close()
+        for p in procs:
+            p.stop()
+
+
+def test_two_decoders_share_one_verifier(model: str, redis_url: str, oracle: list[tuple],
+                                         pool: tuple[str, list[TransferVerifier]]) -> None:
+    """N:1: two decoders verified at once by one verifier (its pool shared between them)."""
+    prefix, procs = pool
+    engines = [make_engine(model, redis_url, prefix, f"dec-n{i}") for i in range(2)]
+    results: dict[int, list[Any]] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = drive(engines[i][0], REQS, oracle_prefix_checker(oracle))
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        seen = 0
+        while any(t.is_alive() for t in threads):
+            seen = max(seen, health(procs[0].address).streams)
+            threads[0].join(0.05)
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert seen == 2, "both decoders' streams were open on the verifier at once"
+        for i in range(2):
+            for j in DET:
+                assert signature(results[i][j]) == oracle[j], f"decoder {i}: r{j} differs"
+    finally:
+        for engine, exporter in engines:
+            engine.verifier.close()
+            exporter.close()
+
+
+def test_stale_epoch_is_refused(model: str, redis_url: str,
+                                pool: tuple[str, list[TransferVerifier]]) -> None:
+    prefix, procs = pool
+    engine, exporter = make_engine(model, redis_url, prefix, "dec-xstale", connect=False)
+    remote = engine.verifier
+    assert isinstance(remote, RemoteVerifier)
+    registry = Registry(redis_url, prefix)
+    try:
+        # a backend this verifier's device does not use
+        transfer = pb.KVTransfer(group="stale-test", backend="nccl", device="cuda:0")
+        wrong = codec.encode_hello(remote.record, transfer)
+        assert _hello_status(procs[0].address, wrong) == grpc.StatusCode.INVALID_ARGUMENT
+        transfer.backend, transfer.device = "gloo", "cpu"
+        hello = codec.encode_hello(remote.record, transfer)
+        registry.next_epoch("dec-xstale")  # the decoder restarted: this epoch is stale
+        assert _hello_status(procs[0].address, hello) == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        remote.close()
+        exporter.close()
+        registry.close()
