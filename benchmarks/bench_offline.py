@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import json
 import math
 import platform
@@ -84,14 +85,25 @@ def trace_prompts(path: str, tokenizer: Any, max_model_len: int
     return out
 
 
+DEDICATED = "llm42-dedicated"  # llm42 verified by a replica on a device of its own
+
+
 def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
             shapes: list[tuple[int, int]],
             prompts: list[tuple[list[int], int]] | None = None,
-            profile: tuple[int, int] | None = None) -> dict[str, Any]:
+            profile: tuple[int, int] | None = None,
+            dedicated: Any = None) -> dict[str, Any]:
     """One engine run. Prompts are random tokens of ``shapes``' lengths, or ``prompts``.
-    ``profile`` (a, b): record the GPU kernels of engine steps a..b-1 (``stream_profile``)."""
+    ``profile`` (a, b): record the GPU kernels of engine steps a..b-1 (``stream_profile``).
+    ``dedicated`` (``benchmarks.dedicated.DedicatedVerifier``): the verifier of a
+    ``llm42-dedicated`` run."""
+    label, mode = mode, "llm42" if mode == DEDICATED else mode
     cfg = EngineConfig.create(args.model, mode, **engine_kwargs(args))
-    engine = LLMEngine(cfg, loaded=loaded)
+    if label == DEDICATED:
+        engine = dedicated.engine(cfg, loaded)
+        health0 = dedicated.health()
+    else:
+        engine = LLMEngine(cfg, loaded=loaded)
     vocab = engine.model.config.vocab_size
     rng = random.Random(args.seed)
     n_det = round(ratio * len(shapes))
@@ -115,17 +127,35 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     finished: dict[bool, list[float]] = {True: [], False: []}  # deterministic? -> finish s
     first: dict[bool, list[float]] = {True: [], False: []}  # deterministic? -> first token s
     window = None if profile is None else ProfileWindow(*profile, sync)
+    det_digests: dict[str, str] = {}  # request id -> digest of its tokens and logprobs
     while engine.has_unfinished_requests():
         if window is not None:
             window.tick()
         for o in engine.step():  # final outputs only, as offline generation returns them
             out_tokens += len(o.token_ids)
+            if o.is_deterministic:
+                det_digests[o.request_id] = hashlib.sha256(
+                    repr((o.token_ids, o.logprobs)).encode()).hexdigest()[:16]
             finished[o.is_deterministic].append((o.stats.finish_time or start) - start)
             first[o.is_deterministic].append((o.stats.first_token_time or start) - start)
     sync()
     elapsed = time.perf_counter() - t0
     profiled = window.finish() if window is not None else None
     stats = engine.stats()
+    transfer = None
+    if label == DEDICATED:
+        xs = engine.verifier.transfer_stats  # type: ignore[attr-defined]
+        h = dedicated.health()
+        passes = max(1, stats["verify_passes"])
+        transfer = {
+            "pushed_bytes_per_pass": xs.bytes_out / passes,
+            "pulled_bytes_per_pass": xs.bytes_in / passes,
+            "pushed_rows": xs.rows_out, "pulled_rows": xs.rows_in,
+            # host time the decoder waited for rows (pull) and for its pushes to be taken
+            "decoder_wait_ms_per_pass": 1e3 * xs.wait_s / passes,
+            "verifier_busy_fraction": (h.busy_s - health0.busy_s) / elapsed,
+            "verifier_passes": h.passes - health0.passes,
+        }
     gemm_rows = engine.lane_gemm_rows
     one_call = {f"{n}x{k}": sorted(v) for (n, k), v in engine.runner.lane_one_call.items()}
     buckets = engine.alignment.buckets if engine.alignment else None
@@ -141,7 +171,9 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     lane_used = stats["lane_rows"] - stats["lane_padding_rows"]
     kinds = (("deterministic", True), ("non_deterministic", False))
     return {
-        "mode": mode, "deterministic_ratio": ratio, "num_requests": len(shapes),
+        "mode": label, "deterministic_ratio": ratio, "num_requests": len(shapes),
+        "transfer": transfer,
+        "det_digests": dict(sorted(det_digests.items())),
         "verify_window": args.verify_window, "verify_group": args.verify_group,
         "align_fast_path": args.align_fast_path, "lane_gemm_rows": gemm_rows,
         "single_calls": args.probe_single_calls,
@@ -293,6 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logprobs", type=int, default=None,
                    help="every request's number of top logprobs (default: none)")
     p.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (1: off)")
+    p.add_argument("--dedicated-verifier-device", default=None,
+                   help=f"mode {DEDICATED}: the verifier replica's device (e.g. cuda:1; cpu "
+                        "registers it as another host); its K/V moves over NCCL / gloo")
+    p.add_argument("--dedicated-verifier-kv-blocks", type=int, default=4096,
+                   help=f"mode {DEDICATED}: blocks of the verifier's own KV pool")
     p.add_argument("--out", default=None, help="JSON path (markdown written beside it)")
     return p
 
@@ -325,6 +362,24 @@ def main(argv: list[str] | None = None) -> int:
         shapes = lengths(args.lengths, args.num_requests, args.input_len, args.output_len,
                          args.seed)
     runs: list[dict[str, Any]] = []
+    dedicated = None
+    if DEDICATED in args.modes.split(","):
+        if not args.dedicated_verifier_device:
+            p.error(f"mode {DEDICATED} needs --dedicated-verifier-device")
+        from benchmarks.dedicated import DedicatedVerifier
+
+        dedicated = DedicatedVerifier(args.model, args.dtype, args.dedicated_verifier_device,
+                                      args.dedicated_verifier_kv_blocks)
+    try:
+        return _run_all(args, loaded, shapes, prompts, variants, runs, dedicated)
+    finally:
+        if dedicated is not None:
+            dedicated.close()
+
+
+def _run_all(args: argparse.Namespace, loaded: Any, shapes: list[tuple[int, int]],
+             prompts: list[tuple[list[int], int]] | None, variants: list[argparse.Namespace],
+             runs: list[dict[str, Any]], dedicated: Any) -> int:
     # warm-up (not recorded): compiles kernels and captures graphs for the shapes the timed
     # runs meet, so the first timed run does not pay for them
     warm = shapes[: max(1, min(args.warmup_requests, len(shapes)))]
@@ -332,10 +387,13 @@ def main(argv: list[str] | None = None) -> int:
     run_one(loaded, args, "nondeterministic", 0.0, warm, warm_prompts)
     if "llm42" in args.modes.split(","):
         run_one(loaded, args, "llm42", 1.0, warm, warm_prompts)
+    if dedicated is not None:
+        run_one(loaded, args, DEDICATED, 1.0, warm, warm_prompts, dedicated=dedicated)
 
     def record(r: dict[str, Any]) -> None:
         runs.append(r)
-        geo = f"W={r['verify_window']:<3} G={r['verify_group']:<2}" if r["mode"] == "llm42" else " " * 11
+        lane = r["mode"] in ("llm42", DEDICATED)
+        geo = f"W={r['verify_window']:<3} G={r['verify_group']:<2}" if lane else " " * 11
         if r.get("variant"):
             print(f"{'':>16} variant: {r['variant']}", flush=True)
         print(f"{r['mode']:>16} det={r['deterministic_ratio']:>4.0%} {geo} "
@@ -358,7 +416,13 @@ def main(argv: list[str] | None = None) -> int:
         ttft = r["mean_first_token_s"]
         print(f"{'':>16} first token (mean from t=0): deterministic "
               f"{fmt(ttft['deterministic'])}, others {fmt(ttft['non_deterministic'])}", flush=True)
-        if r["mode"] == "llm42":
+        if r.get("transfer"):
+            t = r["transfer"]
+            print(f"{'':>16} transfer: {t['pushed_bytes_per_pass'] / 1e6:.2f} MB pushed and "
+                  f"{t['pulled_bytes_per_pass'] / 1e6:.2f} MB pulled a pass; the decoder "
+                  f"waited {t['decoder_wait_ms_per_pass']:.3f} ms a pass; verifier busy "
+                  f"{t['verifier_busy_fraction']:.1%}", flush=True)
+        if lane:
             hp = r["head_products"]
             print(f"{'':>16} lane sequences a step: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in r["lane_seqs_per_step"].items())
@@ -380,12 +444,15 @@ def main(argv: list[str] | None = None) -> int:
 
     for rep in range(args.repeat):  # interleaved: a slow spell hits every mode alike
         for mode in args.modes.split(","):
-            ratios = ([float(r) for r in args.ratios.split(",")] if mode == "llm42"
+            lane = mode in ("llm42", DEDICATED)
+            ratios = ([float(r) for r in args.ratios.split(",")] if lane
                       else [1.0 if mode in ("batch_invariant", "lane_only") else 0.0])
             for ratio in ratios:
-                for sub in variants if mode == "llm42" else [args]:
+                for sub in variants if lane else [args]:
                     record({**run_one(loaded, sub, mode, ratio, shapes, prompts,
-                                      args.profile_steps), "repeat": rep})
+                                      args.profile_steps, dedicated), "repeat": rep})
+    for line in audit_lines(runs):
+        print(line, flush=True)
     if args.sweep:
         ws, gs = (tuple(int(x) for x in part.split(",")) for part in args.sweep.split("x"))
         ratio = max(float(r) for r in args.ratios.split(","))
@@ -394,6 +461,23 @@ def main(argv: list[str] | None = None) -> int:
                 sub = argparse.Namespace(**{**vars(args), "verify_window": w, "verify_group": g})
                 record(run_one(loaded, sub, "llm42", ratio, shapes, prompts))
     return 0
+
+
+def audit_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """Whether every run with a lane gave each deterministic request the same tokens and
+    logprobs (co-located, dedicated, repeats, and across ratios where a request is
+    deterministic in both)."""
+    seen: dict[str, set[str]] = {}
+    for r in runs:
+        for rid, digest in (r.get("det_digests") or {}).items():
+            seen.setdefault(rid, set()).add(digest)
+    if not seen:
+        return []
+    differ = sorted(rid for rid, d in seen.items() if len(d) > 1)
+    runs_with = sum(bool(r.get("det_digests")) for r in runs)
+    return [f"determinism audit: {len(seen)} deterministic requests over {runs_with} runs: "
+            f"{len(seen) - len(differ)} with one output, {len(differ)} with more"
+            + (f" ({', '.join(differ[:8])})" if differ else "")]
 
 
 def parse_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
@@ -469,7 +553,8 @@ def markdown(report: dict[str, Any], base: dict[str, Any] | None) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         rel = f"{r['output_throughput'] / base['output_throughput']:.3f}x" if base else "-"
-        geo = f"{r['verify_window']} x {r['verify_group']}" if r["mode"] == "llm42" else "-"
+        geo = (f"{r['verify_window']} x {r['verify_group']}"
+               if r["mode"] in ("llm42", DEDICATED) else "-")
         name = f"{r['mode']} ({r['variant']})" if r.get("variant") else r["mode"]
         lines.append(f"| {name} | {r['deterministic_ratio']:.0%} | {geo} | "
                      f"{r['output_throughput']:.1f} | {r['total_token_throughput']:.1f} | {rel} | "

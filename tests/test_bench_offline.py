@@ -136,3 +136,28 @@ def test_a_bad_aligned_decode_lane_is_refused_before_any_run(
     with pytest.raises(SystemExit):
         bench_offline.main([*TINY, "--variants", ";aligned_decode_lane=16:3:2"])
     assert "--aligned-decode-lane" in capsys.readouterr().err
+
+
+def test_dedicated_verifier_mode_transfers_and_audits(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    """``llm42-dedicated``: a verifier replica process registered as another host (CPU:
+    gloo) verifies; its runs report the K/V moved and give the deterministic requests the
+    co-located lane's outputs (the audit line), with the fast path perturbed."""
+    out = tmp_path / "dedicated.json"
+    args = [*TINY, "--modes", "llm42,llm42-dedicated", "--ratios", "0.5,1.0",
+            "--dedicated-verifier-device", "cpu", "--dedicated-verifier-kv-blocks", "64",
+            "--fastpath-perturbation", "0.2", "--logprobs", "1", "--temperature", "0.7",
+            "--out", str(out)]
+    assert bench_offline.main(args) == 0
+    runs = json.loads(out.read_text())["runs"]
+    dedicated = [r for r in runs if r["mode"] == "llm42-dedicated"]
+    assert len(dedicated) == 2
+    for r in dedicated:
+        t = r["transfer"]
+        assert t["pulled_rows"] > 0 and t["verifier_passes"] == r["verify_passes"]
+        assert r["rollbacks"] > 0, "the fast path was perturbed"
+    for ratio in (0.5, 1.0):
+        pair = [r["det_digests"] for r in runs if r["deterministic_ratio"] == ratio]
+        assert len(pair) == 2 and pair[0] == pair[1] and pair[0]
+    assert "0 with more" in capsys.readouterr().out

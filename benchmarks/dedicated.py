@@ -1,0 +1,104 @@
+"""A verifier on a device of its own, for offline benchmarks (``bench_offline``'s
+``llm42-dedicated`` mode): an embedded Redis, one verifier replica process on
+``--dedicated-verifier-device`` (K/V transfer: a pool of its own, rows over NCCL/gloo), and
+engines whose verifier is that replica (``RemoteVerifier``).
+
+On CPU the replica registers as another host (``DETSERVE_HOST_ID``), so that it transfers
+rather than maps, as it would on another GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import selectors
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from detserve.config import EngineConfig
+from detserve.engine import LLMEngine
+from services.cluster_auth import SECRET_ENV, ClusterAuth
+from services.kv_handle import HOST_ID_ENV, KVExporter
+from services.redis_server import EmbeddedRedis
+from services.registry import Registry
+from services.verifier import verifier_pb2 as pb
+from services.verifier import verifier_pb2_grpc as pb_grpc
+from services.verifier.client import RemoteVerifier, make_verifier_factory
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class DedicatedVerifier:
+    """Redis + one verifier replica process; ``engine(config, loaded)`` builds an engine
+    verified by it. ``close()`` stops both."""
+
+    def __init__(self, model: str, dtype: str, device: str, kv_blocks: int,
+                 start_timeout_s: float = 600.0) -> None:
+        self.redis = EmbeddedRedis().start()
+        self.prefix = f"bench{uuid.uuid4().hex[:6]}"
+        self.auth = ClusterAuth(os.environ.get(SECRET_ENV) or secrets.token_urlsafe(32))
+        env = {**os.environ, SECRET_ENV: self.auth.secret, "PYTHONUNBUFFERED": "1"}
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = str(dev.index or 0)
+            device = "cuda"
+        else:
+            env[HOST_ID_ENV] = "dedicated-verifier-host"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.verifier.replica", "--model", model,
+             "--redis-url", self.redis.url, "--prefix", self.prefix, "--dtype", dtype,
+             "--device", device, "--kv-blocks", str(kv_blocks)],
+            cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
+        assert self.proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        if not sel.select(start_timeout_s):
+            self.close()
+            raise TimeoutError("the verifier replica did not start")
+        line = self.proc.stdout.readline().split()
+        if not line or line[0] != "READY":
+            self.close()
+            raise RuntimeError(f"the verifier replica failed to start: {line}")
+        self.address = line[2]
+        self._engines = 0
+        self._exporters: list[KVExporter] = []
+
+    def engine(self, config: EngineConfig, loaded: Any) -> LLMEngine:
+        decoder_id = f"bench-decoder-{self._engines}"
+        self._engines += 1
+        registry = Registry(self.redis.url, self.prefix)
+        epoch = registry.next_epoch(decoder_id)
+        registry.close()
+        exporter = KVExporter(decoder_id, epoch)
+        self._exporters.append(exporter)
+        factory = make_verifier_factory(self.redis.url, decoder_id, exporter,
+                                        loaded[2].weights_hash, auth=self.auth,
+                                        prefix=self.prefix, publish_block_tables=False)
+        engine = LLMEngine(config, loaded=loaded, kv_storage=exporter,
+                           verifier_factory=factory)
+        remote = engine.verifier
+        if not isinstance(remote, RemoteVerifier) or remote.transfer_stats is None:
+            raise RuntimeError("the engine's verifier does not transfer K/V (co-located?)")
+        return engine
+
+    def health(self) -> pb.HealthReply:
+        with self.auth.channel(self.address) as ch:
+            return pb_grpc.VerifierStub(ch).Health(  # type: ignore[no-any-return]
+                pb.HealthRequest(), timeout=10,
+                metadata=self.auth.handshake(self.address).metadata)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        for e in self._exporters:
+            e.close()
+        self.redis.stop()
