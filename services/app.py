@@ -48,7 +48,8 @@ def compose(args: Mapping[str, Any], *, limits: ServingLimits | None = None,
 def _decoder(args: Mapping[str, Any], num_cpus: float) -> Any:
     gpus = 0.0
     if args["device"] == "cuda":
-        shares_gpu = args["num_verifiers"] > 0 and args["verifier_gpu_fraction"] < 1.0
+        shares_gpu = (args["num_verifiers"] > 0 and args["verifier_gpu_fraction"] < 1.0
+                      and not args.get("dedicated_verifiers", False))
         gpus = 1.0 - args["verifier_gpu_fraction"] if shares_gpu else 1.0
     return Decoder.options(  # type: ignore[attr-defined]
         num_replicas=args["num_decoders"],
@@ -69,10 +70,24 @@ def _verifier(args: Mapping[str, Any], num_cpus: float) -> Any:
             raise
         log.warning("no verifier deployment (%s): decoders verify in-process", e)
         return None
+    dedicated = bool(args.get("dedicated_verifiers", False))
     gpus = args["verifier_gpu_fraction"] if args["device"] == "cuda" else 0.0
+    if dedicated and args["device"] == "cuda":
+        gpus = 1.0
     return module.Verifier.options(
         num_replicas=args["num_verifiers"],
         ray_actor_options={"num_cpus": num_cpus, "num_gpus": gpus},
     ).bind(model=args["model"], redis_url=args["redis_url"], dtype=args["dtype"],
-           device=args["device"], sm_fraction=gpus,
-           confine=bool(args.get("verifier_confine", False)))
+           device=args["device"], sm_fraction=0.0 if dedicated else gpus,
+           confine=bool(args.get("verifier_confine", False)),
+           dedicated_blocks=_dedicated_blocks(args) if dedicated else 0)
+
+
+def _dedicated_blocks(args: Mapping[str, Any]) -> int:
+    """A dedicated verifier's own KV pool: on CUDA what its GPU holds after the model
+    (-1: measured there); on CPU as many blocks as all the decoders' pools."""
+    if args["device"] == "cuda":
+        return -1
+    from services.serve_config import engine_config
+
+    return args["num_decoders"] * engine_config(args, read_checkpoint=False).cache.num_blocks

@@ -56,7 +56,8 @@ def serve_config_from(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
 
     fraction = a.verifier_gpu_fraction
     if fraction is None:
-        fraction = 0.25 if a.device == "cuda" and a.num_verifiers else 0.0
+        shared = a.device == "cuda" and a.num_verifiers and not a.dedicated_verifiers
+        fraction = 0.25 if shared else 0.0
     values = {**vars(a), "verifier_gpu_fraction": fraction, "redis_url": redis_url}
     overrides = {name: values[name] for name in ARG_NAMES}
     overrides.update({name: values[name] for name, default in OPTIONAL_ARGS.items()

@@ -48,8 +48,13 @@ class ServeConfig:
     num_decoders: int = opt(1, "decoder replicas (each an engine)")
     num_verifiers: int = opt(1, "verifier replicas; 0 verifies inside each decoder")
     verifier_gpu_fraction: float = opt(
-        0.0, "GPU share of a co-located verifier (0 on CPU; detserve serve: 0.25 on CUDA "
-             "when not given)")
+        0.0, "GPU share of a co-located verifier (0 on CPU, and with dedicated verifiers; "
+             "detserve serve: 0.25 on CUDA when not given)")
+    dedicated_verifiers: bool = opt(
+        False, "each verifier replica gets a device of its own (cuda: a whole GPU; cpu: it "
+               "registers as another host) and verifies decoders on other GPUs and hosts, "
+               "keeping its own copy of the lane K/V, moved over NCCL (gloo on cpu); off: "
+               "each verifier shares a decoder's GPU and maps its KV pool")
     redis_url: str = opt("redis://127.0.0.1:6379/0",
                          "Redis of the registry (detserve serve: an embedded one when not "
                          "given)")
@@ -227,8 +232,14 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
     _check_number("verifier_gpu_fraction", fraction, lo=0.0, hi=1.0)
     if args["device"] == "cpu" and fraction != 0.0:
         raise ValueError("verifier_gpu_fraction must be 0 when device is 'cpu'")
-    if args["device"] == "cuda" and args["num_verifiers"] > 0 and fraction == 0.0:
-        raise ValueError("verifier_gpu_fraction must be > 0 when verifiers run on 'cuda'")
+    dedicated = bool(args.get("dedicated_verifiers", False))
+    if dedicated and fraction != 0.0:
+        raise ValueError("verifier_gpu_fraction must be 0 with dedicated_verifiers (each "
+                         "verifier has a GPU of its own)")
+    if (args["device"] == "cuda" and args["num_verifiers"] > 0 and fraction == 0.0
+            and not dedicated):
+        raise ValueError("verifier_gpu_fraction must be > 0 when verifiers share the "
+                         "decoders' GPUs (or set dedicated_verifiers)")
     redis_url = args["redis_url"]
     if not isinstance(redis_url, str) or not redis_url.startswith(REDIS_SCHEMES):
         raise ValueError(f"redis_url must start with one of {REDIS_SCHEMES}, got {redis_url!r}")
@@ -292,7 +303,11 @@ def default_serve_config(
                     f"({d.autoscaling.initial_replicas} != {args['num_decoders']})"
                 )
         if d.name == VERIFIER and args["device"] == "cuda":
-            if not math.isclose(d.num_gpus, args["verifier_gpu_fraction"]):
+            if args.get("dedicated_verifiers") and d.num_gpus != 1:
+                raise ValueError(f"Verifier num_gpus {d.num_gpus}: a dedicated verifier has "
+                                 "a GPU of its own (1)")
+            if (not args.get("dedicated_verifiers")
+                    and not math.isclose(d.num_gpus, args["verifier_gpu_fraction"])):
                 raise ValueError(
                     f"Verifier num_gpus {d.num_gpus} must equal verifier_gpu_fraction "
                     f"{args['verifier_gpu_fraction']}"

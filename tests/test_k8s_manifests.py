@@ -358,6 +358,8 @@ def test_verifier_placement(rendered: tuple[str, list[Obj]]) -> None:
         assert slots["verifier"] == {m.VERIFIER_SLOT: 1}
         assert slots["decoder"] == {m.DECODER_SLOT: 1}
         assert verifier["num_gpus"] == 1 and decoder["num_gpus"] == 1
+        # verifier pods cannot map a decoder's pool: they must verify by K/V transfer
+        assert config["applications"][0]["args"]["dedicated_verifiers"] is True
     else:
         assert set(groups) == {"decoder"}
         assert slots["decoder"] == {m.DECODER_SLOT: 1, m.VERIFIER_SLOT: 1}

@@ -48,11 +48,22 @@ LONG, SHORT = "Redis goes away while this streams", "After the outage"
 LONG_TOKENS, SHORT_TOKENS = 600, 24
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
+@pytest.fixture(scope="module", params=[False, True], ids=["colocated", "dedicated"])
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """Every test runs against a co-located verifier (it maps the decoder's pool) and a
+    dedicated one (another host: its own K/V, rows over gloo, groups made per stream)."""
     with serving_cluster(num_decoders=1, num_verifiers=1, max_model_len=MAX_MODEL_LEN,
-                         fastpath_perturbation=PERTURBATION) as c:
+                         fastpath_perturbation=PERTURBATION,
+                         dedicated_verifiers=request.param) as c:
         yield c
+
+
+def _verifier_info() -> dict[str, Any]:
+    """The (only) verifier replica's counters, asked through Ray Serve (Redis may be away)."""
+    from ray import serve
+
+    return serve.get_deployment_handle(  # type: ignore[no-any-return]
+        "Verifier", app_name="detserve").info.remote().result(timeout_s=30)
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +180,9 @@ def test_streams_and_new_requests_are_served_while_redis_is_away(
     statuses = [code for _, code in out["health"]]
     assert len(statuses) >= OUTAGE_S / 0.5 and set(statuses) == {200}, statuses
     assert out["grpc_health"].ready, out["grpc_health"].status
+    if cluster.args.get("dedicated_verifiers"):  # K/V moved, it was not mapped
+        info = _verifier_info()
+        assert info["kv_bytes_out"] > 0 and info["passes"] > 0, info
     after = sum(len(e["choices"][0]["token_ids"]) for t, e in det if t > out["killed_at"])
     print(f"\nredis away: the deterministic stream got {after} of {LONG_TOKENS} tokens after "
           f"the kill; both streams done {max(det[-1][0], nondet[-1][0]) - out['killed_at']:.2f}"

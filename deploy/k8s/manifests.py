@@ -134,10 +134,12 @@ OVERLAYS: tuple[Overlay, ...] = (
     ),
     Overlay(
         name="gpu-8",
-        summary="8 GPUs: 2 to 6 autoscaled decoder GPUs and 2 dedicated verifier GPUs",
+        summary="8 GPUs: 2 to 6 autoscaled decoder GPUs and 2 dedicated verifier GPUs (K/V "
+                "over NCCL between pods)",
         serve_args=_args(model="smollm2", mode="llm42", device="cuda", dtype="bfloat16",
                          verify_window=64, verify_group=8, num_decoders=4, num_verifiers=2,
-                         verifier_gpu_fraction=1.0, max_model_len=8192, max_num_seqs=128),
+                         verifier_gpu_fraction=0.0, dedicated_verifiers=True,
+                         max_model_len=8192, max_num_seqs=128),
         deployments=(
             DeploymentOverride(
                 DECODER, num_cpus=4, num_gpus=1, resources={DECODER_SLOT: 1},

@@ -25,12 +25,14 @@ The CPU suite tests which of these ``limit_sms`` picks; the paths themselves nee
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 from ray import serve
 
 from services.cluster_auth import ClusterAuth
+from services.kv_handle import HOST_ID_ENV
 from services.registry import DEFAULT_PREFIX
 from services.verifier.replica import VerifierReplica
 
@@ -85,13 +87,23 @@ class Verifier:
 
     def __init__(self, model: str, redis_url: str, dtype: str = "float32", device: str = "cpu",
                  sm_fraction: float = 0.0, ttl_s: float = 3.0,
-                 prefix: str = DEFAULT_PREFIX, confine: bool = False) -> None:
+                 prefix: str = DEFAULT_PREFIX, confine: bool = False,
+                 dedicated_blocks: int = 0) -> None:
+        """``dedicated_blocks``: a dedicated verifier (a device of its own, K/V transfer)
+        with a pool of that many blocks (-1: what the GPU holds after the model); it binds
+        every interface, decoders elsewhere reach it. 0: co-located (loopback)."""
         if device.startswith("cuda"):
             device = "cuda:0"  # Ray exposes the assigned GPU as the only visible one
         lane_init = limit_sms(device, sm_fraction, confine)
+        host = "127.0.0.1"
+        if dedicated_blocks:
+            host = "0.0.0.0"
+            if device == "cpu":  # no GPU to tell it apart: it is a host of its own
+                os.environ[HOST_ID_ENV] = f"verifier-{uuid.uuid4().hex[:8]}"
         self.replica = VerifierReplica(model, redis_url, ClusterAuth.from_env(), dtype=dtype,
-                                       device=device,
-                                       ttl_s=ttl_s, prefix=prefix, lane_thread_init=lane_init)
+                                       device=device, host=host,
+                                       ttl_s=ttl_s, prefix=prefix, lane_thread_init=lane_init,
+                                       kv_blocks=dedicated_blocks)
 
     def check_health(self) -> None:
         self.replica.check_health()
@@ -99,7 +111,8 @@ class Verifier:
     def info(self) -> dict[str, Any]:
         s = self.replica.servicer
         return {"verifier_id": self.replica.verifier_id, "address": self.replica.address,
-                "streams": s.streams, "passes": s.passes}
+                "streams": s.streams, "passes": s.passes, "kv_bytes_in": s.kv_bytes_in,
+                "kv_bytes_out": s.kv_bytes_out}
 
     def __del__(self) -> None:
         # Ray Serve calls __del__ when it stops a replica: deregister before exiting

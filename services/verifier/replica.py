@@ -47,7 +47,7 @@ class VerifierReplica:
         self.registry = Registry(redis_url, prefix)
         weights, info = load_model_once(model, dtype, device)
         advertise = socket.gethostbyname(socket.gethostname()) if host == "0.0.0.0" else host
-        self.store = open_store(host, store_port, server=True) if kv_blocks > 0 else None
+        self.store = open_store(host, store_port, server=True) if kv_blocks else None
         self.servicer = VerifierServicer(weights, info, self.registry, device, self.verifier_id,
                                          lane_thread_init=lane_thread_init, store=self.store,
                                          kv_blocks=kv_blocks)
@@ -106,7 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--prefix", default=DEFAULT_PREFIX)
     ap.add_argument("--kv-blocks", type=int, default=0,
                     help="blocks of its own KV pool, for decoders on other devices or hosts "
-                         "(K/V transfer); 0: co-located decoders only")
+                         "(K/V transfer); -1: what the device holds after the model; 0: "
+                         "co-located decoders only")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     replica = VerifierReplica(args.model, args.redis_url, ClusterAuth.from_env(),

@@ -89,7 +89,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         thread at its first pass of each size), as the offline engine's lane does; eager,
         a pass of a large model costs tens of ms of kernel launches. ``store`` (the TCP
         store transfer groups meet in) and ``kv_blocks`` (its own pool's size): K/V
-        transfer for decoders that cannot be mapped; without them such a hello is refused."""
+        transfer for decoders that cannot be mapped (-1: as many blocks as the device's free
+        memory holds at the first such hello); without them such a hello is refused."""
         self.model = model
         self.info = info
         self.registry = registry
@@ -261,7 +262,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _attach_transfer(self, hello: pb.Hello) -> ModelRunner:
         """A decoder whose pool this verifier cannot map: checked as any other, then a
         runner over the verifier's own pool (shared by every decoder with its numerics)."""
-        if self.store is None or self.kv_blocks < 2:
+        if self.store is None or not self.kv_blocks:
             raise HelloRefused(grpc.StatusCode.FAILED_PRECONDITION,
                                "this verifier does no K/V transfer (co-located decoders only)")
         try:
@@ -282,9 +283,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         with self._lock:
             if self._own is None:
                 mc = self.model.config
-                self._own = VerifierKV(KVPool(
-                    mc.num_layers, self.kv_blocks, numerics.block_size, mc.num_kv_heads,
-                    mc.head_dim, getattr(torch, self.info.dtype), self.device))
+                dtype = getattr(torch, self.info.dtype)
+                blocks = (self.kv_blocks if self.kv_blocks > 0
+                          else _blocks_that_fit(self.model, dtype, self.device,
+                                                numerics.block_size))
+                self._own = VerifierKV(KVPool(mc.num_layers, blocks, numerics.block_size,
+                                              mc.num_kv_heads, mc.head_dim, dtype, self.device))
             own = self._own
             if own.pool.block_size != numerics.block_size:
                 raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
@@ -339,6 +343,18 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             problems.append(f"KV pool shape {handle.shape} != {want}")
         if problems:
             raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
+
+
+def _blocks_that_fit(model: LlamaModel, dtype: torch.dtype, device: str, block_size: int,
+                     fraction: float = 0.9) -> int:
+    """KV blocks that ``fraction`` of the device's free memory holds now (CUDA; the model
+    loaded); on CPU a fixed 4096."""
+    if torch.device(device).type != "cuda":
+        return 4096
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    mc = model.config
+    per_block = mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+    return max(2, int(free * fraction) // per_block)
 
 
 def _numerics(hello: pb.Hello) -> LaneNumerics:
