@@ -26,6 +26,18 @@ export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 source benchmarks/gpu_redis.sh || exit 1
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 
+audits() {  # SmolLM2 and the 8B shape, co-located and dedicated (logs kept in $out)
+  for spec in "$smol" random:llama3-8b; do
+    name=$([ "$spec" = "$smol" ] && echo smollm2 || echo llama8b)
+    timeout "${AUDIT_TIMEOUT:-200}" python -m benchmarks.bench_offline --model "$spec" \
+      --device cuda:0 --dtype bfloat16 --num-requests 64 --input-len 200 --output-len 96 \
+      --modes llm42,llm42-dedicated --ratios 0.5,1.0 --temperature 0.8 --logprobs 1 \
+      --warmup-requests 4 --dedicated-verifier-device cuda:1 \
+      --out "$out/audit-$name.json" > "$out/audit-$name.log" 2>&1
+    grep -E "audit|out tok/s|transfer:" "$out/audit-$name.log"
+  done
+}
+
 case "${1:-}" in
   check)
     nvidia-smi topo -m | tee "$out/topo.txt"
@@ -33,14 +45,9 @@ case "${1:-}" in
       tests/test_dedicated_verifier.py 2>&1 | tee "$out/cpu-tests.log" | tail -3
     timeout 120 python -m benchmarks.bench_transfer --devices cuda:0,cuda:1 \
       --out "$out/transfer-nccl.json" 2>&1 | tail -7
-    for spec in "$smol" random:llama3-8b; do
-      name=$([ "$spec" = "$smol" ] && echo smollm2 || echo llama8b)
-      timeout 200 python -m benchmarks.bench_offline --model "$spec" --device cuda:0 \
-        --dtype bfloat16 --num-requests 64 --input-len 200 --output-len 96 \
-        --modes llm42,llm42-dedicated --ratios 0.5,1.0 --temperature 0.8 --logprobs 1 \
-        --warmup-requests 4 --dedicated-verifier-device cuda:1 \
-        --out "$out/audit-$name.json" 2>&1 | grep -E "audit|out tok/s|transfer:"
-    done ;;
+    audits ;;
+  audits)
+    audits ;;
   perf)
     timeout 590 python -m benchmarks.bench_offline --model random:llama3-8b --device cuda:0 \
       --dtype bfloat16 --lengths sharegpt --num-requests "${NREQ:-768}" --max-num-seqs 128 \

@@ -299,9 +299,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             runner = self._own_runners.get(numerics)
             if runner is None:
                 runner = ModelRunner(self.model, own.pool, numerics)
-                if self.cuda_graphs:
+                if self.cuda_graphs:  # tables as wide as the longest sequence, not the pool
+                    longest = -(-self.model.config.max_position_embeddings
+                                // numerics.block_size)
                     runner.enable_cuda_graphs(None, lane=True, max_batch=1,
-                                              max_blocks=own.pool.data.shape[2])
+                                              max_blocks=min(longest, own.pool.data.shape[2]))
                 self._own_runners[numerics] = runner
         kernels = codec.kernels_profile(runner)
         if hello.kernels != kernels:
