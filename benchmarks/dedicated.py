@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import secrets
 import selectors
+import signal
 import subprocess
 import sys
 import uuid
@@ -33,12 +34,25 @@ from services.verifier.client import RemoteVerifier, make_verifier_factory
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _die_with_parent() -> None:
+    """Linux: the replica is killed when this process dies (a benchmark stopped by a
+    timeout would otherwise leave it holding its GPU)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 class DedicatedVerifier:
     """Redis + one verifier replica process; ``engine(config, loaded)`` builds an engine
     verified by it. ``close()`` stops both."""
 
     def __init__(self, model: str, dtype: str, device: str, kv_blocks: int,
                  start_timeout_s: float = 600.0) -> None:
+        self._engines = 0
+        self._exporters: list[KVExporter] = []
         self.redis = EmbeddedRedis().start()
         self.prefix = f"bench{uuid.uuid4().hex[:6]}"
         self.auth = ClusterAuth(os.environ.get(SECRET_ENV) or secrets.token_urlsafe(32))
@@ -49,7 +63,8 @@ class DedicatedVerifier:
             [sys.executable, "-m", "services.verifier.replica", "--model", model,
              "--redis-url", self.redis.url, "--prefix", self.prefix, "--dtype", dtype,
              "--device", device, "--kv-blocks", str(kv_blocks)],
-            cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
+            cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env,
+            preexec_fn=_die_with_parent)
         assert self.proc.stdout is not None
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
@@ -61,8 +76,6 @@ class DedicatedVerifier:
             self.close()
             raise RuntimeError(f"the verifier replica failed to start: {line}")
         self.address = line[2]
-        self._engines = 0
-        self._exporters: list[KVExporter] = []
 
     def engine(self, config: EngineConfig, loaded: Any) -> LLMEngine:
         decoder_id = f"bench-decoder-{self._engines}"

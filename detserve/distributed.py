@@ -7,6 +7,10 @@ backend object (gloo on CPU, NCCL on CUDA) over a ``PrefixStore`` of a shared TC
 never registered as the default group. Who hosts the store and how peers learn its address
 (the registry in Redis, or a parent process) is the caller's business.
 
+A two-member NCCL group also makes its point-to-point communicator when it is formed:
+NCCL would otherwise make it at the pair's first send or receive, holding both hosts until
+the other comes (a verifier that sends before it replies would never see the decoder come).
+
 Every operation on a group is awaited with ``wait`` and a deadline: a peer that died or
 stopped answering raises ``PeerLost`` within it, and the group is aborted (its NCCL
 communicator too), never left half-used. NCCL's own watchdog is told to clean up, not to
@@ -96,6 +100,14 @@ class Group:
             self.abort()
             raise PeerLost(str(e)) from e
 
+    def _warm_p2p(self) -> None:
+        """NCCL makes a pair's point-to-point communicator at the pair's first send/recv,
+        blocking both hosts until both are there. A sender that waits there before telling
+        its peer (over another channel) to receive would wait for ever: make it now."""
+        one = torch.zeros(1, device=self.device)
+        work = self.send(one, 1) if self.rank == 0 else self.recv(one, 0)
+        self.wait(work)
+
     def abort(self) -> None:
         """Drop the group (its communicator, for NCCL); later operations fail."""
         try:
@@ -141,4 +153,6 @@ def new_group(store: dist.Store, name: str, rank: int, size: int, device: torch.
     group = Group(backend, rank, size, pg, timeout_s, device)
     if backend == "nccl":
         group.barrier()  # make the communicator now, not inside a lane pass
+        if size == 2:
+            group._warm_p2p()
     return group
