@@ -1,0 +1,172 @@
+"""Broken HTTP framing answered like every other bad request: an OpenAI error body.
+
+Bytes that are not an HTTP/1.1 request (a bad request line, a non-token method, control
+bytes in a header, an invalid Content-Length or chunk size, Content-Length beside
+Transfer-Encoding, ...) never reach the FastAPI app: uvicorn's parser refuses them and
+uvicorn answers a plain-text 400. ``FramingErrorProtocol`` is uvicorn's own protocol with
+that answer replaced by a JSON body (``{"error": {"message", "type", "param", "code"}}``)
+that names the parser's reason, and with a bound on the request head that uvicorn's
+httptools protocol lacks: a request line beyond ``MAX_URL_BYTES`` gets 414, a head (request
+line and headers) beyond ``MAX_HEAD_BYTES`` 431, instead of being buffered without end.
+
+Ray Serve builds the uvicorn server itself (``uvicorn.Config(http="auto")``) and offers no
+option for its protocol class, so ``install`` points uvicorn's "auto" protocol at this one
+in the calling process. The router replica calls it before Ray Serve starts its direct
+ingress server (``services.router.deployment``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from services.router.errors import APIError
+
+MAX_URL_BYTES = 16 * 1024     # the request target; the API's paths are short
+MAX_HEAD_BYTES = 64 * 1024    # request line and headers together
+LINGER_S = 2.0               # how long a refused client may go on sending
+PROTOCOL_PATH = f"{__name__}:FramingErrorProtocol"
+
+
+def framing_error(status: int, message: str) -> APIError:
+    code = {414: "url_too_long", 431: "headers_too_large"}.get(status, "malformed_http")
+    return APIError(status, message, code=code)
+
+
+def _head_too_large() -> APIError:
+    return framing_error(431, f"the request head exceeds {MAX_HEAD_BYTES} bytes")
+
+
+def error_response(error: APIError, default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The whole HTTP/1.1 response for ``error``; the connection is closed after it."""
+    body = json.dumps(error.body()).encode()
+    reason = {400: b"Bad Request", 414: b"URI Too Long",
+              431: b"Request Header Fields Too Large"}.get(error.status, b"Bad Request")
+    head = [b"HTTP/1.1 %d %s\r\n" % (error.status, reason)]
+    head += [name + b": " + value + b"\r\n" for name, value in default_headers]
+    head += [b"content-type: application/json\r\n",
+             b"content-length: %d\r\n" % len(body),
+             b"connection: close\r\n\r\n"]
+    return b"".join(head) + body
+
+
+class _H11FramingErrors(H11Protocol):
+    """h11 (where httptools is not installed): the 400 with a JSON body; h11 bounds the
+    head itself (``h11_max_incomplete_event_size``)."""
+
+    def send_400_response(self, msg: str) -> None:
+        error = framing_error(400, f"malformed HTTP request: {msg}")
+        self.transport.write(error_response(error, self.server_state.default_headers))
+        self.transport.close()
+
+
+def _httptools_protocol() -> type[Any]:
+    import httptools
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class ReasonParser(httptools.HttpRequestParser):  # type: ignore[misc]
+        """The parser, remembering why it refused the bytes (uvicorn drops the reason)."""
+
+        reason = ""
+
+        def feed_data(self, data: bytes) -> None:
+            try:
+                super().feed_data(data)
+            except httptools.HttpParserError as e:
+                if not isinstance(e, httptools.HttpParserUpgrade):
+                    self.reason = str(e.__cause__ or e)
+                raise
+
+    class HttpToolsFramingErrors(HttpToolsProtocol):  # type: ignore[misc]
+        """httptools: the 400 with a JSON body and the parser's reason; 414 and 431 for a
+        request line or head beyond its bound.
+
+        Invariant: ``_head_bytes`` counts the bytes received since the last request's
+        headers were complete (or since the connection opened) while ``_in_head``, and
+        ``_parsed_bytes`` the current request's target and headers. A parser callback that
+        raises makes ``feed_data`` fail; uvicorn then calls ``send_400_response``, which
+        answers ``_error`` when a bound set it."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.parser = ReasonParser(self)
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+            self._in_head, self._head_bytes, self._parsed_bytes = True, 0, 0
+            self._error: APIError | None = None
+            self._lingering = False
+
+        def data_received(self, data: bytes) -> None:
+            if self._lingering:  # the rest of a refused request: read and dropped
+                return
+            if self._in_head:
+                self._head_bytes += len(data)
+            super().data_received(data)
+            if self._in_head and self._head_bytes > MAX_HEAD_BYTES and not self._lingering:
+                self._error = _head_too_large()
+                self.send_400_response("")
+
+        def eof_received(self) -> bool | None:
+            if self._lingering:
+                self.transport.close()
+            return None
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._parsed_bytes = 0
+
+        def on_url(self, url: bytes) -> None:
+            self._parsed_bytes += len(url)
+            if self._parsed_bytes > MAX_URL_BYTES:
+                self._error = framing_error(414, f"the request target exceeds {MAX_URL_BYTES} "
+                                                 "bytes")
+                raise ValueError(self._error.message)
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._parsed_bytes += len(name) + len(value) + 4
+            if self._parsed_bytes > MAX_HEAD_BYTES:
+                self._error = _head_too_large()
+                raise ValueError(self._error.message)
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._in_head, self._head_bytes = False, 0
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._in_head = True
+            super().on_message_complete()
+
+        def send_400_response(self, msg: str) -> None:
+            error = self._error or framing_error(
+                400, f"malformed HTTP request: {self.parser.reason or msg}")
+            self.transport.write(error_response(error, self.server_state.default_headers))
+            self._linger()
+
+        def _linger(self) -> None:
+            """Close after the client stopped sending, or ``LINGER_S`` at most. Closing at
+            once, with the client's bytes still arriving, makes the kernel reset the
+            connection, and the client may lose the answer before reading it."""
+            self._lingering = True
+            if not self.transport.can_write_eof():
+                self.transport.close()
+                return
+            self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.transport.close)
+
+    return HttpToolsFramingErrors
+
+
+FramingErrorProtocol: type[Any] = (
+    _H11FramingErrors if AutoHTTPProtocol is H11Protocol else _httptools_protocol())
+
+
+def install() -> None:
+    """Make uvicorn servers created from now on in this process (``http="auto"``, what
+    Ray Serve uses) answer broken framing with ``FramingErrorProtocol``. Idempotent."""
+    from uvicorn import config
+
+    config.HTTP_PROTOCOLS["auto"] = PROTOCOL_PATH

@@ -1,0 +1,109 @@
+"""Broken HTTP framing against uvicorn with ``FramingErrorProtocol`` (no Ray: a small ASGI
+app behind it). Every answer is a 4xx with an OpenAI error body, or none where HTTP allows
+(a stream cut short); 414 and 431 for a request target or head past the bounds; a valid
+request on a connection of its own is still served. The served-cluster version of this
+test is in test_serving_fuzz.py."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import uvicorn
+from hostile_framing import HAND_PICKED, JSON_BODY, Stream, classify, exchange, framing_stream
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.redis_server import free_port
+from services.router import http_framing
+
+pytestmark = pytest.mark.timeout(300)
+BATCH, EXAMPLES = 16, 25   # 400 generated streams
+COUNTS: Counter[str] = Counter()
+EXPECTED = {"http/0.9": "200",  # a simple request of HTTP/0.9: parsed, and served
+            "oversized target": "414", "oversized header": "431", "too many headers": "431",
+            "unending header": "431", "cut in request line": "closed",
+            "cut in headers": "closed", "cut in body": "closed", "incomplete head": "no answer"}
+
+
+async def echo_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Reads the whole body, answers 200 with a JSON object."""
+    assert scope["type"] == "http"
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": b"{}"})
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, int]]:
+    port = free_port()
+    config = uvicorn.Config(echo_app, host="127.0.0.1", port=port, lifespan="off",
+                            http=http_framing.FramingErrorProtocol, log_level="critical")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=lambda: asyncio.run(srv.serve()), daemon=True)
+    thread.start()
+    while not srv.started:
+        assert thread.is_alive(), "uvicorn did not start"
+        threading.Event().wait(0.05)
+    yield "127.0.0.1", port
+    srv.should_exit = True
+    thread.join(10)
+
+
+def _run(server: tuple[str, int], streams: list[Stream]) -> list[str]:
+    async def all_of() -> list[str]:
+        answers = await asyncio.gather(*(exchange(*server, s) for s in streams))
+        return [classify(s, a) for s, a in zip(streams, answers, strict=True)]
+    return asyncio.run(all_of())
+
+
+@pytest.mark.parametrize("stream", HAND_PICKED, ids=[s.label for s in HAND_PICKED])
+def test_hand_picked_broken_framing(server: tuple[str, int], stream: Stream) -> None:
+    [answer] = _run(server, [stream])
+    assert answer == EXPECTED.get(stream.label, "400"), (stream.label, answer)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(streams=st.lists(framing_stream(), min_size=BATCH, max_size=BATCH))
+def test_generated_broken_framing(server: tuple[str, int], streams: list[Stream]) -> None:
+    COUNTS.update(_run(server, streams))
+
+
+def test_counts_and_still_serving(server: tuple[str, int],
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    with capsys.disabled():
+        print(f"\nbroken framing (uvicorn alone): {sum(COUNTS.values())} streams "
+              f"({', '.join(f'{k}: {n}' for k, n in sorted(COUNTS.items()))})")
+    assert sum(COUNTS.values()) >= BATCH * EXAMPLES
+    assert COUNTS["400"] > sum(COUNTS.values()) // 2, COUNTS
+    valid = Stream((b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n"
+                    b"Connection: close\r\n\r\n%s" % (len(JSON_BODY), JSON_BODY),), "valid")
+    assert _run(server, [valid]) == ["200"]
+
+
+def test_error_body_names_the_parsers_reason(server: tuple[str, int]) -> None:
+    stream = Stream((b"GET /health HTTP/1.1\r\nHost: t\r\nBad Header\r\n\r\n",), "no colon")
+    answer = asyncio.run(exchange(*server, stream))
+    assert classify(stream, answer) == "400"
+    body = answer.raw.partition(b"\r\n\r\n")[2]
+    assert b"malformed HTTP request: " in body and b"header" in body.lower(), body
+    assert b'"code": "malformed_http"' in body, body
+
+
+def test_install_points_uvicorn_auto_at_the_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    from uvicorn import config as uvicorn_config
+
+    monkeypatch.setitem(uvicorn_config.HTTP_PROTOCOLS, "auto",
+                        uvicorn_config.HTTP_PROTOCOLS["auto"])
+    http_framing.install()
+    http_framing.install()  # idempotent
+    config = uvicorn.Config(echo_app, lifespan="off")
+    config.load()
+    assert config.http_protocol_class is http_framing.FramingErrorProtocol
