@@ -127,6 +127,16 @@ HAND_PICKED: tuple[Stream, ...] = tuple(Stream((data,), label) for label, data i
     ("nul bytes", b"\x00" * 64),
     ("tls client hello", bytes.fromhex("16030100a1010000") + b"\x03\x03" + b"\x00" * 64),
     ("http/0.9", b"GET /health\r\n\r\n"),
+    ("http/2 preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"),
+    ("websocket upgrade", b"GET /v1/completions HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\n"
+     b"Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"),
+    ("h2c upgrade", b"GET /v1/models HTTP/1.1\r\nHost: t\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+     b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n"),
+    ("absolute target, other host", b"GET http://elsewhere.example/health HTTP/1.1\r\n"
+     b"Host: t\r\nConnection: close\r\n\r\n"),
+    ("asterisk target", b"OPTIONS * HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"),
+    ("expect 100-continue, bad length", _post(b"Expect: 100-continue\r\nContent-Length: x\r\n", b"")),
     ("unknown version", b"GET /health HTTP/9.9\r\nHost: t\r\n\r\n"),
     ("version garbage", b"GET /health HTTX/1.1\r\nHost: t\r\n\r\n"),
     ("non-ascii method", "GÉT /health HTTP/1.1\r\nHost: t\r\n\r\n".encode()),
@@ -168,6 +178,22 @@ HAND_PICKED: tuple[Stream, ...] = tuple(Stream((data,), label) for label, data i
     # an unending header line, sent in pieces: the bound must hold across reads
     Stream((b"GET /health HTTP/1.1\r\nX-A: ",) + (b"a" * 16384,) * 6, "unending header"),
 )
+
+
+# what each hand-picked stream gets: a 400 unless named here; "served" for a stream that is
+# a valid request after all, answered by the app (any status below 500)
+_EXPECTED = {"http/0.9": "served",  # a simple request of HTTP/0.9
+             "h2c upgrade": "served", "websocket upgrade": "served",  # as plain requests
+             "absolute target, other host": "served", "asterisk target": "served",
+             "oversized target": "414", "oversized header": "431", "too many headers": "431",
+             "unending header": "431", "cut in request line": "closed",
+             "cut in headers": "closed", "cut in body": "closed", "incomplete head": "no answer"}
+
+
+def as_expected(stream: Stream, answer: str) -> bool:
+    """Whether ``answer`` (``classify``'s) is what the hand-picked ``stream`` should get."""
+    want = _EXPECTED.get(stream.label, "400")
+    return answer.isdigit() if want == "served" else answer == want
 
 
 # ---- the generated streams ------------------------------------------------------------------

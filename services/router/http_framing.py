@@ -53,7 +53,18 @@ def error_response(error: APIError, default_headers: list[tuple[bytes, bytes]]) 
     return b"".join(head) + body
 
 
-class _H11FramingErrors(H11Protocol):
+class _NoWebSocket:
+    """The API has no WebSocket routes: an upgrade request is served as the plain HTTP
+    request it also is (uvicorn's WebSocket refusal would be a plain-text 403)."""
+
+    def _should_upgrade_to_ws(self) -> bool:
+        return False
+
+    def _unsupported_upgrade_warning(self) -> None:
+        pass  # uvicorn's would blame a missing WebSocket library
+
+
+class _H11FramingErrors(_NoWebSocket, H11Protocol):
     """h11 (where httptools is not installed): the 400 with a JSON body; h11 bounds the
     head itself (``h11_max_incomplete_event_size``)."""
 
@@ -72,7 +83,7 @@ def _httptools_protocol() -> type[Any]:
 
         reason = ""
 
-        def feed_data(self, data: bytes) -> None:
+        def feed_data(self, data: Any) -> None:
             try:
                 super().feed_data(data)
             except httptools.HttpParserError as e:
@@ -80,7 +91,7 @@ def _httptools_protocol() -> type[Any]:
                     self.reason = str(e.__cause__ or e)
                 raise
 
-    class HttpToolsFramingErrors(HttpToolsProtocol):  # type: ignore[misc]
+    class HttpToolsFramingErrors(_NoWebSocket, HttpToolsProtocol):  # type: ignore[misc]
         """httptools: the 400 with a JSON body and the parser's reason; 414 and 431 for a
         request line or head beyond its bound.
 
@@ -92,8 +103,9 @@ def _httptools_protocol() -> type[Any]:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.parser = ReasonParser(self)
-            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+            self._reasons = ReasonParser(self)
+            self._reasons.set_dangerous_leniencies(lenient_data_after_close=True)
+            self.parser = self._reasons
             self._in_head, self._head_bytes, self._parsed_bytes = True, 0, 0
             self._error: APIError | None = None
             self._lingering = False
@@ -107,11 +119,6 @@ def _httptools_protocol() -> type[Any]:
             if self._in_head and self._head_bytes > MAX_HEAD_BYTES and not self._lingering:
                 self._error = _head_too_large()
                 self.send_400_response("")
-
-        def eof_received(self) -> bool | None:
-            if self._lingering:
-                self.transport.close()
-            return None
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -142,12 +149,13 @@ def _httptools_protocol() -> type[Any]:
 
         def send_400_response(self, msg: str) -> None:
             error = self._error or framing_error(
-                400, f"malformed HTTP request: {self.parser.reason or msg}")
+                400, f"malformed HTTP request: {self._reasons.reason or msg}")
             self.transport.write(error_response(error, self.server_state.default_headers))
             self._linger()
 
         def _linger(self) -> None:
-            """Close after the client stopped sending, or ``LINGER_S`` at most. Closing at
+            """Close once the client stopped sending (its end of stream closes the transport:
+            ``eof_received``), or after ``LINGER_S`` at most. Closing at
             once, with the client's bytes still arriving, makes the kernel reset the
             connection, and the client may lose the answer before reading it."""
             self._lingering = True
