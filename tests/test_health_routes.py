@@ -40,3 +40,11 @@ def test_ready_and_alive() -> None:
     client = _client(None)
     assert client.get("/health").json() == {"status": "ok", "decoders_ready": 1}
     assert client.get("/livez").status_code == 200
+
+
+def test_the_k8s_probes_ask_these_routes() -> None:
+    from deploy.k8s.manifests import LIVENESS_PATH, READINESS_PATH
+
+    client = _client(unavailable("no decoder is ready"))
+    assert client.get(READINESS_PATH).status_code == 503
+    assert client.get(LIVENESS_PATH).status_code == 200

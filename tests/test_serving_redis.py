@@ -251,7 +251,7 @@ def test_health_turns_unavailable_when_verification_cannot_continue(
     """Redis away AND the verifier lost: no decoder can find another verifier, so
     deterministic requests would fail: /health says so (503, ``no_verifier``) within
     ``UNAVAILABLE_S``, a deterministic request gets that 503 at once, and
-    non-deterministic requests are still served. Redis back
+    non-deterministic requests are still served; /livez answers 200 all the while. Redis back
     (empty): the restarted verifier registers, /health is ready again within
     ``RECOVERY_S`` + one probe period, and the decoder fails over to the new verifier (its
     hello checked against the restored registry) with the same deterministic output."""
@@ -264,6 +264,9 @@ def test_health_turns_unavailable_when_verification_cannot_continue(
         unavailable_s, health = _wait_health(client, 503, lost, UNAVAILABLE_S)
         error = health.json()["error"]
         assert error["code"] == "no_verifier" and "verif" in error["message"], error
+        # not ready, yet alive: liveness asks nothing of Redis or the verifiers
+        live = client.get("/livez")
+        assert live.status_code == 200 and live.json() == {"status": "alive"}, live.text
         grpc_health = _grpc_health(cluster)
         assert not grpc_health.ready and "verifier" in grpc_health.status, grpc_health
         # a deterministic request ends at once with that error (the decoder's engine is not

@@ -141,6 +141,12 @@ def _httptools_protocol() -> type[Any]:
 
         def on_headers_complete(self) -> None:
             self._in_head, self._head_bytes = False, 0
+            if not _is_path(self.url):
+                # Serve matches the path against route prefixes before the app sees it,
+                # and answers a plain-text 404 for one that is no path ("*")
+                self._error = framing_error(400, "the request target must be a path "
+                                                 "beginning with '/'")
+                raise ValueError(self._error.message)
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
@@ -164,6 +170,14 @@ def _httptools_protocol() -> type[Any]:
                 return
             self.transport.write_eof()
             self.loop.call_later(LINGER_S, self.transport.close)
+
+    def _is_path(target: bytes) -> bool:
+        """Whether ``target`` (origin or absolute form) names a path from the root."""
+        try:
+            path = httptools.parse_url(target).path
+        except httptools.HttpParserInvalidURLError:
+            return True  # uvicorn refuses it: a 400 with the parser's reason
+        return path is not None and path.startswith(b"/")
 
     return HttpToolsFramingErrors
 
