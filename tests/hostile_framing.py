@@ -47,7 +47,10 @@ class Answer:
     timed_out: bool  # the server neither answered nor closed the connection in time
 
 
-async def exchange(host: str, port: int, stream: Stream, timeout_s: float = 3.0) -> Answer:
+async def exchange(host: str, port: int, stream: Stream, timeout_s: float = 10.0) -> Answer:
+    """Send ``stream``; what comes back until the server closes or ``timeout_s`` passes.
+    The timeout only ends the wait for a request the server rightly waits on (its head or
+    body incomplete), so it is long beside any answer's latency on a loaded machine."""
     reader, writer = await asyncio.open_connection(host, port)
     received = bytearray()
     timed_out = False

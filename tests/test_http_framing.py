@@ -7,6 +7,7 @@ test is in test_serving_fuzz.py."""
 from __future__ import annotations
 
 import asyncio
+import importlib
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -112,6 +113,20 @@ def test_h11_fallback_answers_json_too() -> None:
                                                      "content-length letters")]
     with uvicorn_server(http_framing._H11FramingErrors) as address:
         assert _run(address, streams) == ["400"] * len(streams)
+
+
+def test_serve_proxy_callback_installs_the_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The callback Serve is told to call (services.serve_config) resolves, adds no
+    middleware, and installs the protocol."""
+    from uvicorn import config as uvicorn_config
+
+    from services.serve_config import HTTP_PROXY_CALLBACK
+
+    monkeypatch.setitem(uvicorn_config.HTTP_PROTOCOLS, "auto",
+                        uvicorn_config.HTTP_PROTOCOLS["auto"])
+    module, _, name = HTTP_PROXY_CALLBACK.partition(":")
+    assert getattr(importlib.import_module(module), name)() == []
+    assert uvicorn_config.HTTP_PROTOCOLS["auto"] == http_framing.PROTOCOL_PATH
 
 
 def test_install_points_uvicorn_auto_at_the_protocol(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -67,6 +67,7 @@ COUNTS: dict[str, Counter[str]] = {"completions": Counter(), "chat": Counter(),
                                    "grpc": Counter()}
 FRAMING_BATCH, FRAMING_EXAMPLES = 16, 20   # generated broken-framing streams: 320
 FRAMING: Counter[str] = Counter()
+PROXY_FRAMING: Counter[str] = Counter()
 
 
 @pytest.fixture(scope="module")
@@ -191,26 +192,42 @@ def test_hostile_grpc(cluster: Cluster, before: Any, cases: list[GrpcCase]) -> N
 
 
 # ---- broken HTTP framing -------------------------------------------------------------------
-def _framing(cluster: Cluster, streams: list[Stream]) -> list[str]:
-    host, port = cluster.http_url.removeprefix("http://").rsplit(":", 1)
+def _framing(cluster: Cluster, streams: list[Stream], port: int | None = None) -> list[str]:
+    """The answers to ``streams`` from the router's own HTTP server, or from ``port``."""
+    host, router_port = cluster.http_url.removeprefix("http://").rsplit(":", 1)
 
     async def all_of() -> list[str]:
         gate = asyncio.Semaphore(CONCURRENCY)
 
         async def one(stream: Stream) -> str:
             async with gate:
-                return classify(stream, await exchange(host, int(port), stream))
+                answer = await exchange(host, port or int(router_port), stream)
+            return classify(stream, answer)
         return list(await asyncio.gather(*(one(s) for s in streams)))
     answers = asyncio.run(all_of())
-    FRAMING.update(answers)
+    (PROXY_FRAMING if port else FRAMING).update(answers)
     return answers
 
 
-def test_hand_picked_broken_framing(cluster: Cluster, before: Any) -> None:
-    answers = _framing(cluster, list(HAND_PICKED))
+def _check_hand_picked(answers: list[str]) -> None:
     wrong = [(s.label, a) for s, a in zip(HAND_PICKED, answers, strict=True)
              if not as_expected(s, a)]
     assert not wrong, wrong
+
+
+def test_hand_picked_broken_framing(cluster: Cluster, before: Any) -> None:
+    _check_hand_picked(_framing(cluster, list(HAND_PICKED)))
+
+
+def test_hand_picked_broken_framing_through_the_serve_proxy(cluster: Cluster,
+                                                            before: Any) -> None:
+    """What Kubernetes serves from: Ray Serve's HTTP proxy (locally the head's, on a port
+    of its own) in front of the router, its uvicorn given the same protocol."""
+    from ray.serve.context import _get_global_client
+
+    port = _get_global_client().http_config.port
+    assert not cluster.http_url.endswith(f":{port}")
+    _check_hand_picked(_framing(cluster, list(HAND_PICKED), port))
 
 
 @settings(FUZZ, max_examples=FRAMING_EXAMPLES)
@@ -227,8 +244,9 @@ def test_healthy_and_deterministic_after_fuzzing(cluster: Cluster,
         for api, counts in COUNTS.items():
             answers = ", ".join(f"{status}: {n}" for status, n in sorted(counts.items()))
             print(f"\nfuzzed {api}: {sum(counts.values())} requests ({answers})")
-        answers = ", ".join(f"{status}: {n}" for status, n in sorted(FRAMING.items()))
-        print(f"\nbroken HTTP framing: {sum(FRAMING.values())} streams ({answers})")
+        for where, counts in (("", FRAMING), (" through the Serve proxy", PROXY_FRAMING)):
+            answers = ", ".join(f"{status}: {n}" for status, n in sorted(counts.items()))
+            print(f"\nbroken HTTP framing{where}: {sum(counts.values())} streams ({answers})")
     for api, counts in COUNTS.items():
         assert sum(counts.values()) >= MIN_REQUESTS, (api, counts)
         assert not any(s.isdigit() and int(s) >= 500 for s in counts), (api, counts)

@@ -13,7 +13,6 @@ from ray import serve
 
 from services.cluster_auth import ClusterAuth
 from services.router import detserve_pb2 as pb
-from services.router import http_framing
 from services.router.dispatch import DecoderFailure
 from services.router.errors import APIError
 from services.router.grpc_api import (
@@ -52,9 +51,6 @@ class Router:
         self._verifier = verifier  # bound so that Serve deploys the verifier pool
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        # Serve starts this replica's HTTP server (direct ingress) after building the app:
-        # from then on broken framing gets a JSON error body too (http_framing)
-        http_framing.install()
         return build_http_app(self.service)
 
     async def Generate(self, request: pb.GenerateRequest | Undecodable,  # noqa: N802

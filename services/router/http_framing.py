@@ -9,10 +9,12 @@ that names the parser's reason, and with a bound on the request head that uvicor
 httptools protocol lacks: a request line beyond ``MAX_URL_BYTES`` gets 414, a head (request
 line and headers) beyond ``MAX_HEAD_BYTES`` 431, instead of being buffered without end.
 
-Ray Serve builds the uvicorn server itself (``uvicorn.Config(http="auto")``) and offers no
-option for its protocol class, so ``install`` points uvicorn's "auto" protocol at this one
-in the calling process. The router replica calls it before Ray Serve starts its direct
-ingress server (``services.router.deployment``).
+Ray Serve builds the uvicorn servers itself (``uvicorn.Config(http="auto")``) and offers
+no option for their protocol class, so ``install`` points uvicorn's "auto" protocol at this
+one in the calling process. Serve calls ``proxy_callback`` (its HTTP proxy callback,
+``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``, set by ``services.serve_config``) in every
+process about to start such a server, before starting it: each HTTP proxy (Kubernetes) and
+the router replica's direct ingress (``detserve serve``).
 """
 
 from __future__ import annotations
@@ -184,6 +186,12 @@ def _httptools_protocol() -> type[Any]:
 
 FramingErrorProtocol: type[Any] = (
     _H11FramingErrors if AutoHTTPProtocol is H11Protocol else _httptools_protocol())
+
+
+def proxy_callback() -> list[Any]:
+    """Ray Serve's HTTP proxy callback: ``install``; no middleware added."""
+    install()
+    return []
 
 
 def install() -> None:
