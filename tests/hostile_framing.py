@@ -114,10 +114,15 @@ def classify(stream: Stream, answer: Answer) -> str:
 
 
 def _complete(raw: bytes) -> bool:
-    """A whole response with a Content-Length has arrived (keep-alive: no close follows)."""
+    """A whole response has arrived (keep-alive: no close follows): its Content-Length's
+    bytes, or a chunked body's last chunk."""
     head, sep, body = raw.partition(b"\r\n\r\n")
+    if not sep:
+        return False
     length = re.search(rb"(?i)\r\ncontent-length: (\d+)", head)
-    return bool(sep and length and len(body) >= int(length.group(1)))
+    if length:
+        return len(body) >= int(length.group(1))
+    return b"transfer-encoding: chunked" in head.lower() and body.endswith(b"0\r\n\r\n")
 
 
 # ---- the hand-picked streams ----------------------------------------------------------------

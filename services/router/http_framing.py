@@ -6,8 +6,9 @@ Transfer-Encoding, ...) never reach the FastAPI app: uvicorn's parser refuses th
 uvicorn answers a plain-text 400. ``FramingErrorProtocol`` is uvicorn's own protocol with
 that answer replaced by a JSON body (``{"error": {"message", "type", "param", "code"}}``)
 that names the parser's reason, and with a bound on the request head that uvicorn's
-httptools protocol lacks: a request line beyond ``MAX_URL_BYTES`` gets 414, a head (request
-line and headers) beyond ``MAX_HEAD_BYTES`` 431, instead of being buffered without end.
+httptools protocol lacks: a request target beyond ``MAX_URL_BYTES`` gets 414, a head
+(request line and headers) beyond ``MAX_HEAD_BYTES`` 431, instead of being buffered without
+end.
 
 Ray Serve builds the uvicorn servers itself (``uvicorn.Config(http="auto")``) and offers
 no option for their protocol class, so ``install`` points uvicorn's "auto" protocol at this
@@ -20,6 +21,7 @@ the router replica's direct ingress (``detserve serve``).
 from __future__ import annotations
 
 import json
+from http import HTTPStatus
 from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
@@ -45,8 +47,7 @@ def _head_too_large() -> APIError:
 def error_response(error: APIError, default_headers: list[tuple[bytes, bytes]]) -> bytes:
     """The whole HTTP/1.1 response for ``error``; the connection is closed after it."""
     body = json.dumps(error.body()).encode()
-    reason = {400: b"Bad Request", 414: b"URI Too Long",
-              431: b"Request Header Fields Too Large"}.get(error.status, b"Bad Request")
+    reason = HTTPStatus(error.status).phrase.encode()
     head = [b"HTTP/1.1 %d %s\r\n" % (error.status, reason)]
     head += [name + b": " + value + b"\r\n" for name, value in default_headers]
     head += [b"content-type: application/json\r\n",
