@@ -35,6 +35,9 @@ DEPLOYMENT_NAMES = (ROUTER, DECODER, VERIFIER)
 GRPC_SERVICER_FUNCTIONS: tuple[str, ...] = (
     "services.router.grpc_api:add_CompletionsServicer_to_server",
 )
+# called by Ray Serve in each process before it starts an HTTP server (proxy or direct
+# ingress): broken HTTP framing answered with an OpenAI error body
+HTTP_PROXY_CALLBACK = "services.router.http_framing:proxy_callback"
 DEVICES = ("cpu", "cuda")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -345,7 +348,8 @@ def ray_serve_env(http_port: int, grpc_port: int, *, direct_ingress: bool = True
                   ) -> dict[str, str]:
     """Ray Serve settings for the serving path, as environment variables.
 
-    The throughput profile, plus with ``direct_ingress`` the router replica itself listening
+    The throughput profile and the HTTP servers' framing errors (``HTTP_PROXY_CALLBACK``),
+    plus with ``direct_ingress`` the router replica itself listening
     on ``http_port`` and ``grpc_port`` (no proxy actor between the client and the router:
     every streamed chunk skips one Ray hop and one process). Direct ingress gives each
     ingress replica of a node its own port from a range; the range here is one port wide,
@@ -355,6 +359,7 @@ def ray_serve_env(http_port: int, grpc_port: int, *, direct_ingress: bool = True
     (against serving_overhead_cpu_tiny.md, before).
     """
     env = dict(THROUGHPUT_ENV)
+    env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] = HTTP_PROXY_CALLBACK
     # the controller gives a starting proxy actor this long before it kills and restarts it
     # (default 5 s): on a loaded small machine the first proxy's worker can take longer to
     # start, and `serve.start`, which waits for that very actor, then fails

@@ -333,8 +333,11 @@ def test_health_probes(rendered: tuple[str, list[Obj]]) -> None:
     cluster = cluster_of(objects)
     for group in cluster["workerGroupSpecs"]:
         container = ray_container(group["template"])
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["httpGet"] == {"path": "/health", "port": 8000}
+        # readiness: /health (503 while requests would fail); liveness and startup: /livez,
+        # which answers whatever Redis and the verifiers do (a restart mends neither)
+        assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
+        for probe in ("startupProbe", "livenessProbe"):
+            assert container[probe]["httpGet"] == {"path": "/livez", "port": 8000}
         # liveness must not fire during a cold start: the startup probe allows 30 minutes
         startup = container["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800

@@ -201,6 +201,9 @@ def test_ray_serve_env_gives_the_router_replica_the_configured_ports() -> None:
             env["RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"]) == ("9000", "9001")
     proxied = sc.ray_serve_env(8000, 9000, direct_ingress=False)
     assert proxied["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"
+    # every HTTP server Serve starts (proxy or router replica) answers broken framing as JSON
+    for e in (env, proxied):
+        assert e["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == sc.HTTP_PROXY_CALLBACK
     assert not any("_PORT" in key for key in proxied)
 
 

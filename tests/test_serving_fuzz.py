@@ -7,6 +7,10 @@ HTTP 4xx with an OpenAI error body, every gRPC refusal INVALID_ARGUMENT or NOT_F
 a message, every gRPC stream that starts ending with its Complete event. Afterwards the
 server is healthy and a deterministic request gives the same tokens as before the
 fuzzing. Each API's answers are counted by status and printed on one line.
+
+Broken HTTP framing (raw byte streams that are no HTTP/1.1 request: hostile_framing) goes
+to the same server: every answer is a 4xx with an OpenAI error body (uvicorn's own refusals
+included: services.router.http_framing), or none where HTTP allows it (a stream cut short).
 """
 
 from __future__ import annotations
@@ -20,6 +24,14 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+from hostile_framing import (
+    HAND_PICKED,
+    Stream,
+    as_expected,
+    classify,
+    exchange,
+    framing_stream,
+)
 from hostile_requests import (
     CHAT_BASE,
     CHAT_FIELDS,
@@ -53,6 +65,9 @@ DETERMINISTIC = {"prompt": "The quick brown fox", "max_tokens": 16, "temperature
                  "seed": 11, "is_deterministic": True, "ignore_eos": True}
 COUNTS: dict[str, Counter[str]] = {"completions": Counter(), "chat": Counter(),
                                    "grpc": Counter()}
+FRAMING_BATCH, FRAMING_EXAMPLES = 16, 20   # generated broken-framing streams: 320
+FRAMING: Counter[str] = Counter()
+PROXY_FRAMING: Counter[str] = Counter()
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +191,51 @@ def test_hostile_grpc(cluster: Cluster, before: Any, cases: list[GrpcCase]) -> N
     COUNTS["grpc"].update(asyncio.run(_send_grpc(cluster.grpc_address, cases)))
 
 
+# ---- broken HTTP framing -------------------------------------------------------------------
+def _framing(cluster: Cluster, streams: list[Stream], port: int | None = None) -> list[str]:
+    """The answers to ``streams`` from the router's own HTTP server, or from ``port``."""
+    host, router_port = cluster.http_url.removeprefix("http://").rsplit(":", 1)
+
+    async def all_of() -> list[str]:
+        gate = asyncio.Semaphore(CONCURRENCY)
+
+        async def one(stream: Stream) -> str:
+            async with gate:
+                answer = await exchange(host, port or int(router_port), stream)
+            return classify(stream, answer)
+        return list(await asyncio.gather(*(one(s) for s in streams)))
+    answers = asyncio.run(all_of())
+    (PROXY_FRAMING if port else FRAMING).update(answers)
+    return answers
+
+
+def _check_hand_picked(answers: list[str]) -> None:
+    wrong = [(s.label, a) for s, a in zip(HAND_PICKED, answers, strict=True)
+             if not as_expected(s, a)]
+    assert not wrong, wrong
+
+
+def test_hand_picked_broken_framing(cluster: Cluster, before: Any) -> None:
+    _check_hand_picked(_framing(cluster, list(HAND_PICKED)))
+
+
+def test_hand_picked_broken_framing_through_the_serve_proxy(cluster: Cluster,
+                                                            before: Any) -> None:
+    """What Kubernetes serves from: Ray Serve's HTTP proxy (locally the head's, on a port
+    of its own) in front of the router, its uvicorn given the same protocol."""
+    from ray.serve.context import _get_global_client
+
+    port = _get_global_client().http_config.port
+    assert not cluster.http_url.endswith(f":{port}")
+    _check_hand_picked(_framing(cluster, list(HAND_PICKED), port))
+
+
+@settings(FUZZ, max_examples=FRAMING_EXAMPLES)
+@given(streams=st.lists(framing_stream(), min_size=FRAMING_BATCH, max_size=FRAMING_BATCH))
+def test_generated_broken_framing(cluster: Cluster, before: Any, streams: list[Stream]) -> None:
+    _framing(cluster, streams)
+
+
 # ---- afterwards ---------------------------------------------------------------------------
 def test_healthy_and_deterministic_after_fuzzing(cluster: Cluster,
                                                  before: tuple[list[int], list[int]],
@@ -184,11 +244,19 @@ def test_healthy_and_deterministic_after_fuzzing(cluster: Cluster,
         for api, counts in COUNTS.items():
             answers = ", ".join(f"{status}: {n}" for status, n in sorted(counts.items()))
             print(f"\nfuzzed {api}: {sum(counts.values())} requests ({answers})")
+        for where, counts in (("", FRAMING), (" through the Serve proxy", PROXY_FRAMING)):
+            answers = ", ".join(f"{status}: {n}" for status, n in sorted(counts.items()))
+            print(f"\nbroken HTTP framing{where}: {sum(counts.values())} streams ({answers})")
     for api, counts in COUNTS.items():
         assert sum(counts.values()) >= MIN_REQUESTS, (api, counts)
         assert not any(s.isdigit() and int(s) >= 500 for s in counts), (api, counts)
+    assert sum(FRAMING.values()) >= len(HAND_PICKED) + FRAMING_BATCH * FRAMING_EXAMPLES
+    assert not any(s.isdigit() and int(s) >= 500 for s in FRAMING), FRAMING
+    assert FRAMING["400"] > sum(FRAMING.values()) // 2, FRAMING
     health = httpx.get(cluster.http_url + "/health", timeout=30)
     assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+    live = httpx.get(cluster.http_url + "/livez", timeout=30)
+    assert live.status_code == 200 and live.json() == {"status": "alive"}, live.text
     with grpc.insecure_channel(cluster.grpc_address) as channel:
         health_call = channel.unary_unary("/detserve.Completions/Health",
                                           request_serializer=pb.HealthRequest.SerializeToString,

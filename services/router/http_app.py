@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI), built around a ``RouterService``.
 
 Besides OpenAI's routes: vLLM's tokenizer routes (``services.router.tokenizer_api``),
-``/health`` and ``/metrics``. /v1/models lists the model twice: under its served name and
+``/health`` (readiness: would a request succeed now?), ``/livez`` (liveness: is this
+router's event loop answering?) and ``/metrics``. /v1/models lists the model twice: under its served name and
 under its deterministic name, whose requests are all deterministic.
 """
 
@@ -101,6 +102,14 @@ def build_http_app(service: RouterService) -> FastAPI:
         if refusal is not None:  # what a request would meet, as an OpenAI error body
             body.update(refusal.body())
         return JSONResponse(body, status_code=200 if refusal is None else 503)
+
+    @app.get("/livez")
+    async def livez() -> dict[str, str]:
+        # Liveness, for a probe that restarts what fails it: answered by the event loop
+        # alone, whatever Redis, the decoders or the verifiers do (a restart mends none of
+        # them; /health says whether to send traffic). A stalled loop cannot answer, and
+        # the probe's timeout turns that into a failure.
+        return {"status": "alive"}
 
     @app.get("/metrics")
     async def metrics() -> Response:
