@@ -62,5 +62,22 @@ def serving_cluster(*, limits: ServingLimits | None = None, **overrides: Any
         args = config["applications"][0]["args"]
         serve.run(compose(args, limits=limits, replica_cpus=0.5), name="detserve",
                   route_prefix="/")
+        _wait_ready(f"http://127.0.0.1:{http_port}")
         yield Cluster(args, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}",
                       time.monotonic() - t0, redis)
+
+
+def _wait_ready(url: str, bound_s: float = 60.0) -> None:
+    """Until /health answers 200 (the decoders' links found, a verifier usable), at most
+    ``bound_s``: a test's first request then meets the cluster it means to test. A cluster
+    that never gets there is left to the tests to report."""
+    import httpx
+
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
