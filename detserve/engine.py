@@ -282,6 +282,10 @@ class LLMEngine:
             wait = yield_to_lane or (not self.scheduler.lane_prefill_ready()
                                      and (not plan.fast or self.scheduler.lane_bound()))
             self.counters["lane_bound_waits"] += yield_to_lane or (wait and bool(plan.fast))
+        elif self._inflight and not plan.fast and not plan.lane:
+            # passes submitted that no verifier works on (one is being looked for), nothing
+            # else to run: let the verifier wait a little rather than spin
+            wait = True
         return self.verifier.poll(wait=wait)
 
     def _outputs(self) -> list[RequestOutput]:

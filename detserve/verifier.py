@@ -33,7 +33,8 @@ class Verifier(Protocol):
         """Results that are ready; with ``wait``, block until at least one is (if any is
         in flight)."""
 
-    def in_flight(self) -> int: ...
+    def in_flight(self) -> int:
+        """Passes being verified now (the engine yields decode steps to them)."""
 
     def close(self) -> None: ...
 

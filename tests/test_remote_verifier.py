@@ -356,6 +356,57 @@ def test_lost_verifier_fails_deterministic_requests_then_recovers(
             p.stop()
 
 
+def test_other_requests_go_on_while_a_verifier_is_looked_for(
+        model: str, redis_url: str, oracle: list[tuple]) -> None:
+    """The only verifier killed: while the decoder looks for another (up to its failover
+    timeout, off the engine thread), the non-deterministic requests decode to their end;
+    the deterministic ones end with an error only when the search gives up."""
+    prefix = f"search{uuid.uuid4().hex[:6]}"
+    (proc,) = start_verifiers(1, model, redis_url, prefix)
+    failover_s = 4.0
+    engine, exporter = make_engine(model, redis_url, prefix, "dec-search",
+                                   failover_timeout_s=failover_s, hello_timeout_s=2.0)
+    remote = engine.verifier
+    assert isinstance(remote, RemoteVerifier)
+    submit, submitted, killed = remote.submit, [0], [0.0]
+
+    def submit_then_kill(lane_pass: LanePass) -> None:
+        submit(lane_pass)
+        submitted[0] += 1
+        if submitted[0] == 3:
+            proc.kill()
+            killed[0] = time.monotonic()
+
+    step, finished = engine.step, {}
+
+    def step_as_the_decoder_loop() -> list[RequestOutput]:
+        try:
+            outs = step()
+        except VerifierUnavailable as e:
+            outs = engine.fail_lane(str(e))
+        for o in outs:
+            if o.finished:
+                finished[o.request_id] = (time.monotonic(), o.finish_reason)
+        return outs
+
+    remote.submit = submit_then_kill  # type: ignore[method-assign]
+    engine.step = step_as_the_decoder_loop  # type: ignore[method-assign]
+    try:
+        drive(engine, REQS, oracle_prefix_checker(oracle))
+        assert killed[0] > 0
+        nondet = [finished[f"r{i}"] for i in range(len(REQS)) if i not in DET]
+        det = [finished[f"r{i}"] for i in DET]
+        assert all(reason == "length" for _, reason in nondet)
+        assert all(reason == "error" for _, reason in det)
+        assert max(t for t, _ in nondet) < min(t for t, _ in det), \
+            "the other requests waited for the search"
+        assert min(t for t, _ in det) - killed[0] >= failover_s - 0.5, "gave up too early"
+    finally:
+        remote.close()
+        exporter.close()
+        proc.stop()
+
+
 def test_stale_or_incompatible_decoder_is_refused(model: str, redis_url: str,
                                                   pool: tuple[str, list[VerifierProc]]) -> None:
     prefix, procs = pool

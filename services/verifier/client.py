@@ -30,9 +30,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import queue
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import grpc
 import redis
@@ -105,6 +107,9 @@ class RemoteVerifier:
         self._beat: Heartbeat | None = None  # keeps this decoder's record in Redis
         # why a search that dropped passes found no verifier; None once one is found
         self._lost: str | None = None
+        self._search: _Search | None = None  # looking for a verifier, off the engine thread
+        # passes sent on the current transferring stream, until their rows are pulled
+        self._sent: dict[int, LanePass] = {}
         self.failovers = 0
         self.resent_passes = 0
 
@@ -113,20 +118,34 @@ class RemoteVerifier:
         self._check_epoch()
         self._publish_tables(lane_pass)
         self._pending[lane_pass.pass_id] = lane_pass
-        if self._stream is None:
-            self.connect()  # sends every pending pass, this one included
-        else:
+        if self._stream is not None:
             self._send(lane_pass)
+        elif self._search is None:
+            self._start_search()  # the pass goes out once a verifier is found
+        self._settle_search()
 
     def poll(self, wait: bool = False) -> list[LaneResult]:
+        """Results ready now; with ``wait``, until one is, while a stream is open (while a
+        verifier is being looked for, only briefly: the engine keeps stepping its other
+        requests). Raises ``VerifierUnavailable`` once a search gave up."""
         self._check_epoch()
+        self._settle_search()
         self._drain(block=False)
         if wait and not self._ready and self._pending:
-            self._drain(block=True)
+            if self._search is not None:
+                self._search.done.wait(0.05)
+                self._settle_search()
+            if self._stream is not None:
+                self._drain(block=True)
         out, self._ready = self._ready, []
         return out
 
     def in_flight(self) -> int:
+        """Passes a verifier is working on (or whose results wait to be polled). While one
+        is looked for, none: the engine must not give the device to a lane that is not
+        there (it yields steps to a lane pass in flight)."""
+        if self._stream is None:
+            return len(self._ready)
         return len(self._pending) + len(self._ready)
 
     def close(self) -> None:
@@ -187,35 +206,16 @@ class RemoteVerifier:
                 log.debug("block tables not dropped (Redis away): %s", e)
 
     def connect(self) -> None:
-        """Open a stream to a usable verifier and (re-)send every pending pass.
-
-        Waits up to ``failover_timeout_s`` for one. Raises ``VerifierUnavailable`` having
-        dropped every pending pass (their results will never come); once passes were
-        dropped so, later searches look once without waiting, until one finds a verifier:
-        the engine loop is not held up by each deterministic request while none is there."""
-        wait_s = 0.0 if self._lost is not None else self.failover_timeout_s
-        deadline = time.monotonic() + wait_s
-        last_error = "no verifier registered"
-        while True:
-            for verifier in self._candidates():
-                refused = self._open(verifier)
-                if (refused is not None and refused.code == grpc.StatusCode.NOT_FOUND
-                        and self._beat is not None and self._beat.refresh()):
-                    refused = self._open(verifier)  # Redis had lost our record: written again
-                if refused is None:
-                    self._lost = None
-                    return
-                last_error = f"{verifier.address}: {refused.code}: {refused.details}"
-                self._bad[verifier.address] = time.monotonic()
-            if time.monotonic() >= deadline:
-                error = (f"no usable verifier for decoder {self.record.decoder_id!r} "
-                         f"within {wait_s:.0f} s (last error: {last_error})")
-                if self._pending or self._lost is not None:
-                    self._lost = error
-                self._pending.clear()
-                self._ready.clear()
-                raise VerifierUnavailable(error)
-            time.sleep(0.1)
+        """Open a stream to a usable verifier and (re-)send every pending pass, waiting
+        for the search (``_Search``) to end. Raises ``VerifierUnavailable`` having dropped
+        every pending pass if it found none."""
+        if self._stream is not None:
+            return
+        if self._search is None:
+            self._start_search()
+        assert self._search is not None
+        self._search.done.wait()
+        self._settle_search()
 
     # ---- internals --------------------------------------------------------------------
     def _check_epoch(self) -> None:
@@ -252,16 +252,75 @@ class RemoteVerifier:
             self._stream.send(codec.encode_pass(lane_pass))
             return
         kv_from = self._xfer.plan(lane_pass)
+        self._sent[lane_pass.pass_id] = lane_pass
         self._stream.send(codec.encode_pass(lane_pass, kv_from))
         try:
             self._xfer.push(lane_pass, kv_from)
         except PeerLost as e:
             self._failover(f"K/V push: {e}")
 
-    def _open(self, verifier: VerifierRecord) -> Closed | None:
-        """Say hello; on Ready, re-send the pending passes. Returns why it failed or None."""
+    def _start_search(self) -> None:
+        """Look for a verifier on a thread of its own: up to ``failover_timeout_s``, or
+        once without waiting after a search that dropped passes (until one succeeds)."""
+        wait_s = 0.0 if self._lost is not None else self.failover_timeout_s
+        self._search = _Search(self, wait_s)
+
+    def _settle_search(self) -> None:
+        """On the engine thread: take a finished search's stream (re-sending the pending
+        passes) or its failure."""
+        search = self._search
+        if search is None or not search.done.is_set():
+            return
+        self._search = None
+        if isinstance(search.result, BaseException):
+            raise search.result
+        if isinstance(search.result, str):
+            if self._pending or self._lost is not None:
+                self._lost = search.result
+            self._pending.clear()
+            self._ready.clear()
+            raise VerifierUnavailable(search.result)
+        found = search.result
+        assert found is not None
+        self._lost = None
+        found.stream.retarget(self._events)
+        self._stream, self._xfer, self._sent = found.stream, found.xfer, {}
+        if found.xfer is not None:
+            self._xfer_gens.add(found.stream.generation)
+        log.info("decoder %s verified by %s (%s), %d passes re-sent", self.record.decoder_id,
+                 found.stream.verifier.address, "K/V transfer" if found.xfer else "mapped",
+                 len(self._pending))
+        for p in list(self._pending.values()):
+            if self._stream is None:
+                break  # the push failed: a new search has started
+            self._send(p)
+
+    def _find(self, wait_s: float) -> _Found | str:
+        """On the search thread: a stream to the first candidate that says Ready, or why
+        none did within ``wait_s``. Touches no state the engine thread uses."""
+        deadline = time.monotonic() + wait_s
+        last_error = "no verifier registered"
+        while True:
+            for verifier in self._candidates():
+                found = self._handshake(verifier)
+                if (isinstance(found, Closed) and found.code == grpc.StatusCode.NOT_FOUND
+                        and self._beat is not None and self._beat.refresh()):
+                    found = self._handshake(verifier)  # Redis had lost our record: rewritten
+                if not isinstance(found, Closed):
+                    return found
+                last_error = f"{verifier.address}: {found.code}: {found.details}"
+                self._bad[verifier.address] = time.monotonic()
+            if time.monotonic() >= deadline:
+                return (f"no usable verifier for decoder {self.record.decoder_id!r} "
+                        f"within {wait_s:.0f} s (last error: {last_error})")
+            time.sleep(0.1)
+
+    def _handshake(self, verifier: VerifierRecord) -> _Found | Closed:
+        """Say hello (on a queue of its own); on Ready, join the transfer groups if the
+        verifier cannot map our pool. Raises ``StaleEpochError``."""
         self._generation += 1
-        stream = LaneStream(verifier, self._generation, self._events, self.auth)
+        private: queue.Queue[Event] = queue.Queue()
+        stream = LaneStream(verifier, self._generation, private, self.auth)
         transfer = None
         if not self._colocated(verifier):
             assert self.pool is not None
@@ -270,46 +329,39 @@ class RemoteVerifier:
                       f"{uuid.uuid4().hex[:8]}",
                 backend=backend_for(self.pool.data.device), device=str(self.pool.data.device))
         stream.send(codec.encode_hello(self.record, transfer))
-        deadline = time.monotonic() + self.hello_timeout_s
-        while True:
-            try:
-                gen, event = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                stream.close()
-                return Closed(grpc.StatusCode.DEADLINE_EXCEEDED,
-                              f"no answer to hello within {self.hello_timeout_s} s")
-            if gen != stream.generation:
-                self._take(gen, event)  # a late reply of an old stream
-                continue
-            if isinstance(event, Closed):
-                stream.close()
-                if event.code == grpc.StatusCode.FAILED_PRECONDITION:
-                    raise StaleEpochError(event.details)
-                return event
-            if event.WhichOneof("kind") == "ready":
-                break
+        try:
+            _, event = private.get(timeout=self.hello_timeout_s)
+        except queue.Empty:
+            stream.close()
+            return Closed(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"no answer to hello within {self.hello_timeout_s} s")
+        if isinstance(event, Closed):
+            stream.close()
+            if event.code == grpc.StatusCode.FAILED_PRECONDITION:
+                raise StaleEpochError(event.details)
+            return event
+        if event.WhichOneof("kind") != "ready":
+            stream.close()
+            return Closed(grpc.StatusCode.INTERNAL, "the verifier answered hello with a result")
+        xfer = None
         if transfer is not None:
             try:
                 host, port = verifier.kv_store.rsplit(":", 1)
                 store = open_store(host, int(port), server=False,
                                    timeout_s=self.transfer_timeout_s)
                 assert self.pool is not None
-                self._xfer = DecoderTransfer(store, transfer.group, self.pool,
-                                             self.transfer_timeout_s)
+                xfer = DecoderTransfer(store, transfer.group, self.pool,
+                                       self.transfer_timeout_s)
             except (PeerLost, RuntimeError, ValueError) as e:
                 stream.close()
                 return Closed(grpc.StatusCode.UNAVAILABLE, f"K/V transfer groups: {e}")
-            self._xfer_gens.add(stream.generation)
-        self._stream = stream
-        for p in list(self._pending.values()):
-            self._send(p)
-        log.info("decoder %s verified by %s (%s), %d passes re-sent", self.record.decoder_id,
-                 verifier.address, event.ready.verifier_id, len(self._pending))
-        return None
+        return _Found(stream, xfer)
 
     def _drain(self, block: bool) -> None:
         """Handle queued events; with ``block``, until a result is ready."""
         while True:
+            if block and self._stream is None:
+                return  # failing over: the search runs on; the engine steps on
             timeout = self.pass_timeout_s if block and not self._ready else None
             try:
                 if timeout is None:
@@ -341,10 +393,13 @@ class RemoteVerifier:
             raise VerifierError(f"lane pass {event.error.pass_id}: {event.error.message}")
         if kind == "decisions":
             result = codec.decode_result(event.decisions)
-            lane_pass = self._pending.get(result.pass_id)
-            if lane_pass is not None and current and self._xfer is not None:
-                try:  # the committed rows, into the pool before the decisions apply
-                    self._xfer.pull(lane_pass, result, event.decisions.kv_rows)
+            sent = self._sent.pop(result.pass_id, None)
+            if current and self._xfer is not None and sent is not None:
+                # the committed rows, into the pool before the decisions apply (a pass
+                # already decided by an old stream: taken off the wire, written nowhere)
+                try:
+                    self._xfer.pull(sent, result, event.decisions.kv_rows,
+                                    write=result.pass_id in self._pending)
                 except PeerLost as e:
                     self._failover(f"K/V pull: {e}")
                     return
@@ -357,6 +412,7 @@ class RemoteVerifier:
         """Close the current stream (``reason``: it failed) and its transfer groups."""
         old, self._stream = self._stream, None
         xfer, self._xfer = self._xfer, None
+        self._sent = {}
         if xfer is not None:
             xfer.close()
         if old is not None:
@@ -367,10 +423,13 @@ class RemoteVerifier:
             old.close()
 
     def _failover(self, reason: str) -> None:
+        """The stream failed with passes in flight: drop it and look for another verifier
+        (on the search thread; the passes are re-sent when one is found)."""
         self._drop_stream(reason)
         self.failovers += 1
         self.resent_passes += len(self._pending)
-        self.connect()
+        if self._search is None:
+            self._start_search()
 
     def _publish_tables(self, lane_pass: LanePass) -> None:
         if not self.publish_block_tables:
@@ -385,6 +444,30 @@ class RemoteVerifier:
                 log.debug("block tables not published (Redis away): %s", e)
                 return
             self._tables.update(changed)
+
+
+@dataclass
+class _Found:
+    stream: LaneStream
+    xfer: DecoderTransfer | None  # None: the verifier maps our pool
+
+
+class _Search:
+    """``RemoteVerifier._find`` on a daemon thread; ``result`` once ``done`` is set: a
+    ``_Found``, the reason none was found, or the exception it raised."""
+
+    def __init__(self, owner: RemoteVerifier, wait_s: float) -> None:
+        self.done = threading.Event()
+        self.result: _Found | str | BaseException | None = None
+
+        def run() -> None:
+            try:
+                self.result = owner._find(wait_s)
+            except BaseException as e:  # StaleEpochError and bugs: raised on the engine thread
+                self.result = e
+            self.done.set()
+
+        threading.Thread(target=run, name="verifier-search", daemon=True).start()
 
 
 def make_verifier_factory(redis_url: str, decoder_id: str, kv_handle: KVHandle | KVExporter,

@@ -46,6 +46,7 @@ class LaneStream:
         self.verifier = verifier
         self.generation = generation
         self._events = events
+        self._lock = threading.Lock()  # the reader posts while ``retarget`` swaps queues
         self._outbox: queue.Queue[pb.LaneRequest | None] = queue.Queue()
         self._channel = auth.channel(verifier.address, options=CHANNEL_OPTIONS)
         self._handshake = auth.handshake(verifier.address)
@@ -54,6 +55,21 @@ class LaneStream:
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name=f"verifier-stream-{generation}")
         self._reader.start()
+
+    def retarget(self, events: queue.Queue[Event]) -> None:
+        """Post to ``events`` from now on, moving what is queued (a search's private queue
+        handed over to the owner's)."""
+        with self._lock:
+            old, self._events = self._events, events
+            while True:
+                try:
+                    events.put(old.get_nowait())
+                except queue.Empty:
+                    break
+
+    def _post(self, event: pb.LaneReply | Closed) -> None:
+        with self._lock:
+            self._events.put((self.generation, event))
 
     def send(self, request: pb.LaneRequest) -> None:
         self._outbox.put(request)
@@ -84,15 +100,14 @@ class LaneStream:
                 if not verified:
                     # nothing from a server that cannot prove the secret is trusted
                     self._call.cancel()
-                    self._events.put((self.generation, Closed(
-                        grpc.StatusCode.UNAUTHENTICATED,
-                        "the verifier did not prove it holds the cluster secret")))
+                    self._post(Closed(grpc.StatusCode.UNAUTHENTICATED,
+                                      "the verifier did not prove it holds the cluster secret"))
                     return
-                self._events.put((self.generation, reply))
-            self._events.put((self.generation, Closed(None, "stream ended")))
+                self._post(reply)
+            self._post(Closed(None, "stream ended"))
         except grpc.RpcError as e:
             code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
             details = e.details() if isinstance(e, grpc.Call) else str(e)
-            self._events.put((self.generation, Closed(code, details or "")))
+            self._post(Closed(code, details or ""))
         except Exception as e:  # the owner must always learn that this stream is gone
-            self._events.put((self.generation, Closed(grpc.StatusCode.UNKNOWN, repr(e))))
+            self._post(Closed(grpc.StatusCode.UNKNOWN, repr(e)))

@@ -144,9 +144,11 @@ class DecoderTransfer:
         if len(slots):
             self.pair.send(self.pair.push, self.pool.read_rows(slots), VERIFIER_RANK)
 
-    def pull(self, lane_pass: LanePass, result: LaneResult, kv_rows: int) -> None:
+    def pull(self, lane_pass: LanePass, result: LaneResult, kv_rows: int,
+             write: bool = True) -> None:
         """Take the pass's committed rows back into this pool (before its decisions are
-        applied). Raises ``PeerLost`` if they do not come."""
+        applied); ``write`` False: only off the wire (the pass was decided already, its
+        blocks may be another's by now). Raises ``PeerLost`` if they do not come."""
         self.pair.reap()
         segs = {s.request_id: s for s in lane_pass.segments}
         spans = []
@@ -163,7 +165,8 @@ class DecoderTransfer:
         if kv_rows:
             rows = _empty_rows(self.pool, kv_rows)
             self.pair.recv(self.pair.pull, rows, VERIFIER_RANK)
-            self.pool.write_rows(slots, rows)
+            if write:
+                self.pool.write_rows(slots, rows)
 
     def release(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
