@@ -84,10 +84,10 @@ PROFILES: dict[str, Profile] = {
                       "--max-model-len", "16384"),
         tokenizer="llama3", send_token_ids=True,
         datasets={"sharegpt": DatasetSpec("sharegpt", num_requests=3000),
-                  "arxiv-like": DatasetSpec("arxiv-like", num_requests=160,
+                  "arxiv-like": DatasetSpec("arxiv-like", num_requests=100,
                                             max_input_len=15000)},
         drain_s={"sharegpt": 15.0, "arxiv-like": 20.0}, output_cap=512,
-        probe_requests={"sharegpt": 384, "arxiv-like": 48},
+        probe_requests={"sharegpt": 256, "arxiv-like": 48},
         time_model=TimeModel(start_s=50.0, stop_s=10.0, probe_s=20.0, min_window_s=8.0),
         notes=("ShareGPT outputs cut at 512 tokens and ArXiv-like prompts at 15,000 (so a run "
                "drains within its allowance); every request ignores EOS (random weights)",)),
@@ -101,7 +101,7 @@ PROFILES: dict[str, Profile] = {
                   "arxiv-like": DatasetSpec("arxiv-like", num_requests=200,
                                             max_input_len=7000)},
         drain_s={"sharegpt": 10.0, "arxiv-like": 10.0}, output_cap=512,
-        probe_requests={"sharegpt": 384, "arxiv-like": 64},
+        probe_requests={"sharegpt": 256, "arxiv-like": 64},
         time_model=TimeModel(start_s=40.0, stop_s=10.0, probe_s=15.0),
         notes=("ShareGPT outputs cut at 512 tokens, ArXiv-like prompts at 7,000",)),
     # a smoke test of the driver on two CPU cores: the tiny random model, byte-token prompts
@@ -111,7 +111,7 @@ PROFILES: dict[str, Profile] = {
         tokenizer="bytes", send_token_ids=True,
         datasets={"random": DatasetSpec("random", num_requests=64, input_len=16,
                                         output_len=8, range_ratio=0.5)},
-        drain_s={"random": 8.0}, output_cap=None, probe_requests={"random": 8},
+        drain_s={"random": 8.0}, output_cap=None, probe_requests={"random": 16},
         time_model=TimeModel(start_s=30.0, stop_s=5.0, probe_s=5.0, min_window_s=2.0,
                              min_requests=4)),
 }
@@ -134,9 +134,10 @@ def prepare(profile: Profile, out: Path, datasets: Sequence[str], seed: int = 0)
             changes: dict[str, Any] = {"ignore_eos": True}
             if profile.output_cap is not None:
                 changes["output_len"] = min(r.output_len, profile.output_cap)
-            if profile.send_token_ids and r.prompt_token_ids is None:
-                ids = tuple(tok.encode(r.prompt))
-                changes.update(prompt_token_ids=ids, prompt_len=len(ids))
+            if profile.send_token_ids:
+                # the ids are what is sent: the text is dropped, which keeps the file small
+                ids = r.prompt_token_ids or tuple(tok.encode(r.prompt))
+                changes.update(prompt_token_ids=ids, prompt_len=len(ids), prompt="")
             fixed.append(r.with_(**changes))
         meta = {"dataset": spec.to_json(), "tokenizer": tok.name, "dataset_info": info,
                 "output_cap": profile.output_cap, "ignore_eos": True}
@@ -228,7 +229,8 @@ async def serve_cells(c: Campaign, server: str, cells: list[CellPlan]) -> None:
 
 async def warm_up(c: Campaign, target: OpenAIHTTPTarget, cells: list[CellPlan]) -> None:
     """A few short requests of each dataset (half of them deterministic), then the
-    capacity probe of every dataset that needs one and has none yet."""
+    capacity probe of every dataset that needs one and has none yet. (Probes stay within
+    the router's admission bound, 2 x max_num_seqs outstanding, or they would meet 429s.)"""
     for d in dict.fromkeys(x.dataset for x in cells):
         base = c.bases[d].requests[:16]
         warm = [r.with_(id=f"warm-{r.id}", output_len=min(r.output_len, 16),
@@ -314,7 +316,7 @@ async def run_cell(c: Campaign, server: str, target: OpenAIHTTPTarget, cell: Cel
           f", kept up: {k.kept_up} ({k.why})")
 
 
-async def wait_idle(target: OpenAIHTTPTarget, timeout_s: float = 30.0) -> None:
+async def wait_idle(target: OpenAIHTTPTarget, timeout_s: float = 15.0) -> None:
     """Until the router reports no running or waiting request (what a run that timed
     out left behind is aborted or finished), at most ``timeout_s``."""
     end = time.perf_counter() + timeout_s
@@ -433,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--datasets", help="comma-separated subset, in priority order")
     r.add_argument("--series", default=",".join(DEFAULT_SERIES),
                    help="SERVER@RATIO list in priority order (default: %(default)s)")
-    r.add_argument("--fractions", type=_floats, default=(0.5, 0.8, 1.0),
+    r.add_argument("--fractions", type=_floats, default=(0.4, 0.8, 1.0),
                    help="rates as fractions of the first server's burst capacity")
     r.add_argument("--rates", help="explicit rates instead, e.g. 'sharegpt=4,8,12'")
     r.add_argument("--budget-s", type=float, default=480.0,

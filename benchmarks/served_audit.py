@@ -99,20 +99,24 @@ def summarize(by_probe: dict[str, list[RequestResult]]) -> dict[str, Any]:
 
 async def run_rounds(target: StreamingTarget, rounds: Sequence[list[TraceRequest]],
                      tok: Tokenizer, *, in_flight: int, background_qps: float,
-                     background_tokens: int, seed: int = 0,
+                     background_tokens: int, seed: int = 0, max_seconds: float | None = None,
                      log_every: int = 100) -> tuple[dict[str, list[RequestResult]], dict[str, Any]]:
     """Replay the rounds, ``in_flight`` at a time, under Poisson background load; returns
-    the results by probe and counts of what ran."""
+    the results by probe and counts of what ran. Past ``max_seconds`` no further round
+    starts (the report's ``min_samples`` then says how far it got)."""
     by_probe: dict[str, list[RequestResult]] = {}
     sem = asyncio.Semaphore(in_flight)
     done = asyncio.Event()
     t0 = time.perf_counter()
     background: list[asyncio.Task[RequestResult]] = []
-    finished = 0
+    finished = skipped = 0
 
     async def one_round(batch: list[TraceRequest]) -> None:
-        nonlocal finished
+        nonlocal finished, skipped
         async with sem:
+            if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+                skipped += 1
+                return
             results = await target.replay(batch, ReplayOptions(request_timeout_s=300.0))
         for req, res in zip(batch, results, strict=True):
             by_probe.setdefault(str(req.tags["probe"]), []).append(res)
@@ -138,7 +142,8 @@ async def run_rounds(target: StreamingTarget, rounds: Sequence[list[TraceRequest
     done.set()
     await loader
     bg = await asyncio.gather(*background)
-    return by_probe, {"rounds": len(rounds), "seconds": time.perf_counter() - t0,
+    return by_probe, {"rounds": finished, "rounds_not_run": skipped,
+                      "seconds": time.perf_counter() - t0,
                       "background_requests": len(bg),
                       "background_failed": sum(not r.success for r in bg)}
 
@@ -175,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--background-qps", type=float, default=8.0)
     p.add_argument("--background-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seconds", type=float, help="start no round after this long")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     tok = load_tokenizer(a.tokenizer or a.model)
@@ -196,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} {probe}: {t['samples']} samples, {t['unique']} unique outputs, "
                   f"{t['unique_logprobs']} unique logprob vectors, {t['failed']} failed")
     print(f"passed={report['passed']} control_drift_seen={report['control_drift_seen']} "
-          f"min_samples={report['min_samples']} ({report['run']['seconds']:.0f} s)")
+          f"min_samples={report['min_samples']} rounds={report['run']['rounds']} "
+          f"not run={report['run']['rounds_not_run']} ({report['run']['seconds']:.0f} s)")
     return 0 if report["passed"] else 1
 
 
@@ -214,7 +221,8 @@ async def _audit(a: argparse.Namespace, tok: Tokenizer, rounds: list[list[TraceR
     try:
         by_probe, run = await run_rounds(target, rounds, tok, in_flight=a.in_flight,
                                          background_qps=a.background_qps,
-                                         background_tokens=a.background_tokens, seed=a.seed)
+                                         background_tokens=a.background_tokens, seed=a.seed,
+                                         max_seconds=a.max_seconds)
         stats = await target.server_stats()
     finally:
         await target.aclose()

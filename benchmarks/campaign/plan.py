@@ -126,7 +126,7 @@ class CellPlan:
 class CampaignPlan:
     datasets: tuple[DatasetPlan, ...]
     series: tuple[Series, ...]
-    fractions: tuple[float, ...] = (0.5, 0.8, 1.0)
+    fractions: tuple[float, ...] = (0.4, 0.8, 1.0)
     rates: Mapping[str, tuple[float, ...]] = field(default_factory=dict)  # explicit, per dataset
     servers: Mapping[str, ServerSpec] = field(default_factory=lambda: dict(SERVERS))
 
