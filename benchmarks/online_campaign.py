@@ -52,7 +52,9 @@ from benchmarks.campaign.report import build_report
 from loadgen.datasets import DatasetSpec
 from loadgen.runner import RunConfig, jsonable, run_benchmark, save_result
 from loadgen.stats import percentile
+from loadgen.targets.base import Target
 from loadgen.targets.openai_http import OpenAIHTTPTarget
+from loadgen.targets.sharded import ShardedHTTPTarget
 from loadgen.trace import Trace, load_trace, save_trace
 from loadgen.traffic import TrafficSpec, apply_traffic
 
@@ -72,6 +74,7 @@ class Profile:
     output_cap: int | None        # outputs longer than this are cut (bounds the drain)
     probe_requests: dict[str, int]
     time_model: TimeModel = field(default_factory=TimeModel)
+    client_procs: int = 4         # client processes sending the load (loadgen.targets.sharded)
     notes: tuple[str, ...] = ()
 
 
@@ -113,7 +116,7 @@ PROFILES: dict[str, Profile] = {
                                         output_len=8, range_ratio=0.5)},
         drain_s={"random": 8.0}, output_cap=None, probe_requests={"random": 16},
         time_model=TimeModel(start_s=30.0, stop_s=5.0, probe_s=5.0, min_window_s=2.0,
-                             min_requests=4)),
+                             min_requests=4), client_procs=1),
 }
 
 
@@ -160,6 +163,7 @@ class Campaign:
     extra_flags: tuple[str, ...]
     min_ratio: float
     stop_at_saturation: bool
+    client_procs: int = 1
     t0: float = field(default_factory=time.perf_counter)
     bases: dict[str, Trace] = field(default_factory=dict)
     capacity: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -215,8 +219,8 @@ async def serve_cells(c: Campaign, server: str, cells: list[CellPlan]) -> None:
         return
     c.servers[server] = {"started": True, "startup_s": proc.startup_s, "flags": list(flags)}
     c.log(f"{server} ready in {proc.startup_s:.0f} s at {proc.url}")
-    target = OpenAIHTTPTarget(proc.url, send_token_ids=c.profile.send_token_ids,
-                              label=server)
+    target = make_client(proc.url, c.client_procs, send_token_ids=c.profile.send_token_ids,
+                         label=server)
     try:
         await warm_up(c, target, cells)
         failed_at: dict[tuple[str, str], float] = {}
@@ -227,7 +231,14 @@ async def serve_cells(c: Campaign, server: str, cells: list[CellPlan]) -> None:
         proc.stop()
 
 
-async def warm_up(c: Campaign, target: OpenAIHTTPTarget, cells: list[CellPlan]) -> None:
+def make_client(url: str, procs: int, **http_args: Any) -> Target:
+    """The HTTP target the load is sent through: from ``procs`` client processes."""
+    if procs > 1:
+        return ShardedHTTPTarget(url, procs, **http_args)
+    return OpenAIHTTPTarget(url, **http_args)
+
+
+async def warm_up(c: Campaign, target: Target, cells: list[CellPlan]) -> None:
     """A few short requests of each dataset (half of them deterministic), then the
     capacity probe of every dataset that needs one and has none yet. (Probes stay within
     the router's admission bound, 2 x max_num_seqs outstanding, or they would meet 429s.)"""
@@ -242,7 +253,7 @@ async def warm_up(c: Campaign, target: OpenAIHTTPTarget, cells: list[CellPlan]) 
             c.capacity[d] = await probe_capacity(c, target, d)
 
 
-async def probe_capacity(c: Campaign, target: OpenAIHTTPTarget, dataset: str
+async def probe_capacity(c: Campaign, target: Target, dataset: str
                          ) -> dict[str, Any]:
     """Requests per second the server completes with a full batch: a burst (all requests
     at t=0), counted between the 25th and the 75th percentile of the completion times, so
@@ -271,7 +282,7 @@ def burst_rate(starts: Sequence[float], e2els: Sequence[float],
     return 0.5 * (len(done) - 1) / (hi - lo) if hi > lo else 0.0
 
 
-async def run_cell(c: Campaign, server: str, target: OpenAIHTTPTarget, cell: CellPlan,
+async def run_cell(c: Campaign, server: str, target: Target, cell: CellPlan,
                    failed_at: dict[tuple[str, str], float]) -> None:
     tm = c.profile.time_model
     key = (cell.dataset, cell.series.name)
@@ -316,7 +327,7 @@ async def run_cell(c: Campaign, server: str, target: OpenAIHTTPTarget, cell: Cel
           f", kept up: {k.kept_up} ({k.why})")
 
 
-async def wait_idle(target: OpenAIHTTPTarget, timeout_s: float = 15.0) -> None:
+async def wait_idle(target: Target, timeout_s: float = 15.0) -> None:
     """Until the router reports no running or waiting request (what a run that timed
     out left behind is aborted or finished), at most ``timeout_s``."""
     end = time.perf_counter() + timeout_s
@@ -356,7 +367,8 @@ def run_main(a: argparse.Namespace) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     c = Campaign(profile, plan, budgeted, out, a.budget_s, tuple(shlex.split(a.server_args)),
-                 a.min_keep_up, not a.run_past_saturation)
+                 a.min_keep_up, not a.run_past_saturation,
+                 a.client_procs or profile.client_procs)
     c.log(f"plan: {len(budgeted.cells)} runs, window {budgeted.window_s:.1f} s, estimate "
           f"{budgeted.estimate_s:.0f} s of {a.budget_s:g}; cut: {list(budgeted.cuts) or 'none'}")
     for d in datasets:
@@ -371,7 +383,7 @@ def run_main(a: argparse.Namespace) -> int:
                 "profile": a.profile, "budget_s": a.budget_s, "budget": budgeted.to_json(),
                 "plan": plan.to_json(), "time_model": vars(tm), "capacity": c.capacity,
                 "servers": c.servers, "skipped": c.skipped,
-                "elapsed_s": time.perf_counter() - c.t0,
+                "elapsed_s": time.perf_counter() - c.t0, "client_procs": c.client_procs,
                 "workload_notes": list(profile.notes)}
         (out / "campaign.json").write_text(json.dumps(jsonable(meta), indent=1))
         report = build_report(c.runs, meta, out, a.min_keep_up)
@@ -444,6 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--min-window-s", type=float, help="shortest arrival window (planner)")
     r.add_argument("--server-args", default="", help="more `detserve serve` flags")
     r.add_argument("--min-keep-up", type=float, default=MIN_KEEP_UP)
+    r.add_argument("--client-procs", type=int,
+                   help="client processes sending the load (default: the profile's)")
     r.add_argument("--run-past-saturation", action="store_true",
                    help="also run a series' rates above one where it did not keep up")
     r.add_argument("--out", required=True)

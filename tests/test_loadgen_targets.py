@@ -180,3 +180,32 @@ def test_http_replay_deadline_ends_an_overrunning_run_on_time() -> None:
         ReplayOptions(deadline_s=0.0)
     assert ReplayOptions(request_timeout_s=5.0, deadline_s=3.0).timeout_at(1.0) == 2.0
     assert ReplayOptions(request_timeout_s=5.0).timeout_at(100.0) == 5.0
+
+
+def test_sharded_http_target_sends_from_several_processes_in_order() -> None:
+    from loadgen.targets.sharded import ShardedHTTPTarget
+
+    reqs = _reqs(7, out=5, gap=0.05, logprobs=1)
+    with running_server(FakeEngine()) as url:
+        async def go() -> tuple[list[Any], dict[str, float], list[str]]:
+            target = ShardedHTTPTarget(url, 3)
+            done: list[str] = []
+            try:
+                results = await target.replay(reqs, ReplayOptions(max_concurrency=4),
+                                              on_done=lambda r: done.append(r.request_id))
+                stats = await target.server_stats()
+            finally:
+                await target.aclose()
+            return results, stats, done
+
+        results, stats, done = asyncio.run(go())
+    assert [r.request_id for r in results] == [r.id for r in reqs] and sorted(done) == sorted(
+        r.id for r in reqs)
+    assert all(r.success and r.output_len == 5 and len(r.logprobs or []) == 5 for r in results)
+    # every request was sent at its arrival offset from the common start
+    for req, res in zip(reqs, results, strict=True):
+        assert req.arrival_s - 0.01 <= res.start_s <= req.arrival_s + 0.5
+        assert res.is_deterministic == req.is_deterministic
+    assert stats["committed_tokens"] == 35
+    with pytest.raises(ValueError):
+        ShardedHTTPTarget("http://127.0.0.1:1", 0)

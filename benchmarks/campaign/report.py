@@ -183,6 +183,8 @@ def _plan_lines(meta: dict[str, Any]) -> list[str]:
              f"Budget {meta.get('budget_s', '?')} s; arrival window {_f(budget.get('window_s'), '.1f')} s "
              f"per run (estimate {_f(budget.get('estimate_s'), '.0f')} s); took "
              f"{_f(meta.get('elapsed_s'), '.0f')} s."]
+    if meta.get("client_procs"):
+        lines.append(f"- load sent from {meta['client_procs']} client process(es)")
     caps = meta.get("capacity") or {}
     for d, c in caps.items():
         lines.append(f"- capacity probe, {d}: {_f(c.get('rate'), '.3g')} req/s "
