@@ -169,6 +169,7 @@ class Campaign:
     capacity: dict[str, dict[str, Any]] = field(default_factory=dict)
     runs: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    extras: list[str] = field(default_factory=list)   # cut by the planner, run after all
     servers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def left(self) -> float:
@@ -181,27 +182,41 @@ class Campaign:
         flags = self.profile.server_flags
         return flags[flags.index("--device") + 1] if "--device" in flags else "cpu"
 
+    def ordered(self, cells: list[CellPlan]) -> list[CellPlan]:
+        """Dataset, then series, then rate point, each in the plan's order."""
+        names = [d.name for d in self.plan.datasets]
+        return sorted(cells, key=lambda x: (names.index(x.dataset),
+                                            self.plan.series.index(x.series), x.point))
+
     def cell_cost(self, cell: CellPlan) -> float:
         drain = {d.name: d.drain_s for d in self.plan.datasets}[cell.dataset]
         return self.budget.window_s + drain
 
 
 async def run_campaign(c: Campaign) -> None:
+    """Server by server: its planned runs, then the runs the planner cut for it while the
+    time left still covers the later servers' planned work (runs end before their
+    allowance, so time is usually left over)."""
     tm = c.profile.time_model
-    cells = list(c.budget.cells)
-    for server in c.plan.server_order(cells):
-        mine = [x for x in c.plan.series_cells(cells) if x.series.server == server]
-        mine.sort(key=lambda x: ([d.name for d in c.plan.datasets].index(x.dataset),
-                                 c.plan.series.index(x.series), x.point))
+    kept = list(c.budget.cells)
+    cut = [x for x in c.plan.cells() if x not in kept]
+    servers = c.plan.server_order(kept)
+    for i, server in enumerate(servers):
+        mine = c.ordered([x for x in kept if x.series.server == server])
+        extras = c.ordered([x for x in cut if x.series.server == server])
+        reserve = sum(tm.start_s + tm.stop_s + sum(c.cell_cost(x) for x in kept
+                                                   if x.series.server == later)
+                      for later in servers[i + 1:])
         need = tm.start_s + tm.stop_s + min(c.cell_cost(x) for x in mine)
         if c.left() < need:
             c.skipped += [f"{x.key}: server {server} not started, {c.left():.0f} s left "
                           f"(needs ~{need:.0f})" for x in mine]
             continue
-        await serve_cells(c, server, mine)
+        await serve_cells(c, server, mine, extras, reserve)
 
 
-async def serve_cells(c: Campaign, server: str, cells: list[CellPlan]) -> None:
+async def serve_cells(c: Campaign, server: str, cells: list[CellPlan],
+                      extras: list[CellPlan], reserve_s: float) -> None:
     from benchmarks.campaign.server import ServeProcess, ServerFailed
 
     spec = c.plan.servers[server]
@@ -226,6 +241,11 @@ async def serve_cells(c: Campaign, server: str, cells: list[CellPlan]) -> None:
         failed_at: dict[tuple[str, str], float] = {}
         for cell in cells:
             await run_cell(c, server, target, cell, failed_at)
+        for cell in extras:
+            if c.left() - reserve_s >= c.cell_cost(cell) + c.profile.time_model.stop_s:
+                c.log(f"{cell.key}: cut by the planner, run with the time left")
+                c.extras.append(cell.key)
+                await run_cell(c, server, target, cell, failed_at)
     finally:
         await target.aclose()
         proc.stop()
@@ -382,7 +402,7 @@ def run_main(a: argparse.Namespace) -> int:
                 "server_flags": list(profile.server_flags) + list(c.extra_flags),
                 "profile": a.profile, "budget_s": a.budget_s, "budget": budgeted.to_json(),
                 "plan": plan.to_json(), "time_model": vars(tm), "capacity": c.capacity,
-                "servers": c.servers, "skipped": c.skipped,
+                "servers": c.servers, "skipped": c.skipped, "extras_run": c.extras,
                 "elapsed_s": time.perf_counter() - c.t0, "client_procs": c.client_procs,
                 "workload_notes": list(profile.notes)}
         (out / "campaign.json").write_text(json.dumps(jsonable(meta), indent=1))

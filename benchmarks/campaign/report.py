@@ -194,6 +194,9 @@ def _plan_lines(meta: dict[str, Any]) -> list[str]:
     cuts = budget.get("cuts") or []
     lines.append("- cut by the budget: " + ("none" if not cuts else ""))
     lines += [f"  - {c}" for c in cuts]
+    if meta.get("extras_run"):
+        lines.append("- cut by the planner but run with the time left: "
+                     + ", ".join(meta["extras_run"]))
     return lines + [""]
 
 
