@@ -26,6 +26,7 @@ import random
 import shlex
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -34,7 +35,7 @@ from typing import Any
 from loadgen.audit import PromptTally, tally
 from loadgen.audit_prompts import AuditConfig, AuditPlan, words_text
 from loadgen.runner import jsonable
-from loadgen.targets.base import ReplayOptions, RequestResult, StreamingTarget
+from loadgen.targets.base import RequestResult, StreamingTarget
 from loadgen.targets.openai_http import OpenAIHTTPTarget
 from loadgen.tokenizer import Tokenizer, load_tokenizer
 from loadgen.trace import TraceRequest
@@ -81,14 +82,15 @@ def summarize(by_probe: dict[str, list[RequestResult]]) -> dict[str, Any]:
     ctl = {p[len(CONTROL):]: tally(rs) for p, rs in sorted(by_probe.items())
            if p.startswith(CONTROL)}
 
-    def row(t: PromptTally) -> dict[str, Any]:
+    def row(probe: str, t: PromptTally) -> dict[str, Any]:
         d = asdict(t)
         d["outputs"] = d["outputs"][:3]
-        return {**d, "deterministic": t.deterministic}
+        errors = Counter(r.error[:120] for r in by_probe[probe] if not r.success)
+        return {**d, "deterministic": t.deterministic, "errors": dict(errors.most_common(3))}
 
     return {
-        "targets": {p: row(t) for p, t in det.items()},
-        "controls": {p: row(t) for p, t in ctl.items()},
+        "targets": {p: row(p, t) for p, t in det.items()},
+        "controls": {p: row(CONTROL + p, t) for p, t in ctl.items()},
         "passed": bool(det) and all(t.deterministic for t in det.values()),
         "min_samples": min((t.samples for t in det.values()), default=0),
         "control_drift_seen": any(t.unique > 1 or (t.unique_logprobs or 1) > 1
@@ -99,31 +101,51 @@ def summarize(by_probe: dict[str, list[RequestResult]]) -> dict[str, Any]:
 
 async def run_rounds(target: StreamingTarget, rounds: Sequence[list[TraceRequest]],
                      tok: Tokenizer, *, in_flight: int, background_qps: float,
-                     background_tokens: int, seed: int = 0, max_seconds: float | None = None,
-                     log_every: int = 100) -> tuple[dict[str, list[RequestResult]], dict[str, Any]]:
-    """Replay the rounds, ``in_flight`` at a time, under Poisson background load; returns
-    the results by probe and counts of what ran. Past ``max_seconds`` no further round
-    starts (the report's ``min_samples`` then says how far it got)."""
+                     background_tokens: int, max_outstanding: int = 200, seed: int = 0,
+                     max_seconds: float | None = None, retries: int = 3,
+                     log_every: int = 100
+                     ) -> tuple[dict[str, list[RequestResult]], dict[str, Any]]:
+    """Replay the rounds, ``in_flight`` at a time, under Poisson background load, with at
+    most ``max_outstanding`` requests open at once (keep it under the router's admission
+    bound, 2 x max_num_seqs: a shed request is not audited); one the router sheds anyway
+    (429) is sent again, up to ``retries`` times. Returns the results by probe and counts
+    of what ran. Past ``max_seconds`` no further round starts (``min_samples`` then says
+    how far it got)."""
     by_probe: dict[str, list[RequestResult]] = {}
-    sem = asyncio.Semaphore(in_flight)
+    rounds_open = asyncio.Semaphore(in_flight)
+    open_requests = asyncio.Semaphore(max_outstanding)
     done = asyncio.Event()
     t0 = time.perf_counter()
     background: list[asyncio.Task[RequestResult]] = []
-    finished = skipped = 0
+    counts = {"rounds": 0, "rounds_not_run": 0, "shed_and_resent": 0}
+
+    async def send(req: TraceRequest) -> RequestResult:
+        attempt = 0
+        while True:
+            async with open_requests:
+                try:
+                    res = await asyncio.wait_for(target.generate(req, t0), 300.0)
+                except asyncio.TimeoutError:
+                    res = RequestResult(req.id, req.is_deterministic, req.prompt_len,
+                                        error="timed out after 300 s")
+            if not res.error.startswith("HTTP 429") or attempt >= retries:
+                return res
+            attempt += 1
+            counts["shed_and_resent"] += 1
+            await asyncio.sleep(1.0)
 
     async def one_round(batch: list[TraceRequest]) -> None:
-        nonlocal finished, skipped
-        async with sem:
+        async with rounds_open:
             if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
-                skipped += 1
+                counts["rounds_not_run"] += 1
                 return
-            results = await target.replay(batch, ReplayOptions(request_timeout_s=300.0))
+            results = await asyncio.gather(*(send(r) for r in batch))
         for req, res in zip(batch, results, strict=True):
             by_probe.setdefault(str(req.tags["probe"]), []).append(res)
-        finished += 1
-        if finished % log_every == 0:
-            print(f"[audit {time.perf_counter() - t0:5.0f}s] {finished}/{len(rounds)} rounds",
-                  flush=True)
+        counts["rounds"] += 1
+        if counts["rounds"] % log_every == 0:
+            print(f"[audit {time.perf_counter() - t0:5.0f}s] {counts['rounds']}/{len(rounds)} "
+                  "rounds", flush=True)
 
     async def load() -> None:
         rng = random.Random(seed)
@@ -135,15 +157,14 @@ async def run_rounds(target: StreamingTarget, rounds: Sequence[list[TraceRequest
             req = TraceRequest(id=f"bg{i}", prompt=text, prompt_len=0,
                                output_len=background_tokens, temperature=rng.choice((0.0, 1.0)),
                                is_deterministic=False, ignore_eos=True)
-            background.append(asyncio.create_task(target.generate(req, t0)))
+            background.append(asyncio.create_task(send(req)))
 
     loader = asyncio.create_task(load())
     await asyncio.gather(*(one_round(b) for b in rounds))
     done.set()
     await loader
     bg = await asyncio.gather(*background)
-    return by_probe, {"rounds": finished, "rounds_not_run": skipped,
-                      "seconds": time.perf_counter() - t0,
+    return by_probe, {**counts, "seconds": time.perf_counter() - t0,
                       "background_requests": len(bg),
                       "background_failed": sum(not r.success for r in bg)}
 
@@ -177,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix-lens", default="1,64,256,511")
     p.add_argument("--no-control", action="store_true")
     p.add_argument("--in-flight", type=int, default=4, help="rounds sent at once")
+    p.add_argument("--max-outstanding", type=int, default=200,
+                   help="requests open at once (under the router's 2 x max_num_seqs)")
     p.add_argument("--background-qps", type=float, default=8.0)
     p.add_argument("--background-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
@@ -200,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, part in (("target", "targets"), ("control", "controls")):
         for probe, t in report[part].items():
             print(f"{name} {probe}: {t['samples']} samples, {t['unique']} unique outputs, "
-                  f"{t['unique_logprobs']} unique logprob vectors, {t['failed']} failed")
+                  f"{t['unique_logprobs']} unique logprob vectors, {t['failed']} failed"
+                  + (f" {t['errors']}" if t["errors"] else ""))
     print(f"passed={report['passed']} control_drift_seen={report['control_drift_seen']} "
           f"min_samples={report['min_samples']} rounds={report['run']['rounds']} "
           f"not run={report['run']['rounds_not_run']} ({report['run']['seconds']:.0f} s)")
@@ -221,7 +245,8 @@ async def _audit(a: argparse.Namespace, tok: Tokenizer, rounds: list[list[TraceR
     try:
         by_probe, run = await run_rounds(target, rounds, tok, in_flight=a.in_flight,
                                          background_qps=a.background_qps,
-                                         background_tokens=a.background_tokens, seed=a.seed,
+                                         background_tokens=a.background_tokens,
+                                         max_outstanding=a.max_outstanding, seed=a.seed,
                                          max_seconds=a.max_seconds)
         stats = await target.server_stats()
     finally:
