@@ -186,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--server-args", default="--max-num-seqs 128 --num-blocks 16384 "
-                                             "--max-model-len 8192",
-                   help="more `detserve serve` flags")
+                                             "--max-model-len 8192 --stream-interval 8",
+                   help="more `detserve serve` flags (chunks of 8 tokens: the same tokens "
+                        "and logprobs, an eighth of the client's work)")
     p.add_argument("--tokenizer", help="for the prompts (default: the model's)")
     p.add_argument("--runs", type=int, default=1000, help="rounds (samples per target)")
     p.add_argument("--max-batch", type=int, default=8, help="single prompt: 1..this")
