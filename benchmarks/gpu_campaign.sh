@@ -16,22 +16,34 @@
 # protobuf 7.36.2; files: redis-bookworm-*.tar.gz, SmolLM2-135M-Instruct.Q4_1.gguf), and
 # for campaign/arxiv the traces of `online_campaign prepare --profile 8b` in
 # $TRACES (default results/campaign-traces, carried with the call).
-# Results: $OUT (default results/gpu-campaign): <part>/..., <part>.log.
+# Results: $OUT (default results/gpu-campaign), at most 3 files a part, since the device
+# returns at most 8 files, 2 folders down: <part>.tgz (everything: runs, report, plots, server
+# logs), <part>-report.md (campaign and arxiv) and <part>.log. The work folder is
+# /tmp/gpu-campaign/<part>.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
-out=${OUT:-results/gpu-campaign}; mkdir -p "$out"
+final=${OUT:-results/gpu-campaign}; mkdir -p "$final"
+out=/tmp/gpu-campaign; mkdir -p "$out"
+pack() {  # the part's folder as one tarball, its report and log beside it
+  [ -d "$out/$part" ] && tar czf "$final/$part.tgz" -C "$out" "$part"
+  [ -f "$out/$part/report.md" ] && cp "$out/$part/report.md" "$final/$part-report.md"
+  [ -f "$out/$part.log" ] && cp "$out/$part.log" "$final/$part.log"
+  ls -la "$final"
+}
+trap pack EXIT
 traces=${TRACES:-results/campaign-traces}
 smol=${SMOLLM2:-${STAGE:-/tmp/stage}/SmolLM2-135M-Instruct.Q4_1.gguf}
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr ' ' '-')
 case "$part" in
   campaign|arxiv)
     . benchmarks/gpu_env.sh serve || exit 1
+    # (PROFILE=cpu-smoke DATASETS=random TRACES=... runs this part on a CPU, as a dry run)
     [ "$part" = arxiv ] && pick=(--datasets arxiv-like --series nondeterministic@0,llm42@0.1) \
-                        || pick=(--datasets sharegpt)
+                        || pick=(--datasets "${DATASETS:-sharegpt}")
     # the driver keeps inside its budget; timeout only guards against a hang
     timeout -k 20 $(( ${BUDGET_S:-450} + 90 )) python3 -m benchmarks.online_campaign run \
-      --profile 8b --traces "$traces" --budget-s "${BUDGET_S:-450}" "${pick[@]}" ${EXTRA:-} \
+      --profile "${PROFILE:-8b}" --traces "$traces" --budget-s "${BUDGET_S:-450}" "${pick[@]}" ${EXTRA:-} \
       --out "$out/$part" 2>&1 | tee "$out/$part.log" | grep -v "^\s*$" | tail -40 ;;
   audit)
     . benchmarks/gpu_env.sh serve || exit 1
@@ -39,13 +51,14 @@ case "$part" in
     timeout -k 20 $(( ${AUDIT_S:-420} + 120 )) python3 -m benchmarks.served_audit \
       --model "$smol" --device cuda --dtype bfloat16 --runs "${RUNS:-1000}" \
       --max-seconds "${AUDIT_S:-420}" ${EXTRA:-} --out "$out/audit/served-audit-smollm2.json" \
-      2>&1 | tee "$out/audit.log" | tail -30 ;;
+      2>&1 | tee "$out/audit.log" | tail -30
+    cp "$out/audit/served-audit-smollm2.json" "$final/" 2>/dev/null ;;
   bits)
     . benchmarks/gpu_env.sh
     models=random:llama3-8b
     [ -f "$smol" ] && models="$models,$smol" || echo "no $smol: the 8B shape only"
     timeout -k 20 500 python3 benchmarks/det_outputs.py --models "$models" --device cuda \
-      --dtype bfloat16 --modes "${MODES:-llm42}" --max-tokens 32 --out "$out/bits-$gpu.json" \
+      --dtype bfloat16 --modes "${MODES:-llm42}" --max-tokens 32 --out "$final/bits-$gpu.json" \
       2>&1 | tee "$out/bits.log" | tail -10 ;;
-  *) sed -n 2,22p "$0"; exit 2 ;;
+  *) trap - EXIT; sed -n 2,22p "$0"; exit 2 ;;
 esac
