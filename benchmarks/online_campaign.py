@@ -82,8 +82,10 @@ PROFILES: dict[str, Profile] = {
     # Llama-3.1-8B shape, seeded random weights, one GPU; prompts counted and sent as Llama-3
     # token ids (the random model's own tokenizer is a word list)
     "8b": Profile(
+        # KV: 12,288 blocks of 16 tokens, 2 MiB each (24 GiB), beside 2 x 16 GB of weights
+        # (decoder and co-located verifier)
         server_flags=("--model", "random:llama3-8b", "--device", "cuda", "--dtype", "bfloat16",
-                      "--max-num-seqs", "128", "--num-blocks", "16384",
+                      "--max-num-seqs", "128", "--num-blocks", "12288",
                       "--max-model-len", "16384"),
         tokenizer="llama3", send_token_ids=True,
         datasets={"sharegpt": DatasetSpec("sharegpt", num_requests=3000),

@@ -40,13 +40,13 @@ class ServerSpec:
 
 
 # The servers a series can name. ``llm42-dedicated`` puts the verifier on a GPU of its own
-# (the dedicated-verifier issue; its flag is the integrator's, and a server whose flags
-# this build does not know fails to start: its runs are reported as skipped).
+# (issue 35's ``--dedicated-verifiers``: two GPUs; a server that cannot start, e.g. on one
+# GPU or on a build without that flag, leaves its runs reported as skipped).
 SERVERS: dict[str, ServerSpec] = {
     "nondeterministic": ServerSpec("nondeterministic", ("--num-verifiers", "0")),
     "llm42": ServerSpec("llm42", ("--num-verifiers", "1"), cuda_flags=("--mps",)),
     "batch_invariant": ServerSpec("batch_invariant", ("--num-verifiers", "0")),
-    "llm42-dedicated": ServerSpec("llm42", ("--num-verifiers", "1", "--verifier-gpus", "1")),
+    "llm42-dedicated": ServerSpec("llm42", ("--num-verifiers", "1", "--dedicated-verifiers")),
 }
 DEFAULT_SERIES = ("nondeterministic@0", "llm42@0.1", "llm42@1", "batch_invariant@1",
                   "llm42@0.5")
