@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue 37 on a lent GPU, one part per device call (each inside ~10 minutes):
 #   campaign  the 8B-shape online matrix through `detserve serve` (ShareGPT; Figure 11,
-#             Table 5, saturation, both latency targets), inside BUDGET_S (default 450 s,
+#             Table 5, saturation, both latency targets), inside BUDGET_S (default 480 s,
 #             server starts included): benchmarks/online_campaign.py run --profile 8b
-#   arxiv     the ArXiv-like trace, nondeterministic and llm42 at 10 % (BUDGET_S, 450)
+#   arxiv     the ArXiv-like trace, nondeterministic and llm42 at 10 % (BUDGET_S, 480)
 #   audit     the served determinism audit on SmolLM2 (real weights), RUNS rounds (default
 #             1000) under load, with the non-deterministic control; no round starts after
 #             AUDIT_S seconds (default 420): benchmarks/served_audit.py
@@ -42,8 +42,8 @@ case "$part" in
     [ "$part" = arxiv ] && pick=(--datasets arxiv-like --series nondeterministic@0,llm42@0.1) \
                         || pick=(--datasets "${DATASETS:-sharegpt}")
     # the driver keeps inside its budget; timeout only guards against a hang
-    timeout -k 20 $(( ${BUDGET_S:-450} + 90 )) python3 -m benchmarks.online_campaign run \
-      --profile "${PROFILE:-8b}" --traces "$traces" --budget-s "${BUDGET_S:-450}" "${pick[@]}" ${EXTRA:-} \
+    timeout -k 20 $(( ${BUDGET_S:-480} + 60 )) python3 -m benchmarks.online_campaign run \
+      --profile "${PROFILE:-8b}" --traces "$traces" --budget-s "${BUDGET_S:-480}" "${pick[@]}" ${EXTRA:-} \
       --out "$out/$part" 2>&1 | tee "$out/$part.log" | grep -v "^\s*$" | tail -40 ;;
   audit)
     . benchmarks/gpu_env.sh serve || exit 1
