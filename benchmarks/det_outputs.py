@@ -10,6 +10,14 @@ random co-runners that arrive over several steps, in ``llm42`` mode (and in
         --device cuda --dtype bfloat16 --out before.json
     python benchmarks/det_outputs.py ... --out after.json
     python benchmarks/det_outputs.py --compare before.json after.json
+
+Across GPU models (issue 37): record the same requests on each machine, several models in
+one file (keys ``<model>|<mode>``), with the device and library versions beside each
+record, then compare request by request (``--report`` writes the verdict as JSON):
+
+    python benchmarks/det_outputs.py --models random:llama3-8b,$SMOLLM2 --out h100.json
+    python benchmarks/det_outputs.py --models random:llama3-8b,$SMOLLM2 --out h200.json
+    python benchmarks/det_outputs.py --compare h100.json h200.json --report cross-gpu.json
 """
 
 from __future__ import annotations
@@ -21,6 +29,32 @@ import random
 import sys
 from pathlib import Path
 from typing import Any
+
+
+def environment(device: str) -> dict[str, Any]:
+    """The machine a record was made on: what could change a kernel's bits."""
+    import platform
+
+    import torch
+
+    env: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                           "host": platform.node()}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device.startswith("cuda") and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.device(device))
+        env.update(device=props.name, sm_count=props.multi_processor_count,
+                   capability=f"{props.major}.{props.minor}",
+                   memory_gib=round(props.total_memory / 2**30, 1),
+                   blas=str(torch.backends.cuda.preferred_blas_library()),
+                   cudnn=torch.backends.cudnn.version())
+    else:
+        env["device"] = f"cpu-{platform.machine()}"
+    return env
 
 
 def _signature(o: Any) -> dict[str, Any]:
@@ -68,36 +102,91 @@ def run_mode(model: str, mode: str, device: str, dtype: str, max_tokens: int,
     profile = engine.determinism_profile()
     engine.close()
     digest = hashlib.sha256(json.dumps(outputs, sort_keys=True).encode()).hexdigest()[:16]
-    return {"outputs": outputs, "digest": digest, "profile": profile}
+    return {"outputs": outputs, "digest": digest, "profile": profile,
+            "environment": environment(device)}
 
 
-def compare(a_path: str, b_path: str) -> int:
-    a, b = (json.loads(Path(p).read_text()) for p in (a_path, b_path))
-    same = True
-    for mode in sorted(set(a) | set(b)):
-        ra, rb = a.get(mode), b.get(mode)
-        if ra is None or rb is None:
-            print(f"{mode}: only in one file")
-            same = False
+def compare_records(ra: dict[str, Any], rb: dict[str, Any]) -> dict[str, Any]:
+    """One record (a model in a mode) against another, request by request: tokens equal,
+    logprobs equal bit for bit, where they first differ; the profile fields and the
+    environment fields that differ."""
+    requests: dict[str, Any] = {}
+    for rid in sorted(set(ra["outputs"]) | set(rb["outputs"])):
+        a, b = ra["outputs"].get(rid), rb["outputs"].get(rid)
+        if a is None or b is None:
+            requests[rid] = {"tokens_equal": False, "logprobs_equal": False,
+                             "note": "only in one file"}
             continue
-        outs = ra["digest"] == rb["digest"]
-        fp = ra["profile"].get("fingerprint") == rb["profile"].get("fingerprint")
-        print(f"{mode}: outputs {'identical' if outs else 'DIFFER'} ({ra['digest']} / "
-              f"{rb['digest']}); fingerprint {'identical' if fp else 'differs'} "
-              f"({ra['profile'].get('fingerprint')} / {rb['profile'].get('fingerprint')})")
-        if not fp:
-            keys = sorted(set(ra["profile"]) | set(rb["profile"]))
-            for k in keys:
-                if k != "fingerprint" and ra["profile"].get(k) != rb["profile"].get(k):
-                    print(f"  profile[{k}]: {ra['profile'].get(k)!r} -> {rb['profile'].get(k)!r}")
-        same = same and outs
-    return 0 if same else 1
+        requests[rid] = {"tokens_equal": a["token_ids"] == b["token_ids"],
+                         "logprobs_equal": a["logprobs"] == b["logprobs"],
+                         "first_token_diff": _first_diff(a["token_ids"], b["token_ids"]),
+                         "first_logprob_diff": _first_diff(a["logprobs"], b["logprobs"])}
+    pa, pb = ra.get("profile", {}), rb.get("profile", {})
+    ea, eb = ra.get("environment", {}), rb.get("environment", {})
+    return {
+        "requests": requests,
+        "bitwise_equal": bool(requests) and all(r["tokens_equal"] and r["logprobs_equal"]
+                                                for r in requests.values()),
+        "fingerprints": [pa.get("fingerprint"), pb.get("fingerprint")],
+        "profile_diff": {k: [pa.get(k), pb.get(k)] for k in sorted(set(pa) | set(pb))
+                         if k != "fingerprint" and pa.get(k) != pb.get(k)},
+        "environment_diff": {k: [ea.get(k), eb.get(k)] for k in sorted(set(ea) | set(eb))
+                             if k != "host" and ea.get(k) != eb.get(k)},
+    }
+
+
+def _first_diff(a: list[Any], b: list[Any]) -> int | None:
+    """The first index where ``a`` and ``b`` differ (a length difference counts); None if
+    they are equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare_files(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    records = {}
+    for key in sorted(set(a) | set(b)):
+        if key not in a or key not in b:
+            records[key] = {"bitwise_equal": False, "note": "only in one file"}
+        else:
+            records[key] = compare_records(a[key], b[key])
+    return {"bitwise_equal": bool(records) and all(r["bitwise_equal"] for r in records.values()),
+            "records": records}
+
+
+def compare(a_path: str, b_path: str, report: str | None = None) -> int:
+    a, b = (json.loads(Path(p).read_text()) for p in (a_path, b_path))
+    verdict = compare_files(a, b)
+    for key, r in verdict["records"].items():
+        if "requests" not in r:
+            print(f"{key}: {r['note']}")
+            continue
+        reqs = r["requests"]
+        tok = sum(x["tokens_equal"] for x in reqs.values())
+        lps = sum(x["logprobs_equal"] for x in reqs.values())
+        print(f"{key}: {'BIT FOR BIT' if r['bitwise_equal'] else 'DIFFER'}: tokens equal in "
+              f"{tok}/{len(reqs)} requests, logprobs in {lps}/{len(reqs)}; fingerprints "
+              f"{r['fingerprints'][0]} / {r['fingerprints'][1]}")
+        for rid, x in reqs.items():
+            if not (x["tokens_equal"] and x["logprobs_equal"]):
+                print(f"  {rid}: first token diff at {x.get('first_token_diff')}, first "
+                      f"logprob diff at {x.get('first_logprob_diff')}")
+        for k, (va, vb) in r["profile_diff"].items():
+            print(f"  profile[{k}]: {va!r} -> {vb!r}")
+        for k, (va, vb) in r["environment_diff"].items():
+            print(f"  environment[{k}]: {va!r} -> {vb!r}")
+    if report:
+        Path(report).parent.mkdir(parents=True, exist_ok=True)
+        Path(report).write_text(json.dumps(verdict, indent=1))
+    return 0 if verdict["bitwise_equal"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="random:llama3-8b")
+    p.add_argument("--models", help="several models into one file (keys MODEL|MODE)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--modes", default="llm42", help="comma-separated engine modes")
@@ -106,11 +195,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--compare", nargs=2, metavar=("A", "B"),
                    help="compare two saved files instead of running")
+    p.add_argument("--report", help="with --compare: write the verdict JSON here")
     a = p.parse_args(argv)
     if a.compare:
-        return compare(*a.compare)
-    result = {m: run_mode(a.model, m, a.device, a.dtype, a.max_tokens, a.seed)
-              for m in a.modes.split(",")}
+        return compare(a.compare[0], a.compare[1], report=a.report)
+    modes = a.modes.split(",")
+    if a.models:
+        result = {f"{model}|{m}": run_mode(model, m, a.device, a.dtype, a.max_tokens, a.seed)
+                  for model in a.models.split(",") for m in modes}
+    else:
+        result = {m: run_mode(a.model, m, a.device, a.dtype, a.max_tokens, a.seed)
+                  for m in modes}
     for m, r in result.items():
         print(f"{m}: digest {r['digest']} fingerprint {r['profile'].get('fingerprint')}")
     if a.out:

@@ -81,13 +81,15 @@ def split_metrics(results: Sequence[RequestResult], duration_s: float,
 
 
 def per_request_lists(results: Sequence[RequestResult]) -> dict[str, list[Any]]:
-    """vLLM's per-request arrays (seconds), plus E2EL and the deterministic flag."""
+    """vLLM's per-request arrays (seconds), plus E2EL, the send offsets from the start of
+    the run and the deterministic flag."""
     return {
         "input_lens": [r.prompt_len for r in results],
         "output_lens": [r.output_len for r in results],
         "ttfts": [r.ttft_s for r in results],
         "itls": [r.itl_s for r in results],
         "e2els": [r.e2el_s for r in results],
+        "starts": [r.start_s for r in results],
         "is_deterministic": [r.is_deterministic for r in results],
         "generated_texts": [r.text for r in results],
         "errors": [r.error for r in results],

@@ -46,8 +46,14 @@ def qps_name(q: float) -> str:
 
 
 def series_name(run: dict[str, Any]) -> str:
+    """The mode's name, its deterministic share where it has one, and the server's
+    configuration (label ``server``) where that is not the mode's plain one (e.g. LLM-42
+    with a dedicated verifier GPU)."""
     mode = str(label(run, "mode", run.get("target", "?")))
     name = MODE_NAMES.get(mode, mode)
+    server = label(run, "server")
+    if server is not None and server != mode:
+        name += f" [{server}]"
     ratio = label(run, "ratio")
     if mode in RATIO_MODES and ratio is not None:
         name += f" @{float(ratio) * 100:g}%"

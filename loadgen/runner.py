@@ -28,6 +28,7 @@ class RunConfig:
     percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
     progress: bool = True
     keep_texts: bool = True
+    deadline_s: float | None = None   # see ReplayOptions
 
 
 async def run_benchmark(target: Target, trace: Trace, cfg: RunConfig | None = None,
@@ -37,7 +38,7 @@ async def run_benchmark(target: Target, trace: Trace, cfg: RunConfig | None = No
     cfg = cfg or RunConfig()
     before = await target.server_stats()
     bar = progress_bar(len(trace), str(labels.get("name", target.label)), cfg.progress)
-    opts = ReplayOptions(cfg.max_concurrency, cfg.request_timeout_s)
+    opts = ReplayOptions(cfg.max_concurrency, cfg.request_timeout_s, cfg.deadline_s)
     start = time.perf_counter()
     try:
         results = await target.replay(trace.requests, opts, on_done=lambda _r: bar.update(1))

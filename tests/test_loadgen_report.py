@@ -157,3 +157,10 @@ def test_cli_trace_then_run_over_http(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_cli_matrix_target_binding_errors() -> None:
     assert main(["matrix", "ci-tiny", "--target", "http://127.0.0.1:9"]) == 2
     assert main(["matrix", "ci-tiny", "--target", "http://a", "--target", "http://b"]) == 2
+
+
+def test_series_names_name_a_server_configuration_other_than_the_mode() -> None:
+    run = {"labels": {"mode": "llm42", "server": "llm42-dedicated", "ratio": 0.1}}
+    assert series_name(run) == "LLM-42 [llm42-dedicated] @10%"
+    run["labels"]["server"] = "llm42"
+    assert series_name(run) == "LLM-42 @10%"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -149,3 +150,62 @@ def test_grpc_target_explains_missing_stubs(monkeypatch: pytest.MonkeyPatch) -> 
 def test_make_target_rejects_unknown() -> None:
     with pytest.raises(ValueError):
         make_target("ftp://x")
+
+
+def test_http_replay_deadline_ends_an_overrunning_run_on_time() -> None:
+    # slow steps: the first two requests are still streaming at the deadline, the last one
+    # would be sent after it; all fail as timed out and the replay returns on time
+    reqs = _reqs(3, out=16, gap=0.0)
+    reqs[-1] = reqs[-1].with_(arrival_s=0.6)
+    engine = FakeEngine(step_time_s=0.05)
+    with running_server(engine) as url:
+        async def go() -> tuple[list[Any], float]:
+            target = make_target(url)
+            t0 = time.perf_counter()
+            try:
+                results = await target.replay(reqs, ReplayOptions(deadline_s=0.4))
+            finally:
+                await target.aclose()
+            took = time.perf_counter() - t0
+            while engine.has_unfinished_requests():   # let the server finish what it holds
+                await asyncio.sleep(0.05)
+            return results, took
+
+        results, took = asyncio.run(go())
+    assert took < 1.5
+    assert [r.success for r in results] == [False, False, False]
+    assert all("timed out" in r.error for r in results)
+    assert results[2].start_s >= 0.6   # sent at its arrival, failed at once
+    with pytest.raises(ValueError):
+        ReplayOptions(deadline_s=0.0)
+    assert ReplayOptions(request_timeout_s=5.0, deadline_s=3.0).timeout_at(1.0) == 2.0
+    assert ReplayOptions(request_timeout_s=5.0).timeout_at(100.0) == 5.0
+
+
+def test_sharded_http_target_sends_from_several_processes_in_order() -> None:
+    from loadgen.targets.sharded import ShardedHTTPTarget
+
+    reqs = _reqs(7, out=5, gap=0.05, logprobs=1)
+    with running_server(FakeEngine()) as url:
+        async def go() -> tuple[list[Any], dict[str, float], list[str]]:
+            target = ShardedHTTPTarget(url, 3)
+            done: list[str] = []
+            try:
+                results = await target.replay(reqs, ReplayOptions(max_concurrency=4),
+                                              on_done=lambda r: done.append(r.request_id))
+                stats = await target.server_stats()
+            finally:
+                await target.aclose()
+            return results, stats, done
+
+        results, stats, done = asyncio.run(go())
+    assert [r.request_id for r in results] == [r.id for r in reqs] and sorted(done) == sorted(
+        r.id for r in reqs)
+    assert all(r.success and r.output_len == 5 and len(r.logprobs or []) == 5 for r in results)
+    # every request was sent at its arrival offset from the common start
+    for req, res in zip(reqs, results, strict=True):
+        assert req.arrival_s - 0.01 <= res.start_s <= req.arrival_s + 0.5
+        assert res.is_deterministic == req.is_deterministic
+    assert stats["committed_tokens"] == 35
+    with pytest.raises(ValueError):
+        ShardedHTTPTarget("http://127.0.0.1:1", 0)

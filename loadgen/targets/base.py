@@ -121,12 +121,25 @@ class ResultRecorder:
 
 @dataclass(frozen=True)
 class ReplayOptions:
+    """``deadline_s``: no request runs past this many seconds from the replay's start (a
+    request still streaming then fails as timed out; one not yet sent fails unsent), so an
+    overloaded run ends on time instead of draining its backlog."""
+
     max_concurrency: int | None = None
     request_timeout_s: float = 600.0
+    deadline_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
+        if self.deadline_s is not None and not self.deadline_s > 0:
+            raise ValueError("deadline_s must be > 0")
+
+    def timeout_at(self, elapsed_s: float) -> float:
+        """The timeout of a request sent ``elapsed_s`` after the replay's start."""
+        if self.deadline_s is None:
+            return self.request_timeout_s
+        return min(self.request_timeout_s, self.deadline_s - elapsed_s)
 
 
 class Target(ABC):
@@ -165,12 +178,15 @@ class StreamingTarget(Target):
             if delay > 0:
                 await asyncio.sleep(delay)
             async with sem if sem is not None else contextlib.nullcontext():
+                timeout = opts.timeout_at(time.perf_counter() - start)
                 try:
-                    res = await asyncio.wait_for(self.generate(req, start),
-                                                 opts.request_timeout_s)
+                    if timeout <= 0:
+                        raise asyncio.TimeoutError
+                    res = await asyncio.wait_for(self.generate(req, start), timeout)
                 except asyncio.TimeoutError:
                     res = RequestResult(req.id, req.is_deterministic, req.prompt_len,
-                                        error=f"timed out after {opts.request_timeout_s}s")
+                                        start_s=time.perf_counter() - start,
+                                        error=f"timed out after {max(timeout, 0.0):.1f}s")
             if on_done is not None:
                 on_done(res)
             return res

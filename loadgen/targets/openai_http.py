@@ -40,6 +40,11 @@ class OpenAIHTTPTarget(StreamingTarget):
         self._client: Any = None
         self._model_lock: asyncio.Lock | None = None
 
+    def connect(self) -> None:
+        """Build the HTTP client now rather than at the first request (building it loads a
+        TLS context: tens of milliseconds that would land in that request's latency)."""
+        self._http()
+
     def _http(self) -> Any:
         if self._client is None:
             import httpx
