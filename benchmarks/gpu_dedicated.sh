@@ -23,7 +23,7 @@ out=${OUT:-results/gpu-dedicated}; mkdir -p "$out"
 stage=${STAGE:-/tmp/stage}
 smol=$stage/SmolLM2-135M-Instruct.Q4_1.gguf
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-source benchmarks/gpu_redis.sh || exit 1
+. benchmarks/gpu_env.sh "" && gpu_env_redis || exit 1
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 
 audits() {  # SmolLM2 and the 8B shape, co-located and dedicated (logs kept in $out)

@@ -55,8 +55,8 @@ main() {
 
 echo "== $(date -u '+%F %T UTC') $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader)"
 
-# ---- redis-server on PATH (benchmarks/gpu_redis.sh) ---------------------------------------
-source benchmarks/gpu_redis.sh || exit 1
+# ---- redis-server on PATH (benchmarks/gpu_env.sh) -------------------------------------------
+. benchmarks/gpu_env.sh "" && gpu_env_redis || exit 1
 
 # ---- preflight: versions, and every import the served path needs --------------------------
 # MODEL=random:llama3-8b serves the 8B shape with random weights (no GGUF needed; decoder and
