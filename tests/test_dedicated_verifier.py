@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -265,3 +266,47 @@ def test_stale_epoch_is_refused(model: str, redis_url: str,
         remote.close()
         exporter.close()
         registry.close()
+
+
+def test_a_vanished_decoder_frees_its_blocks_and_hangs_nothing(
+        model: str, redis_url: str, oracle: list[tuple],
+        pool: tuple[str, list[TransferVerifier]]) -> None:
+    """A decoder that vanishes mid-run (its stream cut, its groups gone, no release): the
+    verifier frees every block it held for it and serves the next decoder."""
+    prefix, procs = pool
+    engine, exporter = make_engine(model, redis_url, prefix, "dec-vanish")
+    remote = engine.verifier
+    assert isinstance(remote, RemoteVerifier)
+    step, steps, held = engine.step, [0], [0]
+
+    def step_then_vanish() -> list[Any]:
+        steps[0] += 1
+        if steps[0] == 6:  # passes in flight and K/V held: as if the process were killed
+            assert remote._xfer is not None and remote._stream is not None
+            held[0] = health(procs[0].address).kv_blocks_used
+            remote._xfer.close()
+            remote._stream.close()
+            raise ConnectionAbortedError("the decoder is gone")
+        return step()
+
+    engine.step = step_then_vanish  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ConnectionAbortedError):
+            drive(engine, REQS)
+        assert held[0] > 0, "the verifier held K/V of the decoder when it vanished"
+    finally:
+        remote._stream = remote._xfer = None
+        remote.close()
+        exporter.close()
+    deadline = time.monotonic() + 20
+    while (h := health(procs[0].address)).kv_blocks_used or h.streams:
+        assert time.monotonic() < deadline, f"the verifier kept the vanished decoder's K/V: {h}"
+        time.sleep(0.1)
+    after, exporter2 = make_engine(model, redis_url, prefix, "dec-after")
+    try:
+        outs = drive(after, REQS, oracle_prefix_checker(oracle))
+        for i in DET:
+            assert signature(outs[i]) == oracle[i]
+    finally:
+        after.verifier.close()
+        exporter2.close()

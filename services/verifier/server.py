@@ -166,7 +166,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return pb.HealthReply(serving=self.serving, verifier_id=self.verifier_id,
                               weights_hash=self.info.weights_hash, streams=self.streams,
                               passes=self.passes, kv_bytes_in=self.kv_bytes_in,
-                              kv_bytes_out=self.kv_bytes_out, busy_s=self.busy_s)
+                              kv_bytes_out=self.kv_bytes_out, busy_s=self.busy_s,
+                              kv_blocks_used=self._blocks_used())
+
+    def _blocks_used(self) -> int:
+        own = self._own
+        return 0 if own is None else own.blocks.num_blocks - 1 - own.blocks.num_free
 
     def close(self) -> None:
         self.serving = False

@@ -238,7 +238,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("serving", "verifier_id", "weights_hash", "streams", "passes", "kv_bytes_in", "kv_bytes_out", "busy_s")
+    __slots__ = ("serving", "verifier_id", "weights_hash", "streams", "passes", "kv_bytes_in", "kv_bytes_out", "busy_s", "kv_blocks_used")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,7 @@ class HealthReply(_message.Message):
     KV_BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     verifier_id: str
     weights_hash: str
@@ -255,4 +256,5 @@ class HealthReply(_message.Message):
     kv_bytes_in: int
     kv_bytes_out: int
     busy_s: float
-    def __init__(self, serving: _Optional[bool] = ..., verifier_id: _Optional[str] = ..., weights_hash: _Optional[str] = ..., streams: _Optional[int] = ..., passes: _Optional[int] = ..., kv_bytes_in: _Optional[int] = ..., kv_bytes_out: _Optional[int] = ..., busy_s: _Optional[float] = ...) -> None: ...
+    kv_blocks_used: int
+    def __init__(self, serving: _Optional[bool] = ..., verifier_id: _Optional[str] = ..., weights_hash: _Optional[str] = ..., streams: _Optional[int] = ..., passes: _Optional[int] = ..., kv_bytes_in: _Optional[int] = ..., kv_bytes_out: _Optional[int] = ..., busy_s: _Optional[float] = ..., kv_blocks_used: _Optional[int] = ...) -> None: ...
