@@ -347,8 +347,11 @@ class ModelRunner:
         else:
             rows = self.lane_chunk if kind == "lane" else self.bi_rows
             attn = partial(tiled_attention, self.pool, batch=batch, chunk_rows=rows)
+        # the lane's row-parallel products in the TP-invariant tree where it is asked for
+        tree = kind == "lane" and self.numerics.tp_invariant_lane
         return self.model(batch.input_ids, batch.positions,
-                          lambda i, q, k, v: attn(i, q, k, v), ops, rope_in_attention=self.cuda)
+                          lambda i, q, k, v: attn(i, q, k, v), ops, rope_in_attention=self.cuda,
+                          tp_tree=tree)
 
     @torch.inference_mode()
     def run_batch(self, segments: list[RowSegment], sample_specs: list[SamplingSpec | None],

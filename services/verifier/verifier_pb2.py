@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0everifier.proto\x12\x11\x64\x65tserve.verifier\"Y\n\rSamplerConfig\x12\x19\n\x11gumbel_chunk_rows\x18\x01 \x01(\x05\x12\x15\n\rgumbel_kernel\x18\x02 \x01(\x08\x12\x16\n\x0elogprob_kernel\x18\x03 \x01(\x08\"\xd1\x02\n\x0cLaneNumerics\x12\x15\n\rverify_window\x18\x01 \x01(\x05\x12\x14\n\x0cverify_group\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x1c\n\x14\x62\x61tch_invariant_rows\x18\x04 \x01(\x05\x12\x16\n\x0elane_gemm_rows\x18\x05 \x01(\x05\x12\x16\n\x0elane_one_calls\x18\x06 \x01(\x08\x12\x15\n\rlane_dot_sums\x18\x07 \x01(\x08\x12\x17\n\x0flane_full_tiles\x18\x08 \x01(\x08\x12\x1b\n\x13\x61ligned_decode_lane\x18\t \x01(\t\x12\x16\n\x0e\x66used_silu_mul\x18\n \x01(\x08\x12\x19\n\x11\x66used_add_rmsnorm\x18\x0b \x01(\x08\x12\x32\n\x08sampling\x18\x0c \x01(\x0b\x32 .detserve.verifier.SamplerConfig\"\xa6\x01\n\x05Hello\x12\x12\n\ndecoder_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x11\n\tkv_handle\x18\x03 \x01(\t\x12\x14\n\x0cweights_hash\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x31\n\x08numerics\x18\x06 \x01(\x0b\x32\x1f.detserve.verifier.LaneNumerics\x12\x0f\n\x07kernels\x18\x07 \x01(\t\"\x89\x02\n\x0cSamplingSpec\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x15\n\x08logprobs\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x06 \x01(\x05\x12\x12\n\nprompt_len\x18\x07 \x01(\x05\x12\x10\n\x08stop_ids\x18\x08 \x03(\x05\x12\x10\n\x08\x62ias_ids\x18\t \x03(\x05\x12\x13\n\x0b\x62ias_values\x18\n \x03(\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x42\x0b\n\t_logprobs\"\x9e\x02\n\x0bLaneSegment\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tis_window\x18\x02 \x01(\x08\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x11\n\tinput_ids\x18\x04 \x03(\x05\x12\x13\n\x0b\x62lock_table\x18\x05 \x03(\x05\x12\x12\n\ncandidates\x18\x06 \x03(\x05\x12\x13\n\x0bsample_rows\x18\x07 \x03(\x05\x12-\n\x04spec\x18\x08 \x01(\x0b\x32\x1f.detserve.verifier.SamplingSpec\x12\x0f\n\x07history\x18\t \x03(\x05\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\x05H\x00\x88\x01\x01\x12\x16\n\x0eprompt_targets\x18\x0b \x03(\x05\x42\x12\n\x10_prompt_logprobs\"[\n\x08LanePass\x12\x0f\n\x07pass_id\x18\x01 \x01(\x04\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\x30\n\x08segments\x18\x03 \x03(\x0b\x32\x1e.detserve.verifier.LaneSegment\"r\n\x0bLaneRequest\x12)\n\x05hello\x18\x01 \x01(\x0b\x32\x18.detserve.verifier.HelloH\x00\x12\x30\n\tlane_pass\x18\x02 \x01(\x0b\x32\x1b.detserve.verifier.LanePassH\x00\x42\x06\n\x04kind\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"i\n\x07Logprob\x12\x0f\n\x07present\x18\x01 \x01(\x08\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12*\n\x03top\x18\x04 \x03(\x0b\x32\x1d.detserve.verifier.TopLogprob\"\xc9\x01\n\x0cLaneDecision\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tis_window\x18\x02 \x01(\x08\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\x05\x12\x0e\n\x06tokens\x18\x05 \x03(\x05\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.detserve.verifier.Logprob\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.detserve.verifier.Logprob\"z\n\nLaneResult\x12\x0f\n\x07pass_id\x18\x01 \x01(\x04\x12\x32\n\tdecisions\x18\x02 \x03(\x0b\x32\x1f.detserve.verifier.LaneDecision\x12\x14\n\x0cpadding_rows\x18\x03 \x01(\x05\x12\x11\n\telapsed_s\x18\x04 \x01(\x01\"\x1c\n\x05Ready\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\"-\n\tPassError\x12\x0f\n\x07pass_id\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa1\x01\n\tLaneReply\x12)\n\x05ready\x18\x01 \x01(\x0b\x32\x18.detserve.verifier.ReadyH\x00\x12\x32\n\tdecisions\x18\x02 \x01(\x0b\x32\x1d.detserve.verifier.LaneResultH\x00\x12-\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1c.detserve.verifier.PassErrorH\x00\x42\x06\n\x04kind\"\x0f\n\rHealthRequest\"j\n\x0bHealthReply\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x13\n\x0bverifier_id\x18\x02 \x01(\t\x12\x14\n\x0cweights_hash\x18\x03 \x01(\t\x12\x0f\n\x07streams\x18\x04 \x01(\x05\x12\x0e\n\x06passes\x18\x05 \x01(\x04\x32\xa2\x01\n\x08Verifier\x12J\n\x06Verify\x12\x1e.detserve.verifier.LaneRequest\x1a\x1c.detserve.verifier.LaneReply(\x01\x30\x01\x12J\n\x06Health\x12 .detserve.verifier.HealthRequest\x1a\x1e.detserve.verifier.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0everifier.proto\x12\x11\x64\x65tserve.verifier\"Y\n\rSamplerConfig\x12\x19\n\x11gumbel_chunk_rows\x18\x01 \x01(\x05\x12\x15\n\rgumbel_kernel\x18\x02 \x01(\x08\x12\x16\n\x0elogprob_kernel\x18\x03 \x01(\x08\"\x8a\x03\n\x0cLaneNumerics\x12\x15\n\rverify_window\x18\x01 \x01(\x05\x12\x14\n\x0cverify_group\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x1c\n\x14\x62\x61tch_invariant_rows\x18\x04 \x01(\x05\x12\x16\n\x0elane_gemm_rows\x18\x05 \x01(\x05\x12\x16\n\x0elane_one_calls\x18\x06 \x01(\x08\x12\x15\n\rlane_dot_sums\x18\x07 \x01(\x08\x12\x17\n\x0flane_full_tiles\x18\x08 \x01(\x08\x12\x1b\n\x13\x61ligned_decode_lane\x18\t \x01(\t\x12\x16\n\x0e\x66used_silu_mul\x18\n \x01(\x08\x12\x19\n\x11\x66used_add_rmsnorm\x18\x0b \x01(\x08\x12\x32\n\x08sampling\x18\x0c \x01(\x0b\x32 .detserve.verifier.SamplerConfig\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\x05\x12\x19\n\x11tp_invariant_lane\x18\x0e \x01(\x08\"\xa6\x01\n\x05Hello\x12\x12\n\ndecoder_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x11\n\tkv_handle\x18\x03 \x01(\t\x12\x14\n\x0cweights_hash\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x31\n\x08numerics\x18\x06 \x01(\x0b\x32\x1f.detserve.verifier.LaneNumerics\x12\x0f\n\x07kernels\x18\x07 \x01(\t\"\x89\x02\n\x0cSamplingSpec\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x15\n\x08logprobs\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x06 \x01(\x05\x12\x12\n\nprompt_len\x18\x07 \x01(\x05\x12\x10\n\x08stop_ids\x18\x08 \x03(\x05\x12\x10\n\x08\x62ias_ids\x18\t \x03(\x05\x12\x13\n\x0b\x62ias_values\x18\n \x03(\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x42\x0b\n\t_logprobs\"\x9e\x02\n\x0bLaneSegment\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tis_window\x18\x02 \x01(\x08\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x11\n\tinput_ids\x18\x04 \x03(\x05\x12\x13\n\x0b\x62lock_table\x18\x05 \x03(\x05\x12\x12\n\ncandidates\x18\x06 \x03(\x05\x12\x13\n\x0bsample_rows\x18\x07 \x03(\x05\x12-\n\x04spec\x18\x08 \x01(\x0b\x32\x1f.detserve.verifier.SamplingSpec\x12\x0f\n\x07history\x18\t \x03(\x05\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\x05H\x00\x88\x01\x01\x12\x16\n\x0eprompt_targets\x18\x0b \x03(\x05\x42\x12\n\x10_prompt_logprobs\"[\n\x08LanePass\x12\x0f\n\x07pass_id\x18\x01 \x01(\x04\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\x30\n\x08segments\x18\x03 \x03(\x0b\x32\x1e.detserve.verifier.LaneSegment\"r\n\x0bLaneRequest\x12)\n\x05hello\x18\x01 \x01(\x0b\x32\x18.detserve.verifier.HelloH\x00\x12\x30\n\tlane_pass\x18\x02 \x01(\x0b\x32\x1b.detserve.verifier.LanePassH\x00\x42\x06\n\x04kind\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"i\n\x07Logprob\x12\x0f\n\x07present\x18\x01 \x01(\x08\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12*\n\x03top\x18\x04 \x03(\x0b\x32\x1d.detserve.verifier.TopLogprob\"\xc9\x01\n\x0cLaneDecision\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tis_window\x18\x02 \x01(\x08\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\x05\x12\x0e\n\x06tokens\x18\x05 \x03(\x05\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.detserve.verifier.Logprob\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.detserve.verifier.Logprob\"z\n\nLaneResult\x12\x0f\n\x07pass_id\x18\x01 \x01(\x04\x12\x32\n\tdecisions\x18\x02 \x03(\x0b\x32\x1f.detserve.verifier.LaneDecision\x12\x14\n\x0cpadding_rows\x18\x03 \x01(\x05\x12\x11\n\telapsed_s\x18\x04 \x01(\x01\"\x1c\n\x05Ready\x12\x13\n\x0bverifier_id\x18\x01 \x01(\t\"-\n\tPassError\x12\x0f\n\x07pass_id\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa1\x01\n\tLaneReply\x12)\n\x05ready\x18\x01 \x01(\x0b\x32\x18.detserve.verifier.ReadyH\x00\x12\x32\n\tdecisions\x18\x02 \x01(\x0b\x32\x1d.detserve.verifier.LaneResultH\x00\x12-\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1c.detserve.verifier.PassErrorH\x00\x42\x06\n\x04kind\"\x0f\n\rHealthRequest\"j\n\x0bHealthReply\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x13\n\x0bverifier_id\x18\x02 \x01(\t\x12\x14\n\x0cweights_hash\x18\x03 \x01(\t\x12\x0f\n\x07streams\x18\x04 \x01(\x05\x12\x0e\n\x06passes\x18\x05 \x01(\x04\x32\xa2\x01\n\x08Verifier\x12J\n\x06Verify\x12\x1e.detserve.verifier.LaneRequest\x1a\x1c.detserve.verifier.LaneReply(\x01\x30\x01\x12J\n\x06Health\x12 .detserve.verifier.HealthRequest\x1a\x1e.detserve.verifier.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,35 +34,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLERCONFIG']._serialized_start=37
   _globals['_SAMPLERCONFIG']._serialized_end=126
   _globals['_LANENUMERICS']._serialized_start=129
-  _globals['_LANENUMERICS']._serialized_end=466
-  _globals['_HELLO']._serialized_start=469
-  _globals['_HELLO']._serialized_end=635
-  _globals['_SAMPLINGSPEC']._serialized_start=638
-  _globals['_SAMPLINGSPEC']._serialized_end=903
-  _globals['_LANESEGMENT']._serialized_start=906
-  _globals['_LANESEGMENT']._serialized_end=1192
-  _globals['_LANEPASS']._serialized_start=1194
-  _globals['_LANEPASS']._serialized_end=1285
-  _globals['_LANEREQUEST']._serialized_start=1287
-  _globals['_LANEREQUEST']._serialized_end=1401
-  _globals['_TOPLOGPROB']._serialized_start=1403
-  _globals['_TOPLOGPROB']._serialized_end=1450
-  _globals['_LOGPROB']._serialized_start=1452
-  _globals['_LOGPROB']._serialized_end=1557
-  _globals['_LANEDECISION']._serialized_start=1560
-  _globals['_LANEDECISION']._serialized_end=1761
-  _globals['_LANERESULT']._serialized_start=1763
-  _globals['_LANERESULT']._serialized_end=1885
-  _globals['_READY']._serialized_start=1887
-  _globals['_READY']._serialized_end=1915
-  _globals['_PASSERROR']._serialized_start=1917
-  _globals['_PASSERROR']._serialized_end=1962
-  _globals['_LANEREPLY']._serialized_start=1965
-  _globals['_LANEREPLY']._serialized_end=2126
-  _globals['_HEALTHREQUEST']._serialized_start=2128
-  _globals['_HEALTHREQUEST']._serialized_end=2143
-  _globals['_HEALTHREPLY']._serialized_start=2145
-  _globals['_HEALTHREPLY']._serialized_end=2251
-  _globals['_VERIFIER']._serialized_start=2254
-  _globals['_VERIFIER']._serialized_end=2416
+  _globals['_LANENUMERICS']._serialized_end=523
+  _globals['_HELLO']._serialized_start=526
+  _globals['_HELLO']._serialized_end=692
+  _globals['_SAMPLINGSPEC']._serialized_start=695
+  _globals['_SAMPLINGSPEC']._serialized_end=960
+  _globals['_LANESEGMENT']._serialized_start=963
+  _globals['_LANESEGMENT']._serialized_end=1249
+  _globals['_LANEPASS']._serialized_start=1251
+  _globals['_LANEPASS']._serialized_end=1342
+  _globals['_LANEREQUEST']._serialized_start=1344
+  _globals['_LANEREQUEST']._serialized_end=1458
+  _globals['_TOPLOGPROB']._serialized_start=1460
+  _globals['_TOPLOGPROB']._serialized_end=1507
+  _globals['_LOGPROB']._serialized_start=1509
+  _globals['_LOGPROB']._serialized_end=1614
+  _globals['_LANEDECISION']._serialized_start=1617
+  _globals['_LANEDECISION']._serialized_end=1818
+  _globals['_LANERESULT']._serialized_start=1820
+  _globals['_LANERESULT']._serialized_end=1942
+  _globals['_READY']._serialized_start=1944
+  _globals['_READY']._serialized_end=1972
+  _globals['_PASSERROR']._serialized_start=1974
+  _globals['_PASSERROR']._serialized_end=2019
+  _globals['_LANEREPLY']._serialized_start=2022
+  _globals['_LANEREPLY']._serialized_end=2183
+  _globals['_HEALTHREQUEST']._serialized_start=2185
+  _globals['_HEALTHREQUEST']._serialized_end=2200
+  _globals['_HEALTHREPLY']._serialized_start=2202
+  _globals['_HEALTHREPLY']._serialized_end=2308
+  _globals['_VERIFIER']._serialized_start=2311
+  _globals['_VERIFIER']._serialized_end=2473
 # @@protoc_insertion_point(module_scope)
