@@ -346,7 +346,8 @@ class ModelRunner:
             attn = partial(fast_attention, self.pool, batch=batch)
         else:
             rows = self.lane_chunk if kind == "lane" else self.bi_rows
-            attn = partial(tiled_attention, self.pool, batch=batch, chunk_rows=rows)
+            attn = partial(tiled_attention, self.pool, batch=batch, chunk_rows=rows,
+                           per_head=kind == "lane" and self.numerics.tp_invariant_lane)
         # the lane's row-parallel products in the TP-invariant tree where it is asked for
         tree = kind == "lane" and self.numerics.tp_invariant_lane
         return self.model(batch.input_ids, batch.positions,

@@ -56,6 +56,12 @@ class Parallel(Protocol):
         every TP size); else the plain all-reduce."""
         ...
 
+    def silu_mul(self, ops: Ops, gate_up: Tensor, tree: bool) -> Tensor:
+        """``ops.silu_mul`` of this rank's [gate | up] columns; ``tree``: leaf by leaf of
+        down_proj's K, so each element is computed in a tensor of the same shape at every TP
+        size (a CPU exp's bits depend on an element's place in the vectorized loop)."""
+        ...
+
     def vocab_logits(self, local: Tensor) -> Tensor:
         """The logits of every token from this rank's vocabulary shard's (all-gathered)."""
         ...
@@ -153,7 +159,9 @@ class LlamaModel(nn.Module):
             o = attention(i, q, k, v).reshape(n, c.q_size)
             h, x = ops.add_rmsnorm(h, row_linear(o, layer.o_proj), layer.post_norm,
                                    c.rms_norm_eps)
-            mlp = row_linear(ops.silu_mul(ops.linear(x, layer.gate_up_proj)), layer.down_proj)
+            gate_up = ops.linear(x, layer.gate_up_proj)
+            act = ops.silu_mul(gate_up) if tp is None else tp.silu_mul(ops, gate_up, tp_tree)
+            mlp = row_linear(act, layer.down_proj)
             # the next layer's input norm (the final norm after the last layer) on h + mlp
             norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
             h, x = ops.add_rmsnorm(h, mlp, norm, c.rms_norm_eps)

@@ -31,7 +31,14 @@ from detserve.distributed import Group, PeerLost, new_group, open_store
 from detserve.executor.attention import RowSegment
 from detserve.executor.gemm_classes import Alignment
 from detserve.executor.kv_pool import KVPool
-from detserve.executor.runner import Feed, LaneLaunch, LaunchedBatch, ModelRunner, PenaltyRow, PromptRows
+from detserve.executor.runner import (
+    Feed,
+    LaneLaunch,
+    LaunchedBatch,
+    ModelRunner,
+    PenaltyRow,
+    PromptRows,
+)
 from detserve.lane import LanePass
 from detserve.model.llama import LlamaModel
 from detserve.numerics import LaneNumerics
@@ -146,14 +153,18 @@ class Workers:
             self.pipes.append(ours)
         self.failed: str | None = None
         self.group: Group = self._join(name, config.device)
-        self.group.timeout_s = config.tp_timeout_s  # startup over: steps get the deadline
 
     def _join(self, name: str, device: str) -> Group:
-        """Rank 0's end of the group, made in a thread while the workers are watched: one
-        that exits before joining fails the start at once, not at the deadline."""
+        """Rank 0's end of the group. Once every worker has said it is joining (its imports
+        done), the group is made with the steps' deadline, which gloo applies to every
+        operation; in a thread, while the workers are watched: one that exits fails the
+        start at once."""
+        for rank, pipe in enumerate(self.pipes, start=1):
+            if self._receive(rank, pipe) != "joining":
+                raise AssertionError("unreachable: _receive raises on anything else")
         joined: list[Group | BaseException] = []
         thread = threading.Thread(target=lambda: joined.append(_try(lambda: new_group(
-            self.store, name, 0, self.size, device, timeout_s=STARTUP_TIMEOUT_S))),
+            self.store, name, 0, self.size, device, timeout_s=self.timeout_s))),
             daemon=True, name="detserve-tp-join")
         thread.start()
         while thread.is_alive() and all(p.is_alive() for p in self.procs):
@@ -171,16 +182,22 @@ class Workers:
         """Send the resolved numerics and wait until every worker has built its runner."""
         self._send(Start(numerics))
         for rank, pipe in enumerate(self.pipes, start=1):
-            if not pipe.poll(STARTUP_TIMEOUT_S):
-                self.close()
-                raise TensorParallelError(f"TP worker {rank} did not start")
-            try:
+            self._receive(rank, pipe, "ready")
+
+    def _receive(self, rank: int, pipe: multiprocessing.connection.Connection,
+                 expected: str = "joining") -> str:
+        """A worker's startup reply ``expected``, within ``STARTUP_TIMEOUT_S``; else the
+        workers are stopped and ``TensorParallelError`` says why."""
+        reply = "no reply"
+        try:
+            if pipe.poll(STARTUP_TIMEOUT_S):
                 reply = pipe.recv()
-            except EOFError:
-                reply = "exited"
-            if reply != "ready":
-                self.close()
-                raise TensorParallelError(f"TP worker {rank} failed to start: {reply}")
+        except (EOFError, OSError):
+            reply = "exited"
+        if reply != expected:
+            self.close()
+            raise TensorParallelError(f"TP worker {rank} failed to start: {reply}")
+        return reply
 
     def run(self, message: BatchStep | LaneStep, call: Callable[[], T]) -> T:
         """Send ``message`` to every worker, then run ``call`` (rank 0's same step)."""

@@ -70,6 +70,15 @@ class TensorParallel:
             return local
         return tree_sum(self._gather(local.contiguous()))
 
+    def silu_mul(self, ops: Ops, gate_up: Tensor, tree: bool) -> Tensor:
+        if not tree:
+            return ops.silu_mul(gate_up)
+        width = gate_up.shape[-1] // 2
+        return torch.cat([ops.silu_mul(torch.cat([gate_up[:, a:b], gate_up[:, width + a:width + b]],
+                                                 dim=-1))
+                          for a, b in self.layout.leaves(self.layout.config.intermediate_size)],
+                         dim=-1)
+
     def vocab_logits(self, local: Tensor) -> Tensor:
         if self.group is None:
             return local

@@ -13,7 +13,14 @@ from detserve.distributed import PeerLost, new_group, open_store
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import ModelRunner
 from detserve.model.loader import load_model
-from detserve.parallel.executor import STARTUP_TIMEOUT_S, BatchStep, LaneStep, Start, Stop, WorkerSpec
+from detserve.parallel.executor import (
+    STARTUP_TIMEOUT_S,
+    BatchStep,
+    LaneStep,
+    Start,
+    Stop,
+    WorkerSpec,
+)
 from detserve.parallel.layout import TPLayout
 from detserve.parallel.shard import shard_model
 
@@ -23,9 +30,10 @@ def worker_main(pipe: multiprocessing.connection.Connection, spec: WorkerSpec) -
     c = spec.config
     try:
         store = open_store(spec.host, spec.port, server=False, timeout_s=STARTUP_TIMEOUT_S)
+        pipe.send("joining")
+        # (gloo applies the group's timeout to every operation: the steps' deadline)
         group = new_group(store, spec.group, spec.rank, c.tensor_parallel_size, c.device,
-                          timeout_s=STARTUP_TIMEOUT_S)
-        group.timeout_s = c.tp_timeout_s
+                          timeout_s=c.tp_timeout_s)
         whole, _, _ = load_model(c.model, dtype=c.dtype, device=c.device)
         layout = TPLayout(whole.config, c.tensor_parallel_size, spec.rank)
         model = shard_model(whole, layout, group, tree=c.tp_invariant_lane)
