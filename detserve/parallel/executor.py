@@ -21,7 +21,6 @@ import multiprocessing.connection
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -43,64 +42,25 @@ from detserve.lane import LanePass
 from detserve.model.llama import LlamaModel
 from detserve.numerics import LaneNumerics
 from detserve.parallel.layout import TPLayout
+from detserve.parallel.messages import (
+    STARTUP_TIMEOUT_S,
+    BatchStep,
+    LaneStep,
+    Message,
+    Start,
+    Stop,
+    WorkerSpec,
+)
 from detserve.parallel.shard import shard_model
+from detserve.parallel.worker import worker_main
 from detserve.sampler import SamplingSpec
 
-# a fresh worker imports torch, joins the group and loads the whole checkpoint first
-STARTUP_TIMEOUT_S = 120.0
 T = TypeVar("T")
 
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank was lost (died, stalled past ``tp_timeout_s``, or failed);
     the engine cannot go on."""
-
-
-# ---- messages rank 0 -> workers ----
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What a worker needs to join: the engine's config, its rank, the store's address and
-    the group's name, and rank 0's thread count (a CPU product's bits may depend on it)."""
-
-    config: EngineConfig
-    rank: int
-    host: str
-    port: int
-    group: str
-    threads: int
-
-
-@dataclass(frozen=True)
-class Start:
-    """Build the runner: rank 0's resolved numerics."""
-
-    numerics: LaneNumerics
-
-
-@dataclass(frozen=True)
-class BatchStep:
-    """``ModelRunner.launch_batch``'s arguments."""
-
-    segments: list[RowSegment]
-    sample_specs: list[SamplingSpec | None]
-    batch_invariant: bool
-    align_decode: bool
-    feed: Feed | None
-    penalties: Sequence[PenaltyRow | None]
-    prompt_rows: Sequence[PromptRows | None]
-
-
-@dataclass(frozen=True)
-class LaneStep:
-    lane_pass: LanePass
-
-
-@dataclass(frozen=True)
-class Stop:
-    pass
-
-
-Message = Start | BatchStep | LaneStep | Stop
 
 
 class TPRunner(ModelRunner):
@@ -139,8 +99,6 @@ class Workers:
         ctx = multiprocessing.get_context("spawn")
         self.procs: list[Any] = []
         self.pipes: list[multiprocessing.connection.Connection] = []
-        from detserve.parallel.worker import worker_main
-
         for rank in range(1, size):
             ours, theirs = ctx.Pipe()
             spec = WorkerSpec(config, rank, "127.0.0.1", self.store.port, name,

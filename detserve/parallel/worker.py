@@ -13,7 +13,8 @@ from detserve.distributed import PeerLost, new_group, open_store
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import ModelRunner
 from detserve.model.loader import load_model
-from detserve.parallel.executor import (
+from detserve.parallel.layout import TPLayout
+from detserve.parallel.messages import (
     STARTUP_TIMEOUT_S,
     BatchStep,
     LaneStep,
@@ -21,7 +22,6 @@ from detserve.parallel.executor import (
     Stop,
     WorkerSpec,
 )
-from detserve.parallel.layout import TPLayout
 from detserve.parallel.shard import shard_model
 
 
