@@ -419,6 +419,8 @@ class LLMEngine:
             "device": kind,
             **self.numerics.profile(self.config.mode),
         }
+        if "tp_invariant_lane" not in prof:  # the lane's bits depend on the TP size
+            prof["tp_size"] = self.config.tensor_parallel_size
         if dev.startswith("cuda"):
             prof["cuda_graphs"] = self.config.cuda_graphs  # the lane's GEMMs replayed or eager
         blob = json.dumps(prof, sort_keys=True).encode()

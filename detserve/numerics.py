@@ -133,9 +133,7 @@ class LaneNumerics:
         if self.lane_gemm_rows:
             out["lane_gemm_rows"] = self.lane_gemm_rows
         if self.tp_invariant_lane and mode in ("llm42", "lane_only"):
-            out["tp_invariant_lane"] = True  # the same bits at every TP size: none named
-        else:
-            out["tp_size"] = self.tensor_parallel_size
+            out["tp_invariant_lane"] = True  # the same bits at every TP size dividing 4
         return out
 
 
