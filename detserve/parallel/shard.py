@@ -10,12 +10,14 @@ row is gathered, so no sum touches it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from detserve.distributed import Group
 from detserve.model.llama import LlamaModel, Ops
-from detserve.parallel.layout import TPLayout, cut
+from detserve.parallel.layout import TPLayout
 
 
 def tree_sum(parts: list[Tensor]) -> Tensor:
@@ -59,7 +61,7 @@ class TensorParallel:
         if not tree:
             y = ops.linear(x, weight).contiguous()
             if self.group is not None:
-                self.group.wait(self.group.all_reduce(y))
+                self._wait(self.group.all_reduce(y))
             return y
         leaves = self._leaves.get(id(weight))
         if leaves is None:
@@ -92,8 +94,19 @@ class TensorParallel:
         """``t`` of every rank, in rank order."""
         assert self.group is not None
         out = [torch.empty_like(t) for _ in range(self.layout.size)]
-        self.group.wait(self.group.all_gather(out, t))
+        self._wait(self.group.all_gather(out, t))
         return out
+
+    def _wait(self, work: Any) -> None:
+        """gloo: done, or ``PeerLost`` at the group's deadline. NCCL: the current stream
+        waits for it and the host does not (a step must not stop at every layer); a lost
+        peer then shows at the NCCL group's own timeout (made with the same deadline) or
+        at the step's read-back."""
+        assert self.group is not None
+        if self.group.backend == "nccl":
+            work.wait()
+        else:
+            self.group.wait(work)
 
 
 @torch.inference_mode()
@@ -142,5 +155,3 @@ def shard_model(model: LlamaModel, layout: TPLayout, group: Group | None,
     local.parallel = parallel
     return local
 
-
-__all__ = ["TensorParallel", "cut", "shard_model", "tree_sum"]
