@@ -101,14 +101,19 @@ def test_tree_at_tp1_is_the_product_summed_over_leaves() -> None:
 
 # ---- engines at TP=1 and TP=2 -------------------------------------------------------
 
+STATS: dict[str, float] = {}  # the last ``_run``'s engine statistics
+
+
 def _run(model: str, params: SamplingParams, prompts: list[list[int]], mode: str,
          **kw: object) -> tuple[list[RequestOutput], dict[str, object]]:
     llm = LLM(model, mode, **LANE, **kw)  # type: ignore[arg-type]
     try:
         out = llm.generate(as_tokens(prompts), params)
+        STATS.clear()
+        STATS.update(llm.stats())
         return out, llm.determinism_profile()
     finally:
-        llm.engine.close()
+        llm.close()
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +123,9 @@ def model() -> str:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    return random_prompts(4, [6, 19, 33], seed=5)
+    # the last two share a 32-token prefix (two blocks the prefix cache may share)
+    shared = random_prompts(2, [5, 9], seed=6, prefix=random_prompts(1, [32], seed=7)[0])
+    return random_prompts(2, [6, 19], seed=5) + shared
 
 
 def test_tp2_logits_match_tp1(model: str, prompts: list[list[int]]) -> None:
@@ -126,7 +133,9 @@ def test_tp2_logits_match_tp1(model: str, prompts: list[list[int]]) -> None:
     another order; every prompt position's logprobs agree within float32 noise."""
     params = SamplingParams(max_tokens=8, prompt_logprobs=5, logprobs=5, ignore_eos=True)
     one, _ = _run(model, params, prompts, "nondeterministic")
-    two, prof = _run(model, params, prompts, "nondeterministic", tensor_parallel_size=2)
+    # (asynchronous scheduling: the workers get the tokens fed to the next step from rank 0)
+    two, prof = _run(model, params, prompts, "nondeterministic", tensor_parallel_size=2,
+                     async_scheduling=True)
     assert prof["tp_size"] == 2
     for a, b in zip(one, two, strict=True):
         assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
@@ -156,9 +165,21 @@ def test_invariant_lane_tp2_dvr_equals_tp1_lane_only(shape: str, prompts: list[l
     _, prof_one = _run(model, params, prompts[:1], "llm42", tp_invariant_lane=True)
     dvr, prof_two = _run(model, params, prompts, "llm42", tp_invariant_lane=True,
                          tensor_parallel_size=2, fastpath_perturbation=0.2)
+    assert STATS["rollbacks"] > 0  # the lane did replace perturbed tokens
     assert [signature(o) for o in dvr] == [signature(o) for o in oracle]
     assert prof_two["fingerprint"] == prof_one["fingerprint"]
     assert "tp_invariant_lane" in prof_two and prof_two["tp_size"] == 2
+
+
+def test_invariant_lane_at_tp4(model: str, prompts: list[list[int]]) -> None:
+    """TP=4 (one query head and a replicated K/V head a rank): the lane's tree gives the
+    TP=1 oracle's bits too."""
+    params = SamplingParams(max_tokens=6, is_deterministic=True, temperature=0.8, seed=3,
+                            logprobs=0, ignore_eos=True)
+    one, _ = _run(model, params, prompts[:2], "lane_only", tp_invariant_lane=True)
+    four, _ = _run(model, params, prompts[:2], "lane_only", tp_invariant_lane=True,
+                   tensor_parallel_size=4)
+    assert [signature(o) for o in four] == [signature(o) for o in one]
 
 
 def test_ordinary_lane_bits_depend_on_tp_size(model: str, prompts: list[list[int]]) -> None:
