@@ -225,3 +225,24 @@ def test_lost_worker_fails_the_engine_within_the_deadline(model: str, how: signa
     finally:
         engine.close()
     assert not any(p.is_alive() for p in workers.procs)
+
+
+# ---- the real SmolLM2 -----------------------------------------------------------------
+
+@pytest.mark.slow
+def test_real_smollm2_at_tp2_answers_with_the_tp1_lane_bits() -> None:
+    """SmolLM2-135M (9 query heads, 3 K/V heads) at TP=2: rank 0 holds 4 K/V heads (head 0
+    three times, head 1 once), the answer is the TP=1 lane_only oracle's, bit for bit."""
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(max_tokens=7, is_deterministic=True, logprobs=0)
+    outs = {}
+    for tp, mode in ((1, "lane_only"), (2, "llm42")):
+        llm = LLM("smollm2", mode, max_model_len=128, verify_window=8, verify_group=2,
+                  tp_invariant_lane=True, tensor_parallel_size=tp)
+        try:
+            outs[tp] = llm.chat(msgs, params)[0]
+            assert llm.engine.pool.data.shape[4] == (3 if tp == 1 else 4)
+        finally:
+            llm.close()
+    assert "Paris" in outs[2].text
+    assert signature(outs[2]) == signature(outs[1])
