@@ -84,6 +84,16 @@ def test_bad_sizes_are_refused() -> None:
                             max_model_len=64)
 
 
+def test_tp_engine_refuses_an_outside_verifier() -> None:
+    from detserve.engine import LLMEngine
+    from detserve.verifier import InProcessVerifier
+
+    config = EngineConfig.create(tiny_model(), dtype="float32", max_model_len=64,
+                                 tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="outside verifier"):
+        LLMEngine(config, verifier_factory=InProcessVerifier)
+
+
 def test_tree_at_tp1_is_the_product_summed_over_leaves() -> None:
     model, _, _ = load_model(tiny_model(), dtype="float32")
     layer = model.layer_list[0]
