@@ -12,8 +12,9 @@ bandwidth.
 
 The audit runs one fixed lane pass (prompt rows of ``--audit-rows`` tokens, greedy, top-5
 logprobs sampled at every row) at each TP size, with the TP-invariant tree and with the
-plain all-reduce, and hashes its tokens and logprob bits: the tree must give one hash
-across TP sizes; the plain lane (the control) is expected to give one a size.
+ordinary lane's sum (the partials in rank order), and hashes its tokens and logprob bits:
+the tree must give one hash across TP sizes; the ordinary lane (the control) is expected
+to give one a size.
 
     python -m benchmarks.tp_bench --model random:llama3-8b --tp 1 2 4 --batch 1 64 \\
         --out tp_bench.json

@@ -101,8 +101,8 @@ def test_tree_at_tp1_is_the_product_summed_over_leaves() -> None:
     whole = TorchOps().linear(x, layer.o_proj)
     local = shard_model(model, TPLayout(model.config, 1, 0), None, tree=True)
     assert local.parallel is not None
-    tree = local.parallel.row_linear(TorchOps(), x, layer.o_proj, tree=True)
-    plain = local.parallel.row_linear(TorchOps(), x, layer.o_proj, tree=False)
+    tree = local.parallel.row_linear(TorchOps(), x, layer.o_proj, "tree")
+    plain = local.parallel.row_linear(TorchOps(), x, layer.o_proj, "ordered")
     assert torch.equal(plain, whole)
     torch.testing.assert_close(tree, whole, rtol=1e-5, atol=1e-6)
     parts = [x[:, a:b] @ layer.o_proj[:, a:b].T for a, b in ((0, 16), (16, 32), (32, 48), (48, 64))]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol, cast
+from typing import Any, Literal, Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +41,10 @@ class Ops(Protocol):
 AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
+# how a row-parallel product's partials are summed over the ranks (``Parallel.row_linear``)
+RowReduce = Literal["all_reduce", "ordered", "tree"]
+
+
 class Parallel(Protocol):
     """Where the model's tensor-parallel shards meet (``detserve.parallel``). A model without
     one holds whole weights and computes everything itself."""
@@ -49,15 +53,17 @@ class Parallel(Protocol):
         """Rows of the embedding for ``ids``, from this rank's vocabulary shard ``table``."""
         ...
 
-    def row_linear(self, ops: Ops, x: Tensor, weight: Tensor, tree: bool) -> Tensor:
+    def row_linear(self, ops: Ops, x: Tensor, weight: Tensor, reduce: RowReduce) -> Tensor:
         """A row-parallel product (o_proj, down_proj): this rank's K shard of ``x`` times
-        ``weight``'s, summed over the ranks; the same result on every rank. ``tree``: in the
-        fixed binary tree over K leaves whose top levels are the TP split (the same bits at
-        every TP size); else the plain all-reduce."""
+        ``weight``'s, summed over the ranks; the same result on every rank. ``reduce``:
+        "all_reduce" (the backend's algorithm, whose order may depend on the tensor's size:
+        the fast path), "ordered" (partials gathered and summed in a fixed order: a row's
+        bits never depend on the batch) or "tree" (a fixed binary tree over K leaves whose
+        top levels are the TP split: the same bits at every TP size)."""
         ...
 
-    def silu_mul(self, ops: Ops, gate_up: Tensor, tree: bool) -> Tensor:
-        """``ops.silu_mul`` of this rank's [gate | up] columns; ``tree``: leaf by leaf of
+    def silu_mul(self, ops: Ops, gate_up: Tensor, reduce: RowReduce) -> Tensor:
+        """``ops.silu_mul`` of this rank's [gate | up] columns; "tree": leaf by leaf of
         down_proj's K, so each element is computed in a tensor of the same shape at every TP
         size (a CPU exp's bits depend on an element's place in the vectorized loop)."""
         ...
@@ -130,15 +136,15 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionFn, ops: Ops,
-                rope_in_attention: bool = False, tp_tree: bool = False) -> Tensor:
+                rope_in_attention: bool = False, tp_reduce: RowReduce = "all_reduce") -> Tensor:
         """Rows are independent tokens (flattened batch). Returns final-normed hidden [N, hidden].
-        ``tp_tree``: row-parallel products reduce in the TP-invariant tree (``Parallel``)."""
+        ``tp_reduce``: how row-parallel products sum over the ranks (``Parallel``)."""
         c = self.config
         tp = self.parallel
         h = self.embed_tokens[input_ids] if tp is None else tp.embed(self.embed_tokens, input_ids)
 
         def row_linear(x: Tensor, weight: Tensor) -> Tensor:
-            return ops.linear(x, weight) if tp is None else tp.row_linear(ops, x, weight, tp_tree)
+            return ops.linear(x, weight) if tp is None else tp.row_linear(ops, x, weight, tp_reduce)
 
         if not rope_in_attention:
             cos = cast(Tensor, self.rope_cos)[positions]
@@ -160,7 +166,7 @@ class LlamaModel(nn.Module):
             h, x = ops.add_rmsnorm(h, row_linear(o, layer.o_proj), layer.post_norm,
                                    c.rms_norm_eps)
             gate_up = ops.linear(x, layer.gate_up_proj)
-            act = ops.silu_mul(gate_up) if tp is None else tp.silu_mul(ops, gate_up, tp_tree)
+            act = ops.silu_mul(gate_up) if tp is None else tp.silu_mul(ops, gate_up, tp_reduce)
             mlp = row_linear(act, layer.down_proj)
             # the next layer's input norm (the final norm after the last layer) on h + mlp
             norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm

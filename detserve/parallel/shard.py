@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from detserve.distributed import Group
-from detserve.model.llama import LlamaModel, Ops
+from detserve.model.llama import LlamaModel, Ops, RowReduce
 from detserve.parallel.layout import TPLayout
 
 
@@ -57,11 +57,14 @@ class TensorParallel:
         owner = torch.bucketize(ids, self._vocab_starts.to(ids.device), right=True)
         return torch.stack(rows)[owner, torch.arange(ids.shape[0], device=ids.device)]
 
-    def row_linear(self, ops: Ops, x: Tensor, weight: Tensor, tree: bool) -> Tensor:
-        if not tree:
+    def row_linear(self, ops: Ops, x: Tensor, weight: Tensor, reduce: RowReduce) -> Tensor:
+        if reduce != "tree":
             y = ops.linear(x, weight).contiguous()
-            if self.group is not None:
-                self._wait(self.group.all_reduce(y))
+            if self.group is None:
+                return y
+            if reduce == "ordered":
+                return tree_sum(self._gather(y))
+            self._wait(self.group.all_reduce(y))
             return y
         leaves = self._leaves.get(id(weight))
         if leaves is None:
@@ -72,8 +75,8 @@ class TensorParallel:
             return local
         return tree_sum(self._gather(local.contiguous()))
 
-    def silu_mul(self, ops: Ops, gate_up: Tensor, tree: bool) -> Tensor:
-        if not tree:
+    def silu_mul(self, ops: Ops, gate_up: Tensor, reduce: RowReduce) -> Tensor:
+        if reduce != "tree":
             return ops.silu_mul(gate_up)
         width = gate_up.shape[-1] // 2
         return torch.cat([ops.silu_mul(torch.cat([gate_up[:, a:b], gate_up[:, width + a:width + b]],
