@@ -23,8 +23,10 @@ from detserve.parallel.layout import TPLayout, cut, tree_leaves
 from detserve.parallel.shard import shard_model, tree_sum
 from detserve.params import SamplingParams
 
-# 9 query heads in 3 K/V groups, as SmolLM2-135M has them (head_dim 16 here)
-SMOLLM2_HEADS = {"hidden_size": 144, "num_heads": 9, "num_kv_heads": 3, "intermediate_size": 96}
+# 9 query heads in 3 K/V groups, as SmolLM2-135M has them (head_dim 16 here); a vocabulary
+# that splits unevenly (258 + 257 rows at TP=2)
+SMOLLM2_HEADS = {"hidden_size": 144, "num_heads": 9, "num_kv_heads": 3, "intermediate_size": 96,
+                 "vocab_size": 515}
 LANE = {"verify_window": 8, "verify_group": 4, "max_model_len": 256}
 
 
