@@ -245,12 +245,13 @@ def test_lost_worker_fails_the_engine_within_the_deadline(model: str, how: signa
 @pytest.mark.slow
 def test_real_smollm2_at_tp2_answers_with_the_tp1_lane_bits() -> None:
     """SmolLM2-135M (9 query heads, 3 K/V heads) at TP=2: rank 0 holds 4 K/V heads (head 0
-    three times, head 1 once), the answer is the TP=1 lane_only oracle's, bit for bit."""
+    three times, head 1 once), the answer has TP=1's lane bits (llm42 at both: every
+    committed token is the lane's; fewer lane passes than lane_only)."""
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(max_tokens=7, is_deterministic=True, logprobs=0)
     outs = {}
-    for tp, mode in ((1, "lane_only"), (2, "llm42")):
-        llm = LLM("smollm2", mode, max_model_len=128, verify_window=8, verify_group=2,
+    for tp in (1, 2):
+        llm = LLM("smollm2", "llm42", max_model_len=128, verify_window=8, verify_group=4,
                   tp_invariant_lane=True, tensor_parallel_size=tp)
         try:
             outs[tp] = llm.chat(msgs, params)[0]
