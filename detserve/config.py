@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from detserve.kernels.config import TABLE, lane_variant  # (no triton: table and checks only)
+from detserve.parallel.layout import INVARIANT_LEAVES  # (no torch)
 
 MODES = ("llm42", "nondeterministic", "batch_invariant", "lane_only")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -251,6 +252,17 @@ class EngineConfig:
     async_scheduling: bool | None = opt(
         None, "plan and queue each step before reading the previous step's tokens, so the "
               "host's work overlaps the device's; default: on for CUDA, off on CPU")
+    tensor_parallel_size: int = opt(
+        1, "ranks (worker processes, gloo on CPU) the model's heads, MLP and vocabulary are "
+           "split over (a power of two); rank 0 runs the engine")
+    tp_invariant_lane: bool = opt(
+        False, "lane passes reduce the row-parallel products (o_proj, down_proj) in a fixed "
+               "tree whose top levels are the TP split, so deterministic requests get the "
+               f"same bits at every TP size dividing {INVARIANT_LEAVES} (the fingerprint then "
+               "omits the TP size); the fast path keeps the plain all-reduce")
+    tp_timeout_s: float = opt(
+        30.0, "a collective between TP ranks that does not finish within this many seconds "
+              "fails the engine (a lost or stalled worker)")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     sampling: SamplerConfig = field(default_factory=SamplerConfig)
@@ -282,11 +294,28 @@ class EngineConfig:
             raise ValueError(f"aligned_decode_lane: {e}") from None
         if self.batch_invariant_rows <= 0:
             raise ValueError("batch_invariant_rows must be positive")
+        self._check_tensor_parallel()
         if self.scheduler.max_model_len > self.cache.num_tokens:
             raise ValueError(
                 f"max_model_len {self.scheduler.max_model_len} exceeds the KV cache "
                 f"({self.cache.num_tokens} tokens); raise num_blocks"
             )
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or tp & (tp - 1):
+            raise ValueError(f"tensor_parallel_size must be a power of two >= 1, got {tp!r}")
+        if self.tp_invariant_lane and INVARIANT_LEAVES % tp:
+            raise ValueError(f"tp_invariant_lane spans TP sizes dividing {INVARIANT_LEAVES}; "
+                             f"got tensor_parallel_size {tp}")
+        if self.tp_timeout_s <= 0:
+            raise ValueError("tp_timeout_s must be positive")
+        if tp > 1 and self.device != "cpu":
+            raise ValueError("tensor_parallel_size > 1 runs on CPU (gloo) for now")
+        if tp > 1 and self.lane_threaded:
+            raise ValueError("tensor_parallel_size > 1 needs lane passes in the engine's "
+                             "thread (lane_threaded off): every rank runs the same forwards "
+                             "in the same order")
 
     @classmethod
     def create(cls, model: str, mode: str = "llm42", *, dtype: str = "auto",

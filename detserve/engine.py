@@ -38,6 +38,7 @@ from detserve.model.tokenizer import Tokenizer
 from detserve.numerics import LaneNumerics
 from detserve.output_processor import OutputProcessor
 from detserve.outputs import RequestOutput
+from detserve.parallel.executor import make_runner, tensor_parallel_model
 from detserve.params import SamplingParams
 from detserve.request import SeedPolicy, new_sequence, prompt_ids
 from detserve.scheduler import FastItem, LaneItem, Scheduler, SchedulerOutput
@@ -70,6 +71,9 @@ class LLMEngine:
         ``kv_storage(shape, dtype, device)`` allocates the KV pool tensor, e.g. in shared
         memory so a co-located verifier process can map it."""
         self.config = config
+        if config.tensor_parallel_size > 1 and (verifier_factory or kv_storage):
+            raise ValueError("tensor_parallel_size > 1 runs its lane in the engine for now: "
+                             "no outside verifier or exported KV pool")
         dtype = getattr(torch, config.dtype)
         self.model, self.tokenizer, self.model_info = loaded or load_model(
             config.model, dtype=dtype, device=config.device)
@@ -79,6 +83,9 @@ class LLMEngine:
             raise ValueError(f"max_model_len {sc.max_model_len} exceeds the model's "
                              f"{mc.max_position_embeddings} positions (max_position_embeddings);"
                              " leave it unset to take the model's")
+        # rank 0's shard at TP > 1 (workers started), the model itself at TP=1
+        self.model, self._workers = tensor_parallel_model(config, self.model)
+        mc = self.model.config  # (a shard's: its heads; the vocabulary whole)
         cc = config.cache
         shape = KVPool.shape_for(mc.num_layers, cc.num_blocks, cc.block_size, mc.num_kv_heads,
                                  mc.head_dim)
@@ -95,7 +102,8 @@ class LLMEngine:
         self.numerics = LaneNumerics.from_config(
             config, self.alignment.chunk if self.alignment else
             config.lane_gemm_rows if sc.uses_lane else 0)
-        self.runner = ModelRunner(self.model, self.pool, self.numerics, self.alignment)
+        self.runner = make_runner(self.model, self.pool, self.numerics, self.alignment,
+                                  self._workers)
         self.outputs = OutputProcessor(self.tokenizer)
         eos = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
         self.scheduler = Scheduler(sc, self.blocks, eos, prefix_caching=cc.enable_prefix_caching,
@@ -416,18 +424,24 @@ class LLMEngine:
             "mode": self.config.mode,
             "kernels": f"{self.runner.kernel_set}/torch-{torch.__version__}",
             "device": kind,
-            "tp_size": 1,
             **self.numerics.profile(self.config.mode),
         }
+        if "tp_invariant_lane" not in prof:  # the lane's bits depend on the TP size
+            prof["tp_size"] = self.config.tensor_parallel_size
         if dev.startswith("cuda"):
             prof["cuda_graphs"] = self.config.cuda_graphs  # the lane's GEMMs replayed or eager
         blob = json.dumps(prof, sort_keys=True).encode()
         prof["fingerprint"] = hashlib.sha256(blob).hexdigest()[:16]
+        # reported always; in the fingerprint only where the lane's bits depend on it
+        prof["tp_size"] = self.config.tensor_parallel_size
         return prof
 
     def close(self) -> None:
-        """Stop the verifier (its worker thread holds the runner and the KV pool)."""
+        """Stop the verifier (its worker thread holds the runner and the KV pool) and the
+        tensor-parallel workers."""
         self.verifier.close()
+        if self._workers is not None:
+            self._workers.close()
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -31,7 +31,8 @@ class LLM:
 
     ``dtype="auto"`` and ``max_model_len=None`` are taken from the model (see
     ``EngineConfig.create``); other keywords are engine options (``EngineConfig``,
-    ``SchedulerConfig``).
+    ``SchedulerConfig``), e.g. ``tensor_parallel_size=2`` (worker processes: call
+    ``close()`` when done; docs/tensor-parallel.md).
 
     >>> llm = LLM("smollm2", mode="llm42")
     >>> out = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}],
@@ -97,6 +98,10 @@ class LLM:
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()
+
+    def close(self) -> None:
+        """Stop the engine's verifier and its tensor-parallel workers, if any."""
+        self.engine.close()
 
     def determinism_profile(self) -> dict[str, object]:
         return self.engine.determinism_profile()

@@ -52,12 +52,18 @@ class LaneNumerics:
     fused_add_rmsnorm: bool = True
     # how many rows are sampled at once; its logprob kernel has bits of its own
     sampling: SamplerConfig = field(default_factory=SamplerConfig)
+    # the ranks the row-parallel products are split over, and whether the lane reduces them
+    # in the TP-invariant tree (then the lane's bits do not depend on the TP size)
+    tensor_parallel_size: int = 1
+    tp_invariant_lane: bool = False
 
     def __post_init__(self) -> None:
         for name in ("verify_window", "verify_group", "block_size", "batch_invariant_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
         if self.lane_gemm_rows < 0:
             raise ValueError(f"lane_gemm_rows must be >= 0, got {self.lane_gemm_rows}")
         try:
@@ -76,7 +82,9 @@ class LaneNumerics:
                    lane_dot_sums=config.lane_dot_sums, lane_full_tiles=config.lane_full_tiles,
                    aligned_decode_lane=config.aligned_decode_lane,
                    fused_silu_mul=config.fused_silu_mul,
-                   fused_add_rmsnorm=config.fused_add_rmsnorm, sampling=config.sampling)
+                   fused_add_rmsnorm=config.fused_add_rmsnorm, sampling=config.sampling,
+                   tensor_parallel_size=config.tensor_parallel_size,
+                   tp_invariant_lane=config.tp_invariant_lane)
 
     @property
     def lane_rows(self) -> int:
@@ -124,6 +132,8 @@ class LaneNumerics:
             out["batch_invariant_rows"] = self.batch_invariant_rows
         if self.lane_gemm_rows:
             out["lane_gemm_rows"] = self.lane_gemm_rows
+        if self.tp_invariant_lane and mode in ("llm42", "lane_only"):
+            out["tp_invariant_lane"] = True  # the same bits at every TP size dividing 4
         return out
 
 

@@ -145,10 +145,26 @@ def fast_attention(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,
 
 
 def tiled_attention(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,
-                    batch: RowBatch, chunk_rows: int) -> Tensor:
+                    batch: RowBatch, chunk_rows: int, per_head: bool = False) -> Tensor:
+    """``per_head``: one query head at a time, on its K/V head's tiles, so that every tensor
+    op has the same shape whatever the number of heads (on CPU even an elementwise exp's
+    bits depend on where an element falls in the vectorized loop): the TP-invariant lane's,
+    whose ranks hold different numbers of heads and may replicate a K/V head per query head."""
     write_kv(pool, layer, k, v, batch)
+    heads = q.shape[1]
+    groups = heads // k.shape[1]
+    if per_head:
+        return torch.cat([_tiled_rows(pool, layer, q[:, h:h + 1], batch, chunk_rows, h // groups)
+                          for h in range(heads)], dim=1)
+    return _tiled_rows(pool, layer, q, batch, chunk_rows, None)
+
+
+def _tiled_rows(pool: KVPool, layer: int, q: Tensor, batch: RowBatch, chunk_rows: int,
+                kv_head: int | None) -> Tensor:
+    """Attention of ``q``'s heads (all of the pool's K/V heads', or only ``kv_head``'s) in
+    chunks of exactly ``chunk_rows`` rows."""
     n, heads, dim = q.shape
-    kv_heads = k.shape[1]
+    kv_heads = pool.k(layer).shape[2] if kv_head is None else 1
     groups = heads // kv_heads
     pad = (-n) % chunk_rows
     qg = q.float().reshape(n, kv_heads, groups, dim)
@@ -159,17 +175,20 @@ def tiled_attention(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,
         tables = torch.cat([tables, tables.new_full((pad, tables.shape[1]), SCRATCH_BLOCK)])
     outs = [
         _tiled_chunk(pool, layer, qg[r:r + chunk_rows], pos[r:r + chunk_rows],
-                     tables[r:r + chunk_rows])
+                     tables[r:r + chunk_rows], kv_head)
         for r in range(0, n + pad, chunk_rows)
     ]
     return torch.cat(outs)[:n].reshape(n, heads, dim).to(q.dtype)
 
 
-def _tiled_chunk(pool: KVPool, layer: int, q: Tensor, pos: Tensor, tables: Tensor) -> Tensor:
+def _tiled_chunk(pool: KVPool, layer: int, q: Tensor, pos: Tensor, tables: Tensor,
+                 kv_head: int | None = None) -> Tensor:
     rows, kv_heads, groups, dim = q.shape
     bs = pool.block_size
     scale = dim ** -0.5
     kc, vc = pool.k(layer), pool.v(layer)
+    if kv_head is not None:
+        kc, vc = kc[:, :, kv_head:kv_head + 1], vc[:, :, kv_head:kv_head + 1]
     m = q.new_full((rows, kv_heads, groups, 1), float("-inf"))
     denom = q.new_zeros((rows, kv_heads, groups, 1))
     acc = q.new_zeros((rows, kv_heads, groups, dim))

@@ -29,7 +29,7 @@ from detserve.executor.kv_pool import KVPool
 from detserve.executor.ops import FixedShapeOps, TorchOps, pad_rows
 from detserve.executor.transfer import upload
 from detserve.lane import LaneDecision, LanePass, LaneResult, decide
-from detserve.model.llama import LlamaModel, Ops
+from detserve.model.llama import LlamaModel, Ops, RowReduce
 from detserve.numerics import LaneNumerics, lane_run_rows
 from detserve.outputs import TokenLogprob
 from detserve.sampler import (
@@ -346,9 +346,16 @@ class ModelRunner:
             attn = partial(fast_attention, self.pool, batch=batch)
         else:
             rows = self.lane_chunk if kind == "lane" else self.bi_rows
-            attn = partial(tiled_attention, self.pool, batch=batch, chunk_rows=rows)
+            attn = partial(tiled_attention, self.pool, batch=batch, chunk_rows=rows,
+                           per_head=kind == "lane" and self.numerics.tp_invariant_lane)
+        # tensor parallel: the lane's and batch_invariant's row-parallel sums in a fixed
+        # order (the TP-invariant tree for the lane where asked), the fast path's any
+        reduce: RowReduce = ("all_reduce" if kind == "fast" else
+                             "tree" if kind == "lane" and self.numerics.tp_invariant_lane
+                             else "ordered")
         return self.model(batch.input_ids, batch.positions,
-                          lambda i, q, k, v: attn(i, q, k, v), ops, rope_in_attention=self.cuda)
+                          lambda i, q, k, v: attn(i, q, k, v), ops, rope_in_attention=self.cuda,
+                          tp_reduce=reduce)
 
     @torch.inference_mode()
     def run_batch(self, segments: list[RowSegment], sample_specs: list[SamplingSpec | None],

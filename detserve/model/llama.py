@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol, cast
+from typing import Any, Literal, Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +41,38 @@ class Ops(Protocol):
 AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
+# how a row-parallel product's partials are summed over the ranks (``Parallel.row_linear``)
+RowReduce = Literal["all_reduce", "ordered", "tree"]
+
+
+class Parallel(Protocol):
+    """Where the model's tensor-parallel shards meet (``detserve.parallel``). A model without
+    one holds whole weights and computes everything itself."""
+
+    def embed(self, table: Tensor, ids: Tensor) -> Tensor:
+        """Rows of the embedding for ``ids``, from this rank's vocabulary shard ``table``."""
+        ...
+
+    def row_linear(self, ops: Ops, x: Tensor, weight: Tensor, reduce: RowReduce) -> Tensor:
+        """A row-parallel product (o_proj, down_proj): this rank's K shard of ``x`` times
+        ``weight``'s, summed over the ranks; the same result on every rank. ``reduce``:
+        "all_reduce" (the backend's algorithm, whose order may depend on the tensor's size:
+        the fast path), "ordered" (partials gathered and summed in a fixed order: a row's
+        bits never depend on the batch) or "tree" (a fixed binary tree over K leaves whose
+        top levels are the TP split: the same bits at every TP size)."""
+        ...
+
+    def silu_mul(self, ops: Ops, gate_up: Tensor, reduce: RowReduce) -> Tensor:
+        """``ops.silu_mul`` of this rank's [gate | up] columns; "tree": leaf by leaf of
+        down_proj's K, so each element is computed in a tensor of the same shape at every TP
+        size (a CPU exp's bits depend on an element's place in the vectorized loop)."""
+        ...
+
+    def vocab_logits(self, local: Tensor) -> Tensor:
+        """The logits of every token from this rank's vocabulary shard's (all-gathered)."""
+        ...
+
+
 def rope_inv_freq(config: ModelConfig) -> Tensor:
     dim = config.head_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
@@ -70,18 +102,23 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", vocab_rows: int | None = None) -> None:
+        """``vocab_rows``: rows of the embedding and the lm_head held here (a tensor-parallel
+        vocabulary shard; default the whole vocabulary). A sharded model's ``config`` has
+        its rank's head and MLP counts (``parallel.layout.TPLayout.local_config``)."""
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.parallel: Parallel | None = None  # set by ``parallel.shard.shard_model``
         c = config
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
-        self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **kw), requires_grad=False)
+        vocab = c.vocab_size if vocab_rows is None else vocab_rows
+        self.embed_tokens = nn.Parameter(torch.empty(vocab, c.hidden_size, **kw), requires_grad=False)
         self.layers = nn.ModuleList(_Layer(c, kw) for _ in range(c.num_layers))
         self.norm = nn.Parameter(torch.ones(c.hidden_size, **kw), requires_grad=False)
         self.lm_head = (
             None if c.tie_word_embeddings
-            else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **kw), requires_grad=False)
+            else nn.Parameter(torch.empty(vocab, c.hidden_size, **kw), requires_grad=False)
         )
         # cos/sin tables in fp32, indexed by absolute position: RoPE never depends on the batch.
         pos = torch.arange(c.max_position_embeddings, dtype=torch.float64)
@@ -99,10 +136,16 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionFn, ops: Ops,
-                rope_in_attention: bool = False) -> Tensor:
-        """Rows are independent tokens (flattened batch). Returns final-normed hidden [N, hidden]."""
+                rope_in_attention: bool = False, tp_reduce: RowReduce = "all_reduce") -> Tensor:
+        """Rows are independent tokens (flattened batch). Returns final-normed hidden [N, hidden].
+        ``tp_reduce``: how row-parallel products sum over the ranks (``Parallel``)."""
         c = self.config
-        h = self.embed_tokens[input_ids]
+        tp = self.parallel
+        h = self.embed_tokens[input_ids] if tp is None else tp.embed(self.embed_tokens, input_ids)
+
+        def row_linear(x: Tensor, weight: Tensor) -> Tensor:
+            return ops.linear(x, weight) if tp is None else tp.row_linear(ops, x, weight, tp_reduce)
+
         if not rope_in_attention:
             cos = cast(Tensor, self.rope_cos)[positions]
             sin = cast(Tensor, self.rope_sin)[positions]
@@ -120,9 +163,11 @@ class LlamaModel(nn.Module):
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             v = v.reshape(n, c.num_kv_heads, c.head_dim)
             o = attention(i, q, k, v).reshape(n, c.q_size)
-            h, x = ops.add_rmsnorm(h, ops.linear(o, layer.o_proj), layer.post_norm,
+            h, x = ops.add_rmsnorm(h, row_linear(o, layer.o_proj), layer.post_norm,
                                    c.rms_norm_eps)
-            mlp = ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up_proj)), layer.down_proj)
+            gate_up = ops.linear(x, layer.gate_up_proj)
+            act = ops.silu_mul(gate_up) if tp is None else tp.silu_mul(ops, gate_up, tp_reduce)
+            mlp = row_linear(act, layer.down_proj)
             # the next layer's input norm (the final norm after the last layer) on h + mlp
             norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
             h, x = ops.add_rmsnorm(h, mlp, norm, c.rms_norm_eps)
@@ -140,7 +185,8 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: Tensor, ops: Ops) -> Tensor:
-        return ops.linear(hidden, self.lm_head_weight).float()
+        local = ops.linear(hidden, self.lm_head_weight).float()
+        return local if self.parallel is None else self.parallel.vocab_logits(local)
 
     @torch.inference_mode()
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:

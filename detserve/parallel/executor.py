@@ -1,0 +1,246 @@
+"""The engine at TP=N on CPU: rank 0 (the engine's process) owns the scheduler and drives
+N-1 worker processes (``worker.py``), one per rank, over gloo.
+
+Control and data take separate ways. Each step's inputs (the runner's batch description,
+or a lane pass) go to every worker through its pipe before rank 0 runs the step itself;
+every rank then runs the same ``ModelRunner`` call on its shard, and the collectives inside
+the forward (``shard.TensorParallel``) go over one run-time gloo group
+(``detserve.distributed``), each awaited with the ``tp_timeout_s`` deadline. The workers
+sample too (the gathered logits are the same on every rank) and drop the result.
+
+A worker that dies or stalls makes rank 0's next collective raise ``PeerLost`` within the
+deadline; the step then raises ``TensorParallelError`` and the engine is done (its group is
+aborted). A worker whose rank 0 is gone sees its pipe close, or its collective fail, and
+exits.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from detserve.config import EngineConfig
+from detserve.distributed import Group, PeerLost, new_group, open_store
+from detserve.executor.attention import RowSegment
+from detserve.executor.gemm_classes import Alignment
+from detserve.executor.kv_pool import KVPool
+from detserve.executor.runner import (
+    Feed,
+    LaneLaunch,
+    LaunchedBatch,
+    ModelRunner,
+    PenaltyRow,
+    PromptRows,
+)
+from detserve.lane import LanePass
+from detserve.model.llama import LlamaModel
+from detserve.numerics import LaneNumerics
+from detserve.parallel.layout import TPLayout
+from detserve.parallel.messages import (
+    STARTUP_TIMEOUT_S,
+    BatchStep,
+    LaneStep,
+    Message,
+    Start,
+    Stop,
+    WorkerSpec,
+)
+from detserve.parallel.shard import shard_model
+from detserve.parallel.worker import worker_main
+from detserve.sampler import SamplingSpec
+
+T = TypeVar("T")
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank was lost (died, stalled past ``tp_timeout_s``, or failed);
+    the engine cannot go on."""
+
+
+class TPRunner(ModelRunner):
+    """Rank 0's runner: each forward is first sent to the workers, then run here."""
+
+    def __init__(self, model: LlamaModel, pool: KVPool, numerics: LaneNumerics,
+                 workers: Workers) -> None:
+        super().__init__(model, pool, numerics)
+        self.workers = workers
+
+    def launch_batch(self, segments: list[RowSegment], sample_specs: list[SamplingSpec | None],
+                     batch_invariant: bool = False, align_decode: bool = True,
+                     feed: Feed | None = None,
+                     penalties: Sequence[PenaltyRow | None] = (),
+                     prompt_rows: Sequence[PromptRows | None] = ()) -> LaunchedBatch:
+        step = BatchStep(segments, sample_specs, batch_invariant, align_decode, feed,
+                         penalties, prompt_rows)
+        return self.workers.run(step, lambda: super(TPRunner, self).launch_batch(
+            segments, sample_specs, batch_invariant, align_decode, feed, penalties,
+            prompt_rows))
+
+    def launch_lane(self, lane_pass: LanePass) -> LaneLaunch:
+        return self.workers.run(LaneStep(lane_pass),
+                                lambda: super(TPRunner, self).launch_lane(lane_pass))
+
+
+class Workers:
+    """Ranks 1..N-1: their processes and pipes, and rank 0's end of the group."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        size = config.tensor_parallel_size
+        self.size = size
+        self.timeout_s = config.tp_timeout_s
+        self.store = open_store("127.0.0.1", 0, server=True, timeout_s=STARTUP_TIMEOUT_S)
+        name = f"tp-{uuid.uuid4().hex[:12]}"
+        ctx = multiprocessing.get_context("spawn")
+        self.procs: list[Any] = []
+        self.pipes: list[multiprocessing.connection.Connection] = []
+        for rank in range(1, size):
+            ours, theirs = ctx.Pipe()
+            spec = WorkerSpec(config, rank, "127.0.0.1", self.store.port, name,
+                              torch.get_num_threads())
+            proc = ctx.Process(target=worker_main, args=(theirs, spec), daemon=True,
+                               name=f"detserve-tp{rank}")
+            proc.start()
+            theirs.close()
+            self.procs.append(proc)
+            self.pipes.append(ours)
+        self.failed: str | None = None
+        self.group: Group = self._join(name, config.device)
+
+    def _join(self, name: str, device: str) -> Group:
+        """Rank 0's end of the group. Once every worker has said it is joining (its imports
+        done), the group is made with the steps' deadline, which gloo applies to every
+        operation; in a thread, while the workers are watched: one that exits fails the
+        start at once."""
+        for rank, pipe in enumerate(self.pipes, start=1):
+            if self._receive(rank, pipe) != "joining":
+                raise AssertionError("unreachable: _receive raises on anything else")
+        joined: list[Group | BaseException] = []
+        thread = threading.Thread(target=lambda: joined.append(_try(lambda: new_group(
+            self.store, name, 0, self.size, device, timeout_s=self.timeout_s))),
+            daemon=True, name="detserve-tp-join")
+        thread.start()
+        while thread.is_alive() and all(p.is_alive() for p in self.procs):
+            thread.join(timeout=0.1)
+        thread.join(timeout=1.0)
+        result = joined[0] if joined else None
+        if isinstance(result, Group):
+            return result
+        errors = self._worker_errors()
+        self.close()
+        raise TensorParallelError(f"TP workers did not join: {result or 'a worker exited'}"
+                                  f"{errors}")
+
+    def start(self, numerics: LaneNumerics) -> None:
+        """Send the resolved numerics and wait until every worker has built its runner."""
+        self._send(Start(numerics))
+        for rank, pipe in enumerate(self.pipes, start=1):
+            self._receive(rank, pipe, "ready")
+
+    def _receive(self, rank: int, pipe: multiprocessing.connection.Connection,
+                 expected: str = "joining") -> str:
+        """A worker's startup reply ``expected``, within ``STARTUP_TIMEOUT_S``; else the
+        workers are stopped and ``TensorParallelError`` says why."""
+        reply = "no reply"
+        try:
+            if pipe.poll(STARTUP_TIMEOUT_S):
+                reply = pipe.recv()
+        except (EOFError, OSError):
+            reply = "exited"
+        if reply != expected:
+            self.close()
+            raise TensorParallelError(f"TP worker {rank} failed to start: {reply}")
+        return reply
+
+    def run(self, message: BatchStep | LaneStep, call: Callable[[], T]) -> T:
+        """Send ``message`` to every worker, then run ``call`` (rank 0's same step)."""
+        if self.failed is not None:
+            raise TensorParallelError(f"tensor parallelism already failed: {self.failed}")
+        try:
+            self._send(message)
+            return call()
+        except (PeerLost, OSError) as e:
+            self.failed = f"{type(e).__name__}: {e}"
+            self.group.abort()
+            raise TensorParallelError(
+                f"a TP rank was lost mid-step ({self.failed}){self._worker_errors()}") from e
+
+    def close(self) -> None:
+        """Stop the workers (politely, then by force) and drop the group."""
+        for pipe in self.pipes:
+            try:
+                pipe.send(Stop())
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(timeout=2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=2.0)
+        for pipe in self.pipes:
+            pipe.close()
+        self.pipes, self.procs = [], []
+        group = getattr(self, "group", None)
+        if group is not None and group.alive:
+            group.abort()
+
+    def _send(self, message: Message) -> None:
+        for pipe in self.pipes:
+            pipe.send(message)
+
+    def _worker_errors(self) -> str:
+        """What the workers said before they went (their last error, or exit codes)."""
+        notes = []
+        for rank, (proc, pipe) in enumerate(zip(self.procs, self.pipes, strict=True), start=1):
+            try:
+                while pipe.poll(0):
+                    msg = pipe.recv()
+                    if isinstance(msg, str) and msg != "ready":
+                        notes.append(f"worker {rank}: {msg}")
+            except (EOFError, OSError):
+                pass
+            if not proc.is_alive():
+                notes.append(f"worker {rank} exited ({proc.exitcode})")
+        return "; " + "; ".join(notes) if notes else ""
+
+
+def _try(fn: Callable[[], T]) -> T | BaseException:
+    try:
+        return fn()
+    except BaseException as e:  # handed to the thread that waits for it
+        return e
+
+
+def tensor_parallel_model(config: EngineConfig, model: LlamaModel
+                          ) -> tuple[LlamaModel, Workers | None]:
+    """Rank 0's model for ``config``: ``model`` itself at TP=1 without the invariant lane;
+    with it, ``model`` with the tree attached; at TP=N rank 0's shard, with the workers
+    started (they load and shard the checkpoint themselves)."""
+    size = config.tensor_parallel_size
+    if size == 1 and not config.tp_invariant_lane:
+        return model, None
+    workers = Workers(config) if size > 1 else None
+    try:
+        layout = TPLayout(model.config, size, 0)
+        local = shard_model(model, layout, workers.group if workers else None,
+                            tree=config.tp_invariant_lane)
+    except BaseException:
+        if workers is not None:
+            workers.close()
+        raise
+    return local, workers
+
+
+def make_runner(model: LlamaModel, pool: KVPool, numerics: LaneNumerics,
+                alignment: Alignment | None, workers: Workers | None) -> ModelRunner:
+    """Rank 0's runner: the plain one, or one that drives the workers (started here; CPU,
+    so no alignment)."""
+    if workers is None:
+        return ModelRunner(model, pool, numerics, alignment)
+    workers.start(numerics)
+    return TPRunner(model, pool, numerics, workers)

@@ -1,0 +1,63 @@
+"""The messages rank 0 sends its tensor-parallel workers over their pipes (one dataclass
+per kind; ``executor`` describes the protocol)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from detserve.config import EngineConfig
+from detserve.executor.attention import RowSegment
+from detserve.executor.runner import Feed, PenaltyRow, PromptRows
+from detserve.lane import LanePass
+from detserve.numerics import LaneNumerics
+from detserve.sampler import SamplingSpec
+
+# a fresh worker imports torch and loads the whole checkpoint before it answers
+STARTUP_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to join: the engine's config, its rank, the store's address and
+    the group's name, and rank 0's thread count (a CPU product's bits may depend on it)."""
+
+    config: EngineConfig
+    rank: int
+    host: str
+    port: int
+    group: str
+    threads: int
+
+
+@dataclass(frozen=True)
+class Start:
+    """Build the runner: rank 0's resolved numerics."""
+
+    numerics: LaneNumerics
+
+
+@dataclass(frozen=True)
+class BatchStep:
+    """``ModelRunner.launch_batch``'s arguments."""
+
+    segments: list[RowSegment]
+    sample_specs: list[SamplingSpec | None]
+    batch_invariant: bool
+    align_decode: bool
+    feed: Feed | None
+    penalties: Sequence[PenaltyRow | None]
+    prompt_rows: Sequence[PromptRows | None]
+
+
+@dataclass(frozen=True)
+class LaneStep:
+    lane_pass: LanePass
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+Message = Start | BatchStep | LaneStep | Stop

@@ -1,0 +1,160 @@
+"""A rank's shard of the Llama model, cut from the whole model at load time, and the
+collectives that join the shards (``llama.Parallel``).
+
+Column-parallel (each output column whole on one rank, so its K reduction does not depend on
+the TP size): QKV, gate/up and the lm_head (vocabulary rows). Row-parallel (K split across
+ranks, partials summed): o_proj and down_proj. Replicated: the norms and the residual
+stream. The embedding is vocabulary-parallel: each rank looks up its rows and the owner's
+row is gathered, so no sum touches it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from detserve.distributed import Group
+from detserve.model.llama import LlamaModel, Ops, RowReduce
+from detserve.parallel.layout import TPLayout
+
+
+def tree_sum(parts: list[Tensor]) -> Tensor:
+    """Pairwise sum in a fixed binary tree: (left half) + (right half), recursively."""
+    if len(parts) == 1:
+        return parts[0]
+    mid = len(parts) // 2
+    return tree_sum(parts[:mid]) + tree_sum(parts[mid:])
+
+
+class TensorParallel:
+    """``llama.Parallel`` for one rank: its ``group`` (None at TP=1) and layout. With
+    ``tree`` the row-parallel weights are also kept cut into the tree's leaves (contiguous
+    copies, so that a leaf's product sees the same shapes and strides at every TP size)."""
+
+    def __init__(self, layout: TPLayout, group: Group | None) -> None:
+        if (group is None) != (layout.size == 1) or (group is not None and (
+                group.size != layout.size or group.rank != layout.rank)):
+            raise ValueError("the group must match the layout (none at TP=1)")
+        self.layout, self.group = layout, group
+        starts = [a for a, _ in layout.vocab_ranges()]
+        self._vocab_starts = torch.tensor(starts[1:], dtype=torch.long)
+        self._leaves: dict[int, list[tuple[int, int, Tensor]]] = {}  # id(weight) -> leaves
+
+    def add_leaves(self, weight: Tensor, ranges: list[tuple[int, int]]) -> None:
+        """Keep ``weight`` (a row-parallel product's, [N, K_local]) cut into the tree's
+        leaves, K column ranges in tree order."""
+        self._leaves[id(weight)] = [(a, b, weight[:, a:b].contiguous()) for a, b in ranges]
+
+    # ---- llama.Parallel ----
+    def embed(self, table: Tensor, ids: Tensor) -> Tensor:
+        if self.group is None:
+            return table[ids]
+        v0, v1 = self.layout.vocab
+        local = table[(ids - v0).clamp(0, v1 - v0 - 1)]  # right only for this rank's ids
+        rows = self._gather(local)
+        owner = torch.bucketize(ids, self._vocab_starts.to(ids.device), right=True)
+        return torch.stack(rows)[owner, torch.arange(ids.shape[0], device=ids.device)]
+
+    def row_linear(self, ops: Ops, x: Tensor, weight: Tensor, reduce: RowReduce) -> Tensor:
+        if reduce != "tree":
+            y = ops.linear(x, weight).contiguous()
+            if self.group is None:
+                return y
+            if reduce == "ordered":
+                return tree_sum(self._gather(y))
+            self._wait(self.group.all_reduce(y))
+            return y
+        leaves = self._leaves.get(id(weight))
+        if leaves is None:
+            raise RuntimeError("the TP-invariant tree was asked for a weight without leaves "
+                               "(tp_invariant_lane off at load?)")
+        local = tree_sum([ops.linear(x[:, a:b].contiguous(), w) for a, b, w in leaves])
+        if self.group is None:
+            return local
+        return tree_sum(self._gather(local.contiguous()))
+
+    def silu_mul(self, ops: Ops, gate_up: Tensor, reduce: RowReduce) -> Tensor:
+        if reduce != "tree":
+            return ops.silu_mul(gate_up)
+        width = gate_up.shape[-1] // 2
+        return torch.cat([ops.silu_mul(torch.cat([gate_up[:, a:b], gate_up[:, width + a:width + b]],
+                                                 dim=-1))
+                          for a, b in self.layout.leaves(self.layout.config.intermediate_size)],
+                         dim=-1)
+
+    def vocab_logits(self, local: Tensor) -> Tensor:
+        if self.group is None:
+            return local
+        sizes = [b - a for a, b in self.layout.vocab_ranges()]
+        width = max(sizes)
+        padded = torch.nn.functional.pad(local, (0, width - local.shape[-1])).contiguous()
+        parts = self._gather(padded)
+        return torch.cat([p[:, :n] for p, n in zip(parts, sizes, strict=True)], dim=-1)
+
+    def _gather(self, t: Tensor) -> list[Tensor]:
+        """``t`` of every rank, in rank order."""
+        assert self.group is not None
+        out = [torch.empty_like(t) for _ in range(self.layout.size)]
+        self._wait(self.group.all_gather(out, t))
+        return out
+
+    def _wait(self, work: Any) -> None:
+        """gloo: done, or ``PeerLost`` at the group's deadline. NCCL: the current stream
+        waits for it and the host does not (a step must not stop at every layer); a lost
+        peer then shows at the NCCL group's own timeout (made with the same deadline) or
+        at the step's read-back."""
+        assert self.group is not None
+        if self.group.backend == "nccl":
+            work.wait()
+        else:
+            self.group.wait(work)
+
+
+@torch.inference_mode()
+def shard_model(model: LlamaModel, layout: TPLayout, group: Group | None,
+                tree: bool) -> LlamaModel:
+    """This rank's shard of ``model`` (the whole one, left unchanged), joined by a
+    ``TensorParallel`` over ``group``; ``tree``: ready for the TP-invariant lane."""
+    c = model.config
+    if c != layout.config:
+        raise ValueError("the layout is another model's")
+    d = c.head_dim
+    first, end = layout.heads
+    lo, hi = layout.mlp
+    v0, v1 = layout.vocab
+    if layout.size == 1:
+        local = model
+    else:
+        local = LlamaModel(layout.local_config(), dtype=model.dtype,
+                           device=model.embed_tokens.device, vocab_rows=v1 - v0)
+        kv_rows = torch.cat([torch.arange(h * d, (h + 1) * d) for h in layout.kv_heads])
+        q_rows = torch.arange(first * d, end * d)
+        qkv_rows = torch.cat([q_rows, c.q_size + kv_rows, c.q_size + c.kv_size + kv_rows])
+        gate_up_rows = torch.cat([torch.arange(lo, hi),
+                                  c.intermediate_size + torch.arange(lo, hi)])
+        local.embed_tokens.copy_(model.embed_tokens[v0:v1])
+        local.norm.copy_(model.norm)
+        if local.lm_head is not None and model.lm_head is not None:
+            local.lm_head.copy_(model.lm_head[v0:v1])
+        for mine, whole in zip(local.layer_list, model.layer_list, strict=True):
+            mine.qkv_proj.copy_(whole.qkv_proj[qkv_rows.to(whole.qkv_proj.device)])
+            if mine.qkv_bias is not None and whole.qkv_bias is not None:
+                mine.qkv_bias.copy_(whole.qkv_bias[qkv_rows.to(whole.qkv_bias.device)])
+            mine.o_proj.copy_(whole.o_proj[:, first * d:end * d])
+            mine.gate_up_proj.copy_(whole.gate_up_proj[gate_up_rows.to(whole.gate_up_proj.device)])
+            mine.down_proj.copy_(whole.down_proj[:, lo:hi])
+            mine.input_norm.copy_(whole.input_norm)
+            mine.post_norm.copy_(whole.post_norm)
+        local.eval()
+    parallel = TensorParallel(layout, group)
+    if tree:
+        heads = [(a * d, b * d) for a, b in layout.leaves(c.num_heads)]
+        columns = layout.leaves(c.intermediate_size)
+        for layer in local.layer_list:
+            parallel.add_leaves(layer.o_proj, heads)
+            parallel.add_leaves(layer.down_proj, columns)
+    local.parallel = parallel
+    return local
+

@@ -1,0 +1,262 @@
+"""Tensor parallelism on CPU over gloo (issue 36): the shard layout, TP=2 against TP=1,
+the TP-invariant lane (bit for bit across TP sizes) with its negative control, a
+SmolLM2-shaped model whose K/V heads do not split, and a lost worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from engine_utils import as_tokens, random_prompts, signature, tiny_model
+
+from detserve.config import EngineConfig
+from detserve.executor.ops import TorchOps
+from detserve.llm import LLM
+from detserve.model.config import ModelConfig
+from detserve.model.loader import load_model
+from detserve.outputs import RequestOutput
+from detserve.parallel.executor import TensorParallelError
+from detserve.parallel.layout import TPLayout, cut, tree_leaves
+from detserve.parallel.shard import shard_model, tree_sum
+from detserve.params import SamplingParams
+
+# 9 query heads in 3 K/V groups, as SmolLM2-135M has them (head_dim 16 here); a vocabulary
+# that splits unevenly (258 + 257 rows at TP=2)
+SMOLLM2_HEADS = {"hidden_size": 144, "num_heads": 9, "num_kv_heads": 3, "intermediate_size": 96,
+                 "vocab_size": 515}
+LANE = {"verify_window": 8, "verify_group": 4, "max_model_len": 256}
+
+
+def _config(**kw: int) -> ModelConfig:
+    base = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
+            "num_heads": 4, "num_kv_heads": 2, "head_dim": 16}
+    base.update(kw)
+    return ModelConfig(**base)  # type: ignore[arg-type]
+
+
+# ---- the layout (no processes) ------------------------------------------------------
+
+def test_smollm2_heads_at_tp2_replicate_the_straddling_kv_head() -> None:
+    c = _config(num_heads=9, num_kv_heads=3, hidden_size=144)
+    r0, r1 = TPLayout(c, 2, 0), TPLayout(c, 2, 1)
+    assert (r0.heads, r1.heads) == ((0, 4), (4, 9))
+    # rank 0: query heads 0-2 read K/V head 0, head 3 reads K/V head 1; rank 1: 4-5 -> 1,
+    # 6-8 -> 2. The groups straddle the cut, so each local query head gets its own copy
+    assert r0.kv_heads == (0, 0, 0, 1) and r1.kv_heads == (1, 1, 2, 2, 2)
+    assert (r0.group, r1.group) == (1, 1)
+    local = r1.local_config()
+    assert (local.num_heads, local.num_kv_heads, local.vocab_size) == (5, 5, 512)
+
+
+def test_divisible_heads_are_not_replicated() -> None:
+    c = _config(num_heads=32, num_kv_heads=8, hidden_size=512)
+    for size in (1, 2, 4, 8):
+        kv = [TPLayout(c, size, r).kv_heads for r in range(size)]
+        assert [h for part in kv for h in part] == list(range(8))
+    # more ranks than K/V heads: each K/V head on the ranks whose query heads read it
+    assert [TPLayout(c, 16, r).kv_heads for r in range(16)] == [(r // 2,) for r in range(16)]
+
+
+@pytest.mark.parametrize("n", [2, 9, 10, 64, 96, 128])
+def test_tree_leaves_are_the_same_cuts_at_every_tp_size(n: int) -> None:
+    """The invariant lane's leaves, in absolute units, do not depend on the TP size, and
+    a rank's range is the union of its leaves: the top levels of the tree are the split."""
+    def absolute(size: int) -> list[tuple[int, int]]:
+        out = []
+        for r in range(size):
+            first = cut(n, size, r)[0]
+            out += [(first + a, first + b) for a, b in TPLayout(_config(), size, r).leaves(n)]
+        return out
+    assert tree_leaves(1) == tree_leaves(2) == tree_leaves(4)
+    assert absolute(1) == absolute(2) == absolute(4) == [cut(n, 4, j) for j in range(4)]
+
+
+def test_bad_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="power of two"):
+        TPLayout(_config(), 3, 0)
+    with pytest.raises(ValueError, match="query heads"):
+        TPLayout(_config(num_heads=2, num_kv_heads=2), 4, 0)
+    with pytest.raises(ValueError, match="power of two"):
+        EngineConfig.create("m", dtype="float32", max_model_len=64, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="dividing 4"):
+        EngineConfig.create("m", dtype="float32", tensor_parallel_size=8, tp_invariant_lane=True,
+                            max_model_len=64)
+
+
+def test_tp_engine_refuses_an_outside_verifier() -> None:
+    from detserve.engine import LLMEngine
+    from detserve.verifier import InProcessVerifier
+
+    config = EngineConfig.create(tiny_model(), dtype="float32", max_model_len=64,
+                                 tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="outside verifier"):
+        LLMEngine(config, verifier_factory=InProcessVerifier)
+
+
+def test_tree_at_tp1_is_the_product_summed_over_leaves() -> None:
+    model, _, _ = load_model(tiny_model(), dtype="float32")
+    layer = model.layer_list[0]
+    x = torch.randn(5, layer.o_proj.shape[1])
+    whole = TorchOps().linear(x, layer.o_proj)
+    local = shard_model(model, TPLayout(model.config, 1, 0), None, tree=True)
+    assert local.parallel is not None
+    tree = local.parallel.row_linear(TorchOps(), x, layer.o_proj, "tree")
+    plain = local.parallel.row_linear(TorchOps(), x, layer.o_proj, "ordered")
+    assert torch.equal(plain, whole)
+    torch.testing.assert_close(tree, whole, rtol=1e-5, atol=1e-6)
+    parts = [x[:, a:b] @ layer.o_proj[:, a:b].T for a, b in ((0, 16), (16, 32), (32, 48), (48, 64))]
+    assert torch.equal(tree, tree_sum(parts))
+
+
+# ---- engines at TP=1 and TP=2 -------------------------------------------------------
+
+STATS: dict[str, float] = {}  # the last ``_run``'s engine statistics
+
+
+def _run(model: str, params: SamplingParams, prompts: list[list[int]], mode: str,
+         **kw: object) -> tuple[list[RequestOutput], dict[str, object]]:
+    llm = LLM(model, mode, **LANE, **kw)  # type: ignore[arg-type]
+    try:
+        out = llm.generate(as_tokens(prompts), params)
+        STATS.clear()
+        STATS.update(llm.stats())
+        return out, llm.determinism_profile()
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    # the last two share a 32-token prefix (two blocks the prefix cache may share)
+    shared = random_prompts(2, [5, 9], seed=6, prefix=random_prompts(1, [32], seed=7)[0])
+    return random_prompts(2, [6, 19], seed=5) + shared
+
+
+def test_tp2_logits_match_tp1(model: str, prompts: list[list[int]]) -> None:
+    """The ordinary (nondeterministic) mode: TP=2 computes the same function, its sums in
+    another order; every prompt position's logprobs agree within float32 noise."""
+    params = SamplingParams(max_tokens=8, prompt_logprobs=5, logprobs=5, ignore_eos=True)
+    one, _ = _run(model, params, prompts, "nondeterministic")
+    # (asynchronous scheduling: the workers get the tokens fed to the next step from rank 0)
+    two, prof = _run(model, params, prompts, "nondeterministic", tensor_parallel_size=2,
+                     async_scheduling=True)
+    assert prof["tp_size"] == 2
+    for a, b in zip(one, two, strict=True):
+        assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
+        for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+            assert pa is not None and pb is not None and pa.token_id == pb.token_id
+            assert abs(pa.logprob - pb.logprob) < 1e-4
+            assert pa.top.keys() == pb.top.keys()
+            assert all(abs(pa.top[t] - pb.top[t]) < 1e-4 for t in pa.top)
+        assert a.token_ids == b.token_ids
+        assert all(abs(x.logprob - y.logprob) < 1e-4
+                   for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True))
+
+
+def _deterministic() -> SamplingParams:
+    return SamplingParams(max_tokens=16, is_deterministic=True, temperature=0.8, seed=7,
+                          logprobs=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("shape", ["llama", "smollm2-heads"])
+def test_invariant_lane_tp2_dvr_equals_tp1_lane_only(shape: str, prompts: list[list[int]]) -> None:
+    """With the TP-invariant lane, llm42 at TP=2 (fast path perturbed: the lane must catch
+    and replace every bad token) gives the TP=1 lane_only oracle's tokens and logprobs
+    bit for bit, and the same fingerprint as llm42 at TP=1."""
+    model = tiny_model(**SMOLLM2_HEADS) if shape != "llama" else tiny_model()
+    params = _deterministic()
+    oracle, _ = _run(model, params, prompts, "lane_only", tp_invariant_lane=True)
+    _, prof_one = _run(model, params, prompts[:1], "llm42", tp_invariant_lane=True)
+    dvr, prof_two = _run(model, params, prompts, "llm42", tp_invariant_lane=True,
+                         tensor_parallel_size=2, fastpath_perturbation=0.2)
+    assert STATS["rollbacks"] > 0  # the lane did replace perturbed tokens
+    assert [signature(o) for o in dvr] == [signature(o) for o in oracle]
+    assert prof_two["fingerprint"] == prof_one["fingerprint"]
+    assert "tp_invariant_lane" in prof_two and prof_two["tp_size"] == 2
+
+
+def test_invariant_lane_at_tp4(model: str, prompts: list[list[int]]) -> None:
+    """TP=4 (one query head and a replicated K/V head a rank): the lane's tree gives the
+    TP=1 oracle's bits too."""
+    params = SamplingParams(max_tokens=6, is_deterministic=True, temperature=0.8, seed=3,
+                            logprobs=0, ignore_eos=True)
+    one, _ = _run(model, params, prompts[:2], "lane_only", tp_invariant_lane=True)
+    four, _ = _run(model, params, prompts[:2], "lane_only", tp_invariant_lane=True,
+                   tensor_parallel_size=4)
+    assert [signature(o) for o in four] == [signature(o) for o in one]
+
+
+def test_ordinary_lane_bits_depend_on_tp_size(model: str, prompts: list[list[int]]) -> None:
+    """The negative control: without the invariant lane, TP=2's all-reduce sums o_proj and
+    down_proj in another order than TP=1's single product, so the lane's logprob bits
+    differ (the tokens, here, do not), and so do the fingerprints."""
+    params = _deterministic()
+    one, prof_one = _run(model, params, prompts, "lane_only")
+    two, prof_two = _run(model, params, prompts, "lane_only", tensor_parallel_size=2)
+    assert [o.token_ids for o in one] == [o.token_ids for o in two]
+    assert [signature(o) for o in one] != [signature(o) for o in two]
+    assert prof_one["fingerprint"] != prof_two["fingerprint"]
+    assert (prof_one["tp_size"], prof_two["tp_size"]) == (1, 2)
+
+
+# ---- a lost worker ------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_lost_worker_fails_the_engine_within_the_deadline(model: str, how: signal.Signals,
+                                                           prompts: list[list[int]]) -> None:
+    """A worker killed (its sockets close) or stopped (it never answers) mid-generation:
+    the next step raises TensorParallelError within tp_timeout_s, never hangs; the engine
+    stays failed and closes."""
+    deadline = 3.0
+    llm = LLM(model, "llm42", **LANE, tensor_parallel_size=2,  # type: ignore[arg-type]
+              tp_timeout_s=deadline)
+    engine = llm.engine
+    workers = engine._workers
+    assert workers is not None
+    procs = list(workers.procs)
+    try:
+        engine.add_request("a", None, SamplingParams(max_tokens=64, ignore_eos=True),
+                           prompt_token_ids=prompts[0])
+        for _ in range(3):
+            engine.step()
+        os.kill(procs[0].pid, how)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match="lost"):
+            for _ in range(100):
+                engine.step()
+        assert time.monotonic() - t0 < deadline + 5.0
+        with pytest.raises(TensorParallelError, match="already failed"):
+            engine.step()
+    finally:
+        engine.close()
+    assert procs and not any(p.is_alive() for p in procs)
+
+
+# ---- the real SmolLM2 -----------------------------------------------------------------
+
+@pytest.mark.slow
+def test_real_smollm2_at_tp2_answers_with_the_tp1_lane_bits() -> None:
+    """SmolLM2-135M (9 query heads, 3 K/V heads) at TP=2: rank 0 holds 4 K/V heads (head 0
+    three times, head 1 once), the answer has TP=1's lane bits (llm42 at both: every
+    committed token is the lane's; fewer lane passes than lane_only)."""
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(max_tokens=7, is_deterministic=True, logprobs=0)
+    outs = {}
+    for tp in (1, 2):
+        llm = LLM("smollm2", "llm42", max_model_len=128, verify_window=8, verify_group=4,
+                  tp_invariant_lane=True, tensor_parallel_size=tp)
+        try:
+            outs[tp] = llm.chat(msgs, params)[0]
+            assert llm.engine.pool.data.shape[4] == (3 if tp == 1 else 4)
+        finally:
+            llm.close()
+    assert "Paris" in outs[2].text
+    assert signature(outs[2]) == signature(outs[1])
