@@ -71,13 +71,16 @@ def _wait_ready(url: str, bound_s: float = 60.0) -> None:
     """Until /health answers 200 (the decoders' links found, a verifier usable), at most
     ``bound_s``: a test's first request then meets the cluster it means to test. A cluster
     that never gets there is left to the tests to report."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline and not healthy(url):
+        time.sleep(0.2)
+
+
+def healthy(url: str) -> bool:
+    """Whether the server at ``url`` answers /health with 200 now."""
     import httpx
 
-    deadline = time.monotonic() + bound_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -12,25 +12,22 @@ and a stale epoch are covered as for co-located verifiers.
 # ruff: noqa: F811  (the fixtures imported from test_remote_verifier are parameters here)
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import grpc
 import pytest
 import torch
-from engine_utils import Req, drive, random_prompts, run_engine, signature
+from engine_utils import Req, drive, random_prompts, signature
 from test_remote_verifier import (  # noqa: F401  (fixtures used by name)
     AUTH,
     DET,
     NUM_BLOCKS,
     REQS,
-    ROOT,
     G,
     VerifierProc,
     W,
@@ -39,8 +36,10 @@ from test_remote_verifier import (  # noqa: F401  (fixtures used by name)
     make_engine,
     model,
     oracle,
+    oracle_of,
     oracle_prefix_checker,
     redis_url,
+    running_verifiers,
 )
 
 from detserve.lane import LanePass
@@ -56,22 +55,11 @@ from services.verifier.transfer import DecoderTransfer
 KV_BLOCKS = 256
 
 
-class TransferVerifier(VerifierProc):
-    """A verifier replica on "another host", with a pool of its own."""
-
-    def __init__(self, model: str, redis_url: str, prefix: str) -> None:
-        env = {**os.environ, HOST_ID_ENV: f"verifier-host-{uuid.uuid4().hex[:6]}"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.verifier.replica", "--model", model,
-             "--redis-url", redis_url, "--prefix", prefix, "--ttl", "1.0",
-             "--kv-blocks", str(KV_BLOCKS)],
-            cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
-        self.address = ""
-
-
-def start(n: int, model: str, redis_url: str, prefix: str) -> list[TransferVerifier]:
-    procs = [TransferVerifier(model, redis_url, prefix) for _ in range(n)]
-    return [p.wait_ready() for p in procs]  # type: ignore[misc]
+def transferring(n: int, model: str, redis_url: str, prefix: str
+                 ) -> AbstractContextManager[list[VerifierProc]]:
+    """Verifier replicas each on "another host", with a pool of their own."""
+    return running_verifiers(n, model, redis_url, prefix, extra=("--kv-blocks", str(KV_BLOCKS)),
+                             env=lambda: {HOST_ID_ENV: f"verifier-host-{uuid.uuid4().hex[:6]}"})
 
 
 @pytest.fixture(autouse=True)
@@ -100,23 +88,19 @@ PREFIX_REQS = [
 
 @pytest.fixture(scope="module")
 def prefix_oracle(model: str) -> list[tuple]:
-    outs, stats, _ = run_engine(model, PREFIX_REQS, mode="lane_only", window=W, group=G,
-                                num_blocks=NUM_BLOCKS)
-    return [signature(o) for o in outs]
+    return oracle_of(model, PREFIX_REQS)
 
 
 @pytest.fixture(scope="module")
-def pool(model: str, redis_url: str) -> Iterator[tuple[str, list[TransferVerifier]]]:
+def pool(model: str, redis_url: str) -> Iterator[tuple[str, list[VerifierProc]]]:
     prefix = f"xfer{uuid.uuid4().hex[:6]}"
-    procs = start(1, model, redis_url, prefix)
-    yield prefix, procs
-    for p in procs:
-        p.stop()
+    with transferring(1, model, redis_url, prefix) as procs:
+        yield prefix, procs
 
 
 def test_transfer_lane_equals_oracle(model: str, redis_url: str, oracle: list[tuple],
                                      prefix_oracle: list[tuple],
-                                     pool: tuple[str, list[TransferVerifier]]) -> None:
+                                     pool: tuple[str, list[VerifierProc]]) -> None:
     prefix, procs = pool
     before = health(procs[0].address)
     engine, exporter = make_engine(model, redis_url, prefix, "dec-xfer")
@@ -147,7 +131,7 @@ def test_transfer_lane_equals_oracle(model: str, redis_url: str, oracle: list[tu
 
 
 def test_corrupted_pushes_are_caught(model: str, redis_url: str, prefix_oracle: list[tuple],
-                                     pool: tuple[str, list[TransferVerifier]],
+                                     pool: tuple[str, list[VerifierProc]],
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: the rows the decoder pushes decide the verifier's bits. Noise
     added to them (as a transfer that lost bits would) changes the output, so the
@@ -177,7 +161,12 @@ def test_killed_verifier_mid_transfer_loses_nothing(model: str, redis_url: str,
     flight: the decoder fails over, the new verifier gets each sequence's committed rows
     pushed, and every deterministic output equals the oracle."""
     prefix = f"xkill{uuid.uuid4().hex[:6]}"
-    procs = start(2, model, redis_url, prefix)
+    with transferring(2, model, redis_url, prefix) as procs:
+        _kill_mid_transfer(model, redis_url, prefix, procs, oracle)
+
+
+def _kill_mid_transfer(model: str, redis_url: str, prefix: str, procs: list[VerifierProc],
+                       oracle: list[tuple]) -> None:
     by_address = {p.address: p for p in procs}
     engine, exporter = make_engine(model, redis_url, prefix, "dec-xkill",
                                    transfer_timeout_s=5.0)
@@ -207,12 +196,10 @@ def test_killed_verifier_mid_transfer_loses_nothing(model: str, redis_url: str,
     finally:
         remote.close()
         exporter.close()
-        for p in procs:
-            p.stop()
 
 
 def test_two_decoders_share_one_verifier(model: str, redis_url: str, oracle: list[tuple],
-                                         pool: tuple[str, list[TransferVerifier]]) -> None:
+                                         pool: tuple[str, list[VerifierProc]]) -> None:
     """N:1: two decoders verified at once by one verifier (its pool shared between them)."""
     prefix, procs = pool
     engines = [make_engine(model, redis_url, prefix, f"dec-n{i}") for i in range(2)]
@@ -247,7 +234,7 @@ def test_two_decoders_share_one_verifier(model: str, redis_url: str, oracle: lis
 
 
 def test_stale_epoch_is_refused(model: str, redis_url: str,
-                                pool: tuple[str, list[TransferVerifier]]) -> None:
+                                pool: tuple[str, list[VerifierProc]]) -> None:
     prefix, procs = pool
     engine, exporter = make_engine(model, redis_url, prefix, "dec-xstale", connect=False)
     remote = engine.verifier
@@ -270,7 +257,7 @@ def test_stale_epoch_is_refused(model: str, redis_url: str,
 
 def test_a_vanished_decoder_frees_its_blocks_and_hangs_nothing(
         model: str, redis_url: str, oracle: list[tuple],
-        pool: tuple[str, list[TransferVerifier]]) -> None:
+        pool: tuple[str, list[VerifierProc]]) -> None:
     """A decoder that vanishes mid-run (its stream cut, its groups gone, no release): the
     verifier frees every block it held for it and serves the next decoder."""
     prefix, procs = pool

@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
+from serving_cluster import healthy
 
 from services.redis_server import free_port
 
@@ -58,11 +59,8 @@ def _wait_ready(proc: subprocess.Popen[str], url: str) -> None:
         if proc.poll() is not None:
             out = proc.stdout.read() if proc.stdout else ""
             raise RuntimeError(f"detserve serve exited ({proc.returncode}):\n{out[-4000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if healthy(url):
+            return
         time.sleep(2)
     raise TimeoutError(f"detserve serve not ready after {STARTUP_S:.0f} s")
 

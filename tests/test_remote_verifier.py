@@ -8,6 +8,7 @@ no token that is not the oracle's; stale or incompatible decoders are refused.
 
 from __future__ import annotations
 
+import os
 import selectors
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -80,11 +82,12 @@ class VerifierProc:
     """``python -m services.verifier.replica`` in a process of its own."""
 
     def __init__(self, model: str, redis_url: str, prefix: str, ttl_s: float = 1.0,
-                 extra: tuple[str, ...] = ()) -> None:
+                 extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+        """``env``: more environment variables (e.g. another host id)."""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.verifier.replica", "--model", model,
              "--redis-url", redis_url, "--prefix", prefix, "--ttl", str(ttl_s), *extra],
-            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+            cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
         self.address = ""
 
     def wait_ready(self, timeout_s: float = 60.0) -> VerifierProc:
@@ -112,8 +115,11 @@ class VerifierProc:
 
 
 def start_verifiers(n: int, model: str, redis_url: str, prefix: str,
-                    extra: tuple[str, ...] = ()) -> list[VerifierProc]:
-    procs = [VerifierProc(model, redis_url, prefix, extra=extra)  # start in parallel
+                    extra: tuple[str, ...] = (),
+                    env: Callable[[], dict[str, str]] | None = None) -> list[VerifierProc]:
+    """``env``: each verifier's extra environment (called once per verifier)."""
+    procs = [VerifierProc(model, redis_url, prefix, extra=extra,  # start in parallel
+                          env=env() if env else None)
              for _ in range(n)]
     return [p.wait_ready() for p in procs]
 
@@ -129,21 +135,36 @@ def redis_url() -> Iterator[str]:
         yield r.url
 
 
-@pytest.fixture(scope="module")
-def oracle(model: str) -> list[tuple]:
-    outs, _, _ = run_engine(model, REQS, mode="lane_only", window=W, group=G,
+def oracle_of(model: str, reqs: list[Req]) -> list[tuple]:
+    """The in-process ``lane_only`` outputs of ``reqs``: what DVR must give."""
+    outs, _, _ = run_engine(model, reqs, mode="lane_only", window=W, group=G,
                             num_blocks=NUM_BLOCKS)
     return [signature(o) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def oracle(model: str) -> list[tuple]:
+    return oracle_of(model, REQS)
+
+
+@contextmanager
+def running_verifiers(n: int, model: str, redis_url: str, prefix: str,
+                      **kw: Any) -> Iterator[list[VerifierProc]]:
+    """``start_verifiers``, stopped on the way out."""
+    procs = start_verifiers(n, model, redis_url, prefix, **kw)
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
 
 
 @pytest.fixture(scope="module")
 def pool(model: str, redis_url: str) -> Iterator[tuple[str, list[VerifierProc]]]:
     """One verifier shared by the tests that do not kill it."""
     prefix = f"pool{uuid.uuid4().hex[:6]}"
-    procs = start_verifiers(1, model, redis_url, prefix)
-    yield prefix, procs
-    for p in procs:
-        p.stop()
+    with running_verifiers(1, model, redis_url, prefix) as procs:
+        yield prefix, procs
 
 
 def make_engine(model: str, redis_url: str, prefix: str, decoder_id: str,
