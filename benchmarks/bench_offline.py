@@ -135,14 +135,14 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         done = []
         for o in engine.step():  # final outputs only, as offline generation returns them
             out_tokens += len(o.token_ids)
+            finished[o.is_deterministic].append((o.stats.finish_time or start) - start)
+            first[o.is_deterministic].append((o.stats.first_token_time or start) - start)
             if o.is_deterministic:
                 det_digests[o.request_id] = hashlib.sha256(
                     repr((o.token_ids, o.logprobs)).encode()).hexdigest()[:16]
                 done.append(o.request_id)
         if done and drop is not None:  # a dedicated verifier frees their K/V
             drop(done)
-            finished[o.is_deterministic].append((o.stats.finish_time or start) - start)
-            first[o.is_deterministic].append((o.stats.first_token_time or start) - start)
     sync()
     elapsed = time.perf_counter() - t0
     profiled = window.finish() if window is not None else None
