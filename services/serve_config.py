@@ -229,7 +229,12 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
                  "max_num_seqs"):
         _check_int(name, args[name], lo=1)
     _check_int("num_verifiers", args["num_verifiers"], lo=0)
-    if args["mode"] == "llm42" and args["num_verifiers"] < 1:
+    tp = args.get("tensor_parallel_size", 1)
+    if isinstance(tp, int) and tp > 1:
+        if args["num_verifiers"] != 0 and args["mode"] in ("llm42", "lane_only"):
+            raise ValueError("tensor_parallel_size > 1 runs the lane on the decoder's own "
+                             "ranks for now: num_verifiers must be 0")
+    elif args["mode"] == "llm42" and args["num_verifiers"] < 1:
         raise ValueError("mode 'llm42' needs num_verifiers >= 1")
     fraction = args["verifier_gpu_fraction"]
     _check_number("verifier_gpu_fraction", fraction, lo=0.0, hi=1.0)

@@ -52,7 +52,7 @@ def build_engine(settings: DecoderSettings, decoder_id: str, auth: ClusterAuth
             log.warning("services.verifier is not available: decoder %s verifies in-process",
                         decoder_id)
         engine = LLMEngine(config)
-        return engine, engine.verifier.close
+        return engine, engine.close  # (its verifier, and tensor-parallel workers if any)
     kv_handle, client, registry = remote
     reg = registry.Registry(settings.serve.redis_url)
     try:
