@@ -363,7 +363,7 @@ def _lane_thread_init(device: str, then: Callable[[], None] | None) -> None:
 
 
 def _blocks_that_fit(model: LlamaModel, dtype: torch.dtype, device: str, block_size: int,
-                     fraction: float = 0.9) -> int:
+                     fraction: float = 0.85) -> int:
     """KV blocks that ``fraction`` of the device's free memory holds now (CUDA; the model
     loaded); on CPU a fixed 4096."""
     if torch.device(device).type != "cuda":

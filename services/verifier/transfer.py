@@ -38,6 +38,7 @@ from detserve.lane import LaneDecision, LanePass, LaneResult, LaneSegment
 
 log = logging.getLogger(__name__)
 VERIFIER_RANK, DECODER_RANK = 0, 1
+MAX_SENDS = 32  # sends in flight per direction before the oldest is waited for
 
 
 class KVFull(RuntimeError):
@@ -84,12 +85,15 @@ class _Pair:
         self.stats.rows_in += rows.shape[2]
 
     def reap(self) -> None:
-        """Wait for the sends issued so far (each one's peer has had a whole pass to take
-        it); raises ``PeerLost`` past the deadline."""
+        """Forget the sends that completed; wait (up to the deadline, else ``PeerLost``) only
+        for the oldest ones beyond ``MAX_SENDS`` in flight. A verifier's send completes when
+        its decoder polls, so waiting for every one would hold the lane thread, and the other
+        decoders' passes, up for one slow decoder."""
         t0 = time.perf_counter()
-        for group, work, _ in self._sends:
-            group.wait(work)
-        self._sends.clear()
+        while self._sends and (len(self._sends) > MAX_SENDS
+                               or self._sends[0][1].is_completed()):
+            group, work, _ = self._sends.pop(0)
+            group.wait(work)  # (completed: raises if it failed)
         self.stats.wait_s += time.perf_counter() - t0
 
     def close(self) -> None:
