@@ -19,6 +19,7 @@ import pickle
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -314,18 +315,32 @@ async def _raw_link(address: str, metadata: Any, messages: list[bytes], finished
     return chunks, code
 
 
-async def _hostile_callers(redis_url: str, model: str) -> dict[str, object]:
-    loop = EngineLoop(_engine(model), "rep-h", deliver=deliver_on_event_loops)
+@asynccontextmanager
+async def _attached_link(redis_url: str, model: str, replica: str, auth: ClusterAuth
+                         ) -> AsyncIterator[tuple[LinkServer, LinkHub]]:
+    """A decoder's link server, registered, and a router's hub attached to it; all stopped
+    on the way out."""
+    loop = EngineLoop(_engine(model), replica, deliver=deliver_on_event_loops)
     loop.start()
-    server = await LinkServer(loop, AUTH).start("127.0.0.1", bind="127.0.0.1")
+    server = await LinkServer(loop, auth).start("127.0.0.1", bind="127.0.0.1")
     registry = Registry(redis_url, prefix="detserve")
-    beat = Heartbeat(registry, LinkRecord("rep-h", server.address), 3.0).start()
-    hub = LinkHub(redis_url, AUTH, poll_s=0.05, attach_timeout_s=5.0)
+    beat = Heartbeat(registry, LinkRecord(replica, server.address), 3.0).start()
+    hub = LinkHub(redis_url, auth, poll_s=0.05, attach_timeout_s=5.0)
     hub.start()
+    try:
+        await _until(lambda: hub.attached == [replica])
+        yield server, hub
+    finally:
+        hub.close()
+        beat.stop(deregister=True)
+        await server.stop(None)
+        loop.stop()
+
+
+async def _hostile_callers(redis_url: str, model: str) -> dict[str, object]:
     out: dict[str, object] = {}
     submit = codec.encode_frames([codec.encode_submit(_request("ok", 3))])
-    try:
-        await _until(lambda: hub.attached == ["rep-h"])
+    async with _attached_link(redis_url, model, "rep-h", AUTH) as (server, hub):
         used = AUTH.handshake(server.address).metadata
         callers = {
             "none": (),
@@ -354,11 +369,6 @@ async def _hostile_callers(redis_url: str, model: str) -> dict[str, object]:
         items = await _drain(hub.submit(_request("after", 4), "rep-h"))
         hub.release("after", abort=False)
         out["after"] = _tokens(items)
-    finally:
-        hub.close()
-        beat.stop(deregister=True)
-        await server.stop(None)
-        loop.stop()
     return out
 
 
@@ -462,27 +472,14 @@ def _self_signed(tmp: Path, name: str) -> TlsFiles:
 
 
 async def _tls_link(redis_url: str, model: str, auth: ClusterAuth) -> dict[str, object]:
-    loop = EngineLoop(_engine(model), "rep-tls", deliver=deliver_on_event_loops)
-    loop.start()
-    server = await LinkServer(loop, auth).start("127.0.0.1", bind="127.0.0.1")
-    registry = Registry(redis_url, prefix="detserve")
-    beat = Heartbeat(registry, LinkRecord("rep-tls", server.address), 3.0).start()
-    hub = LinkHub(redis_url, auth, poll_s=0.05, attach_timeout_s=5.0)
-    hub.start()
     out: dict[str, object] = {}
-    try:
-        await _until(lambda: hub.attached == ["rep-tls"])
+    async with _attached_link(redis_url, model, "rep-tls", auth) as (server, hub):
         items = await _drain(hub.submit(_request("tls", 5), "rep-tls"))
         hub.release("tls", abort=False)
         out["tokens"] = _tokens(items)
         # a caller holding the secret but speaking plaintext gets no answer
         out["plain"] = await _raw_link(server.address,
                                        auth.handshake(server.address).metadata, [], finished=0)
-    finally:
-        hub.close()
-        beat.stop(deregister=True)
-        await server.stop(None)
-        loop.stop()
     return out
 
 
