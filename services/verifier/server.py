@@ -17,6 +17,7 @@ may say hello again; a new one is refused with UNAVAILABLE until the registry an
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -222,10 +223,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return codec.encode_result(result, kv_rows)
 
     def _attach(self, hello: pb.Hello) -> ModelRunner:
-        try:
-            handle = KVHandle.from_json(hello.kv_handle)
-        except (ValueError, KeyError, TypeError) as e:
-            raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV handle: {e}") from e
+        handle = _handle(hello)
         unreachable: redis.RedisError | None = None
         try:
             self._check_current(hello, handle)
@@ -256,10 +254,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         pool = KVPool(mc.num_layers, handle.shape[2], numerics.block_size, mc.num_kv_heads,
                       mc.head_dim, handle.torch_dtype, self.device, storage=storage)
         runner = ModelRunner(self.model, pool, numerics)
-        kernels = codec.kernels_profile(runner)
-        if hello.kernels != kernels:
-            raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"kernels {hello.kernels!r} != {kernels!r}")
+        kernels = _same_kernels(hello, runner)
         if self.cuda_graphs:  # a pass's block tables are at most the whole pool wide
             runner.enable_cuda_graphs(None, lane=True, max_batch=1, max_blocks=handle.shape[2])
         with self._lock:  # a newer epoch replaces (and unmaps) the old one
@@ -272,10 +267,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if self.store is None or not self.kv_blocks:
             raise HelloRefused(grpc.StatusCode.FAILED_PRECONDITION,
                                "this verifier does no K/V transfer (co-located decoders only)")
-        try:
-            handle = KVHandle.from_json(hello.kv_handle)
-        except (ValueError, KeyError, TypeError) as e:
-            raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV handle: {e}") from e
+        handle = _handle(hello)
         try:
             self._check_current(hello, handle)
         except redis.RedisError as e:
@@ -310,10 +302,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     runner.enable_cuda_graphs(None, lane=True, max_batch=1,
                                               max_blocks=min(longest, own.pool.data.shape[2]))
                 self._own_runners[numerics] = runner
-        kernels = codec.kernels_profile(runner)
-        if hello.kernels != kernels:
-            raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"kernels {hello.kernels!r} != {kernels!r}")
+        _same_kernels(hello, runner)
         return runner
 
     def _check_current(self, hello: pb.Hello, handle: KVHandle) -> None:
@@ -354,6 +343,22 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
 
 
+def _handle(hello: pb.Hello) -> KVHandle:
+    try:
+        return KVHandle.from_json(hello.kv_handle)
+    except (ValueError, KeyError, TypeError) as e:
+        raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV handle: {e}") from e
+
+
+def _same_kernels(hello: pb.Hello, runner: ModelRunner) -> str:
+    """The runner's kernel profile, refused unless it is the decoder's."""
+    kernels = codec.kernels_profile(runner)
+    if hello.kernels != kernels:
+        raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"kernels {hello.kernels!r} != {kernels!r}")
+    return kernels
+
+
 def _lane_thread_init(device: str, then: Callable[[], None] | None) -> None:
     """The lane thread works on the verifier's device (not necessarily the current one)."""
     if torch.device(device).type == "cuda":
@@ -370,7 +375,8 @@ def _blocks_that_fit(model: LlamaModel, dtype: torch.dtype, device: str, block_s
         return 4096
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     mc = model.config
-    per_block = mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+    per_block = math.prod(KVPool.shape_for(mc.num_layers, 1, block_size, mc.num_kv_heads,
+                                           mc.head_dim)) * dtype.itemsize
     return max(2, int(free * fraction) // per_block)
 
 

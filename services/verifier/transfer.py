@@ -34,7 +34,7 @@ import torch
 from detserve.block_manager import BlockManager
 from detserve.distributed import Group, PeerLost, new_group
 from detserve.executor.kv_pool import KVPool
-from detserve.lane import LaneDecision, LanePass, LaneResult, LaneSegment
+from detserve.lane import LanePass, LaneResult, LaneSegment
 
 log = logging.getLogger(__name__)
 VERIFIER_RANK, DECODER_RANK = 0, 1
@@ -45,10 +45,16 @@ class KVFull(RuntimeError):
     """The verifier's own pool has no room for a pass's rows."""
 
 
-def committed_rows(seg: LaneSegment, decision: LaneDecision) -> int:
-    """Rows of ``seg`` the lane computed from committed inputs: all of a prompt chunk; of a
-    window, its last committed token and the accepted candidates."""
-    return len(seg.input_ids) if seg.kind == "prefill" else decision.accepted + 1
+def committed(lane_pass: LanePass, result: LaneResult) -> list[tuple[LaneSegment, int]]:
+    """Each decision's segment and the end of its rows the lane computed from committed
+    inputs (all of a prompt chunk; of a window, its last committed token and the accepted
+    candidates), in decision order: the rows a pass sends back."""
+    segs = {s.request_id: s for s in lane_pass.segments}
+    out = []
+    for d in result.decisions:
+        s = segs[d.request_id]
+        out.append((s, s.start + (len(s.input_ids) if s.kind == "prefill" else d.accepted + 1)))
+    return out
 
 
 @dataclass
@@ -72,17 +78,31 @@ class _Pair:
         self.stats = TransferStats()
         self._sends: list[tuple[Group, Any, torch.Tensor]] = []
 
-    def send(self, group: Group, rows: torch.Tensor, dst: int) -> None:
+    def send_rows(self, group: Group, pool: KVPool, slots: torch.Tensor, dst: int) -> None:
+        """Send the K/V of ``slots`` (nothing if there are none); does not wait."""
+        if not len(slots):
+            return
+        rows = pool.read_rows(slots)
         self._sends.append((group, group.send(rows, dst), rows))
         self.stats.bytes_out += rows.numel() * rows.element_size()
         self.stats.rows_out += rows.shape[2]
 
-    def recv(self, group: Group, rows: torch.Tensor, src: int) -> None:
+    def recv_rows(self, group: Group, pool: KVPool, slots: torch.Tensor, src: int,
+                  write: bool = True) -> None:
+        """Receive the K/V of ``slots`` and, with ``write``, store it there; raises
+        ``PeerLost`` if it does not come."""
+        if not len(slots):
+            return
+        d = pool.data
+        rows = torch.empty((d.shape[0], 2, len(slots), d.shape[4], d.shape[5]), dtype=d.dtype,
+                           device=d.device)
         t0 = time.perf_counter()
         group.wait(group.recv(rows, src))
         self.stats.wait_s += time.perf_counter() - t0
         self.stats.bytes_in += rows.numel() * rows.element_size()
         self.stats.rows_in += rows.shape[2]
+        if write:
+            pool.write_rows(slots, rows)
 
     def reap(self) -> None:
         """Forget the sends that completed; wait (up to the deadline, else ``PeerLost``) only
@@ -100,11 +120,6 @@ class _Pair:
         self._sends.clear()
         self.push.abort()
         self.pull.abort()
-
-
-def _empty_rows(pool: KVPool, n: int) -> torch.Tensor:
-    d = pool.data
-    return torch.empty((d.shape[0], 2, n, d.shape[4], d.shape[5]), dtype=d.dtype, device=d.device)
 
 
 def _slots(pool: KVPool, spans: Iterable[tuple[Sequence[int], int, int]]) -> torch.Tensor:
@@ -145,8 +160,7 @@ class DecoderTransfer:
         segs = lane_pass.segments
         slots = _slots(self.pool, ((segs[i].block_table, a, segs[i].start)
                                    for i, a in sorted(kv_from.items())))
-        if len(slots):
-            self.pair.send(self.pair.push, self.pool.read_rows(slots), VERIFIER_RANK)
+        self.pair.send_rows(self.pair.push, self.pool, slots, VERIFIER_RANK)
 
     def pull(self, lane_pass: LanePass, result: LaneResult, kv_rows: int,
              write: bool = True) -> None:
@@ -154,23 +168,15 @@ class DecoderTransfer:
         applied); ``write`` False: only off the wire (the pass was decided already, its
         blocks may be another's by now). Raises ``PeerLost`` if they do not come."""
         self.pair.reap()
-        segs = {s.request_id: s for s in lane_pass.segments}
-        spans = []
-        for d in result.decisions:
-            s = segs[d.request_id]
-            n = committed_rows(s, d)
-            spans.append((s.block_table, s.start, s.start + n))
+        spans = committed(lane_pass, result)
+        for s, end in spans:
             if s.kind == "window":  # rows past the accepted ones are the rejected candidates'
-                self.held[s.request_id] = s.start + n
-        slots = _slots(self.pool, spans)
+                self.held[s.request_id] = end
+        slots = _slots(self.pool, ((s.block_table, s.start, end) for s, end in spans))
         if len(slots) != kv_rows:
             raise PeerLost(f"pass {result.pass_id}: the verifier sends {kv_rows} rows, "
                            f"its decisions commit {len(slots)}")
-        if kv_rows:
-            rows = _empty_rows(self.pool, kv_rows)
-            self.pair.recv(self.pair.pull, rows, VERIFIER_RANK)
-            if write:
-                self.pool.write_rows(slots, rows)
+        self.pair.recv_rows(self.pair.pull, self.pool, slots, VERIFIER_RANK, write=write)
 
     def release(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
@@ -212,11 +218,7 @@ class VerifierTransfer:
                 raise KVFull(f"no room for {s.request_id!r} ({blocks.num_free} blocks free)")
         spans = [(self.tables[s.request_id], a, s.start)
                  for s, a in zip(lane_pass.segments, kv_from, strict=True) if a is not None]
-        slots = _slots(pool, spans)
-        if len(slots):
-            rows = _empty_rows(pool, len(slots))
-            self.pair.recv(self.pair.push, rows, DECODER_RANK)
-            pool.write_rows(slots, rows)
+        self.pair.recv_rows(self.pair.push, pool, _slots(pool, spans), DECODER_RANK)
         return replace(lane_pass, segments=tuple(
             replace(s, block_table=tuple(self.tables[s.request_id])) for s in lane_pass.segments))
 
@@ -224,13 +226,9 @@ class VerifierTransfer:
         """Send the committed rows of ``lane_pass`` (as ``prepare`` returned it); their
         count, for the reply."""
         self.pair.reap()
-        segs = {s.request_id: s for s in lane_pass.segments}
-        slots = _slots(self.kv.pool, (
-            (segs[d.request_id].block_table, segs[d.request_id].start,
-             segs[d.request_id].start + committed_rows(segs[d.request_id], d))
-            for d in result.decisions))
-        if len(slots):
-            self.pair.send(self.pair.pull, self.kv.pool.read_rows(slots), DECODER_RANK)
+        slots = _slots(self.kv.pool, ((s.block_table, s.start, end)
+                                      for s, end in committed(lane_pass, result)))
+        self.pair.send_rows(self.pair.pull, self.kv.pool, slots, DECODER_RANK)
         return len(slots)
 
     def release(self, request_ids: Iterable[str]) -> None:
