@@ -333,9 +333,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dedicated-verifier-device", default=None,
                    help=f"mode {DEDICATED}: the verifier replica's device (e.g. cuda:1; cpu "
                         "registers it as another host); its K/V moves over NCCL / gloo")
-    p.add_argument("--dedicated-verifier-kv-blocks", type=int, default=-1,
-                   help=f"mode {DEDICATED}: blocks of the verifier's own KV pool (-1: what "
-                        "its device's free memory holds; 4096 on CPU)")
     p.add_argument("--out", default=None, help="JSON path (markdown written beside it)")
     return p
 
@@ -374,8 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"mode {DEDICATED} needs --dedicated-verifier-device")
         from benchmarks.dedicated import DedicatedVerifier
 
-        dedicated = DedicatedVerifier(args.model, args.dtype, args.dedicated_verifier_device,
-                                      args.dedicated_verifier_kv_blocks)
+        dedicated = DedicatedVerifier(args.model, args.dtype, args.dedicated_verifier_device)
     try:
         return _run_all(args, loaded, shapes, prompts, variants, runs, dedicated)
     finally:

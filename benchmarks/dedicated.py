@@ -49,7 +49,7 @@ class DedicatedVerifier:
     """Redis + one verifier replica process; ``engine(config, loaded)`` builds an engine
     verified by it. ``close()`` stops both."""
 
-    def __init__(self, model: str, dtype: str, device: str, kv_blocks: int,
+    def __init__(self, model: str, dtype: str, device: str,
                  start_timeout_s: float = 600.0) -> None:
         self._engines = 0
         self._exporters: list[KVExporter] = []
@@ -62,7 +62,7 @@ class DedicatedVerifier:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.verifier.replica", "--model", model,
              "--redis-url", self.redis.url, "--prefix", self.prefix, "--dtype", dtype,
-             "--device", device, "--kv-blocks", str(kv_blocks)],
+             "--device", device, "--kv-blocks", "-1"],  # its pool: what the device holds
             cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env,
             preexec_fn=_die_with_parent)
         assert self.proc.stdout is not None

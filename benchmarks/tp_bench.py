@@ -44,6 +44,7 @@ from detserve.distributed import Group, new_group, open_store
 from detserve.executor.attention import RowSegment
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import ModelRunner
+from detserve.flags import add_flags, engine_options
 from detserve.lane import LanePass, LaneSegment
 from detserve.model.loader import load_model
 from detserve.numerics import LaneNumerics
@@ -96,11 +97,11 @@ def run_rank(rank: int, a: argparse.Namespace, tp: int, port: int, out: str) -> 
         torch.cuda.empty_cache()
     mc = model.config
     per_seq = -(-(a.context + 1) // a.block_size)
-    lane_rows = a.window * a.group
+    lane_rows = a.verify_window * a.verify_group
     blocks = max(max(a.batch) * per_seq, -(-a.audit_rows // a.block_size)) + 1
     pool = KVPool(mc.num_layers, blocks, a.block_size, mc.num_kv_heads, mc.head_dim,
                   model.dtype, device)
-    geometry = {"verify_window": a.window, "verify_group": a.group, "block_size": a.block_size,
+    geometry = {"verify_window": a.verify_window, "verify_group": a.verify_group, "block_size": a.block_size,
                 "tensor_parallel_size": tp}
     runner = ModelRunner(model, pool, LaneNumerics(**geometry, tp_invariant_lane=True))
     elem = torch.tensor([], dtype=model.dtype).element_size()
@@ -141,20 +142,22 @@ def run_rank(rank: int, a: argparse.Namespace, tp: int, port: int, out: str) -> 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="random:llama3-8b")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    # the engine's own flags for what decides the shapes and the lane's bits
+    engine = engine_options()
+    add_flags(p, {k: engine[k] for k in ("model", "device", "dtype", "block_size",
+                                         "verify_window", "verify_group")},
+              defaults={"model": "random:llama3-8b", "device": "cuda", "dtype": "auto"})
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("-W", "--window", type=int, default=64)
-    p.add_argument("-G", "--group", type=int, default=8)
     p.add_argument("--audit-rows", type=int, default=64)
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    a.dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
+    if a.device not in ("cuda", "cpu"):
+        p.error("--device: cuda (one GPU a rank) or cpu")
+    if a.dtype == "auto":
+        a.dtype = "bfloat16" if a.device == "cuda" else "float32"
     if a.device == "cuda" and (not torch.cuda.is_available()
                                or torch.cuda.device_count() < max(a.tp)):
         print(json.dumps({"skipped": f"needs {max(a.tp)} CUDA devices"}))

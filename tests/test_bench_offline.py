@@ -146,7 +146,7 @@ def test_dedicated_verifier_mode_transfers_and_audits(tmp_path: Path,
     co-located lane's outputs (the audit line), with the fast path perturbed."""
     out = tmp_path / "dedicated.json"
     args = [*TINY, "--modes", "llm42,llm42-dedicated", "--ratios", "0.5,1.0",
-            "--dedicated-verifier-device", "cpu", "--dedicated-verifier-kv-blocks", "64",
+            "--dedicated-verifier-device", "cpu",
             "--fastpath-perturbation", "0.2", "--logprobs", "1", "--temperature", "0.7",
             "--out", str(out)]
     assert bench_offline.main(args) == 0
