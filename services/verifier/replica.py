@@ -37,17 +37,17 @@ class VerifierReplica:
     def __init__(self, model: str, redis_url: str, auth: ClusterAuth, *, dtype: str = "float32",
                  device: str = "cpu", host: str = "127.0.0.1", port: int = 0,
                  ttl_s: float = 3.0, prefix: str = DEFAULT_PREFIX,
-                 lane_thread_init: Callable[[], None] | None = None, kv_blocks: int = 0,
-                 store_port: int = 0) -> None:
+                 lane_thread_init: Callable[[], None] | None = None,
+                 kv_blocks: int = 0) -> None:
         """Loads the model, starts serving, then registers (so a registered verifier is
-        always ready to answer a hello). ``kv_blocks`` > 0: serve decoders it cannot map,
-        with a pool of that many blocks of its own; their groups meet in a TCP store on
-        ``store_port`` (0: any free port)."""
+        always ready to answer a hello). ``kv_blocks`` non-zero: serve decoders it cannot
+        map, with a pool of that many blocks of its own (-1: what the device holds); their
+        groups meet in a TCP store on a free port, published in its record."""
         self.verifier_id = uuid.uuid4().hex[:12]
         self.registry = Registry(redis_url, prefix)
         weights, info = load_model_once(model, dtype, device)
         advertise = socket.gethostbyname(socket.gethostname()) if host == "0.0.0.0" else host
-        self.store = open_store(host, store_port, server=True) if kv_blocks else None
+        self.store = open_store(host, 0, server=True) if kv_blocks else None
         self.servicer = VerifierServicer(weights, info, self.registry, device, self.verifier_id,
                                          lane_thread_init=lane_thread_init, store=self.store,
                                          kv_blocks=kv_blocks)
