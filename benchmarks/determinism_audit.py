@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import json
 import random
 import time
@@ -28,6 +29,7 @@ import torch
 from benchmarks.bench_offline import hardware
 from detserve.config import EngineConfig
 from detserve.engine import LLMEngine
+from detserve.flags import add_flags, engine_options
 from detserve.model.loader import load_model, resolve_dtype
 from detserve.model.random_init import random_model
 from detserve.outputs import RequestOutput
@@ -90,16 +92,14 @@ def run_batch(engine: LLMEngine, targets: list[list[int]], run: int, rng: random
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="smollm2", help="model spec or random:<shape>")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
     p.add_argument("--mode", default="llm42", choices=["llm42", "batch_invariant"])
     p.add_argument("--runs", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--verify-window", "-W", type=int, default=64)
-    p.add_argument("--verify-group", "-G", type=int, default=8)
-    p.add_argument("--lane-sms", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
+    engine_flags = ("device", "dtype", "verify_window", "verify_group", "lane_sms", "seed",
+                    "tensor_parallel_size", "tp_invariant_lane")
+    add_flags(p, {k: v for k, v in engine_options().items() if k in engine_flags},
+              {"dtype": "float32"})
     a = p.parse_args(argv)
     dtype = resolve_dtype(a.dtype)
     loaded = (random_model(a.model.split(":", 1)[1], dtype, a.device) if a.model.startswith("random:")
@@ -121,10 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                    for t in texts]
 
     def engine(mode: str) -> LLMEngine:
-        cfg = EngineConfig.create(a.model, mode, device=a.device, dtype=a.dtype,
-                                  verify_window=a.verify_window, verify_group=a.verify_group,
-                                  max_num_seqs=128, max_model_len=4096, num_blocks=8192,
-                                  seed=a.seed, lane_sms=a.lane_sms)
+        cfg = EngineConfig.create(a.model, mode, max_num_seqs=128, max_model_len=4096,
+                                  num_blocks=8192,
+                                  **{k: getattr(a, k) for k in engine_flags})
         return LLMEngine(cfg, loaded=loaded)
 
     t0 = time.perf_counter()
@@ -151,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
             "unique_deterministic": len(det), "unique_nondeterministic": len(nd),
             "unique_nondeterministic_token_ids": len({json.loads(x)[0].__repr__() for x in nd}),
             "equals_lane_only": (oracle.get(f"t{i}-d") in det and len(det) == 1) if oracle else None,
+            # the deterministic output's tokens and logprob bits, to compare across runs of
+            # this audit (another TP size, another GPU)
+            "deterministic_sha": (hashlib.sha256(next(iter(det)).encode()).hexdigest()[:16]
+                                  if len(det) == 1 else None),
         })
     report: dict[str, Any] = {
         "meta": {"date": dt.date.today().isoformat(), "hardware": hardware(a.device),

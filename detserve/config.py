@@ -253,8 +253,9 @@ class EngineConfig:
         None, "plan and queue each step before reading the previous step's tokens, so the "
               "host's work overlaps the device's; default: on for CUDA, off on CPU")
     tensor_parallel_size: int = opt(
-        1, "ranks (worker processes, gloo on CPU) the model's heads, MLP and vocabulary are "
-           "split over (a power of two); rank 0 runs the engine")
+        1, "ranks the model's heads, MLP and vocabulary are split over (a power of two): "
+           "rank 0 runs the engine, ranks 1.. are worker processes (gloo on CPU; on CUDA, "
+           "NCCL, rank r on the device r places after the engine's)")
     tp_invariant_lane: bool = opt(
         False, "lane passes reduce the row-parallel products (o_proj, down_proj) in a fixed "
                "tree whose top levels are the TP split, so deterministic requests get the "
@@ -310,8 +311,6 @@ class EngineConfig:
                              f"got tensor_parallel_size {tp}")
         if self.tp_timeout_s <= 0:
             raise ValueError("tp_timeout_s must be positive")
-        if tp > 1 and self.device != "cpu":
-            raise ValueError("tensor_parallel_size > 1 runs on CPU (gloo) for now")
         if tp > 1 and self.lane_threaded:
             raise ValueError("tensor_parallel_size > 1 needs lane passes in the engine's "
                              "thread (lane_threaded off): every rank runs the same forwards "

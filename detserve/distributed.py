@@ -68,6 +68,12 @@ class Group:
     def all_reduce(self, tensor: torch.Tensor) -> Any:
         return self._checked(lambda: self.pg.allreduce([tensor]))
 
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Any:
+        """``src``'s ``tensor`` into every member's (same shape and dtype)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        return self._checked(lambda: self.pg.broadcast([tensor], opts))
+
     def barrier(self) -> None:
         """Every member got here (a small all-reduce: the same on either backend)."""
         one = torch.ones(1, device=self.device)
@@ -99,6 +105,16 @@ class Group:
         except RuntimeError as e:
             self.abort()
             raise PeerLost(str(e)) from e
+
+    def follow(self, work: Any) -> None:
+        """Order what comes next after ``work``. gloo: the host waits for it (``wait``).
+        NCCL: the current stream waits and the host does not (a step must not stop at
+        every layer); a lost peer then shows where the host next waits for the stream with
+        the group's deadline (a TP step's read-back)."""
+        if self.backend == "nccl":
+            work.wait()
+        else:
+            self.wait(work)
 
     def _warm_p2p(self) -> None:
         """NCCL makes a pair's point-to-point communicator at the pair's first send/recv,
@@ -146,7 +162,10 @@ def new_group(store: dist.Store, name: str, rank: int, size: int, device: torch.
         else:
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # clean up, live on
             opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-            opts._timeout = timeout
+            # the watchdog's own timeout is twice the group's deadline, so that a host
+            # waiting with that deadline (``wait``, a TP step's read-back) sees a stalled
+            # peer first, before the watchdog ends the kernels with whatever they hold
+            opts._timeout = 2 * timeout
             pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
     except RuntimeError as e:
         raise PeerLost(f"group {name!r}: {e}") from e

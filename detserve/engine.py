@@ -157,6 +157,8 @@ class LLMEngine:
     def _default_verifier_factory(config: EngineConfig) -> Callable[[ModelRunner], Verifier]:
         """Lane on its own thread/stream (green context of ``lane_sms`` SMs) when asked or on
         CUDA; on CPU the in-process verifier keeps runs reproducible step by step."""
+        if config.tensor_parallel_size > 1:  # every rank's collectives in one order
+            return InProcessVerifier
         if config.lane_threaded or config.device.startswith("cuda"):
             return partial(ThreadedVerifier, lane_sms=config.lane_sms)
         return InProcessVerifier

@@ -68,6 +68,9 @@ class LaunchedBatch:
         self.want = want  # segments that sample, in the order of ``tokens``' rows
         self.picked = picked
         self._n = num_segments
+        # run before the host reads anything back (a TP runner waits there, with its
+        # deadline, for every rank's part of the step)
+        self.before_read: Callable[[], None] | None = None
 
     @property
     def tokens(self) -> Tensor | None:
@@ -76,10 +79,14 @@ class LaunchedBatch:
 
     def prompt_result(self) -> dict[int, list[TokenLogprob]]:
         """Segment -> the logprobs of the prompt tokens its rows predict, from the first."""
+        if self.before_read is not None:
+            self.before_read()
         return {i: p.result() for i, p in self.prompt.items()}
 
     def result(self) -> list[tuple[int, TokenLogprob | None] | None]:
         """One (token, logprob) or None per segment."""
+        if self.before_read is not None:
+            self.before_read()
         results: list[tuple[int, TokenLogprob | None] | None] = [None] * self._n
         if self.picked is not None:
             for i, res in zip(self.want, self.picked.result(), strict=True):
@@ -94,8 +101,11 @@ class LaneLaunch:
                  prompt: dict[int, PromptLogprobs] | None = None) -> None:
         self.lane_pass, self.picked, self._t0 = lane_pass, picked, t0
         self.prompt = prompt or {}  # segment -> its prompt logprobs
+        self.before_read: Callable[[], None] | None = None  # as ``LaunchedBatch``'s
 
     def finish(self) -> LaneResult:
+        if self.before_read is not None:
+            self.before_read()
         picked = self.picked.result() if self.picked is not None else []
         prompt = {i: tuple(p.result()) for i, p in self.prompt.items()}
         decisions = []

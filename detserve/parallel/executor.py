@@ -1,12 +1,17 @@
-"""The engine at TP=N on CPU: rank 0 (the engine's process) owns the scheduler and drives
-N-1 worker processes (``worker.py``), one per rank, over gloo.
+"""The engine at TP=N: rank 0 (the engine's process) owns the scheduler and drives N-1
+worker processes (``worker.py``), one per rank: over gloo on CPU; on CUDA over NCCL, rank r
+on the device ``r`` places after rank 0's (``rank_device``).
 
 Control and data take separate ways. Each step's inputs (the runner's batch description,
 or a lane pass) go to every worker through its pipe before rank 0 runs the step itself;
 every rank then runs the same ``ModelRunner`` call on its shard, and the collectives inside
-the forward (``shard.TensorParallel``) go over one run-time gloo group
-(``detserve.distributed``), each awaited with the ``tp_timeout_s`` deadline. The workers
-sample too (the gathered logits are the same on every rank) and drop the result.
+the forward (``shard.TensorParallel``) go over one run-time group (``detserve.distributed``)
+made with the ``tp_timeout_s`` deadline. The workers sample too (the gathered logits are
+the same on every rank) and drop the result. A step fed tokens that rank 0 has not read
+back (asynchronous scheduling) gets them by a broadcast in stream order, and CUDA graphs
+are captured on every rank at once (``EnableGraphs``): the captures hold the collectives.
+Lane passes run in the engine's thread (``InProcessVerifier``), so that every rank issues
+its collectives in one order.
 
 A worker that dies or stalls makes rank 0's next collective raise ``PeerLost`` within the
 deadline; the step then raises ``TensorParallelError`` and the engine is done (its group is
@@ -19,9 +24,10 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 
@@ -45,6 +51,8 @@ from detserve.parallel.layout import TPLayout
 from detserve.parallel.messages import (
     STARTUP_TIMEOUT_S,
     BatchStep,
+    EnableGraphs,
+    FeedRows,
     LaneStep,
     Message,
     Start,
@@ -67,8 +75,8 @@ class TPRunner(ModelRunner):
     """Rank 0's runner: each forward is first sent to the workers, then run here."""
 
     def __init__(self, model: LlamaModel, pool: KVPool, numerics: LaneNumerics,
-                 workers: Workers) -> None:
-        super().__init__(model, pool, numerics)
+                 workers: Workers, alignment: Alignment | None = None) -> None:
+        super().__init__(model, pool, numerics, alignment)
         self.workers = workers
 
     def launch_batch(self, segments: list[RowSegment], sample_specs: list[SamplingSpec | None],
@@ -76,15 +84,44 @@ class TPRunner(ModelRunner):
                      feed: Feed | None = None,
                      penalties: Sequence[PenaltyRow | None] = (),
                      prompt_rows: Sequence[PromptRows | None] = ()) -> LaunchedBatch:
-        step = BatchStep(segments, sample_specs, batch_invariant, align_decode, feed,
+        rows = None if feed is None else FeedRows(
+            tuple(feed[0].shape), str(feed[0].dtype).removeprefix("torch."), feed[1])
+        step = BatchStep(segments, sample_specs, batch_invariant, align_decode, rows,
                          penalties, prompt_rows)
-        return self.workers.run(step, lambda: super(TPRunner, self).launch_batch(
-            segments, sample_specs, batch_invariant, align_decode, feed, penalties,
-            prompt_rows))
+
+        def launch() -> LaunchedBatch:
+            if feed is not None:
+                self.workers.share(feed[0])
+            launched = super(TPRunner, self).launch_batch(
+                segments, sample_specs, batch_invariant, align_decode, feed, penalties,
+                prompt_rows)
+            launched.before_read = self.workers.settler(self.cuda)
+            return launched
+
+        return self.workers.run(step, launch)
 
     def launch_lane(self, lane_pass: LanePass) -> LaneLaunch:
-        return self.workers.run(LaneStep(lane_pass),
-                                lambda: super(TPRunner, self).launch_lane(lane_pass))
+        def launch() -> LaneLaunch:
+            launched = super(TPRunner, self).launch_lane(lane_pass)
+            launched.before_read = self.workers.settler(self.cuda)
+            return launched
+
+        return self.workers.run(LaneStep(lane_pass), launch)
+
+    def enable_cuda_graphs(self, decode: str | None, lane: bool, max_batch: int,
+                           max_blocks: int, step_rows: int = 0, plain: bool = False) -> None:
+        self.workers.run(EnableGraphs(decode, lane, max_batch, max_blocks, step_rows, plain),
+                         lambda: super(TPRunner, self).enable_cuda_graphs(
+                             decode, lane, max_batch, max_blocks, step_rows, plain))
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank ``rank``'s device when rank 0 is on ``device``: CPU for all, else the CUDA
+    device ``rank`` places after rank 0's."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return str(d)
+    return f"cuda:{(d.index or 0) + rank}"
 
 
 class Workers:
@@ -94,6 +131,11 @@ class Workers:
         size = config.tensor_parallel_size
         self.size = size
         self.timeout_s = config.tp_timeout_s
+        first = torch.device(config.device)
+        if first.type == "cuda" and (first.index or 0) + size > torch.cuda.device_count():
+            raise TensorParallelError(
+                f"tensor_parallel_size {size} on {config.device} needs CUDA devices up to "
+                f"{rank_device(config.device, size - 1)}; {torch.cuda.device_count()} visible")
         self.store = open_store("127.0.0.1", 0, server=True, timeout_s=STARTUP_TIMEOUT_S)
         name = f"tp-{uuid.uuid4().hex[:12]}"
         ctx = multiprocessing.get_context("spawn")
@@ -101,8 +143,8 @@ class Workers:
         self.pipes: list[multiprocessing.connection.Connection] = []
         for rank in range(1, size):
             ours, theirs = ctx.Pipe()
-            spec = WorkerSpec(config, rank, "127.0.0.1", self.store.port, name,
-                              torch.get_num_threads())
+            spec = WorkerSpec(config, rank, rank_device(config.device, rank), "127.0.0.1",
+                              self.store.port, name, torch.get_num_threads())
             proc = ctx.Process(target=worker_main, args=(theirs, spec), daemon=True,
                                name=f"detserve-tp{rank}")
             proc.start()
@@ -136,9 +178,9 @@ class Workers:
         raise TensorParallelError(f"TP workers did not join: {result or 'a worker exited'}"
                                   f"{errors}")
 
-    def start(self, numerics: LaneNumerics) -> None:
+    def start(self, numerics: LaneNumerics, alignment: Alignment | None) -> None:
         """Send the resolved numerics and wait until every worker has built its runner."""
-        self._send(Start(numerics))
+        self._send(Start(numerics, alignment))
         for rank, pipe in enumerate(self.pipes, start=1):
             self._receive(rank, pipe, "ready")
 
@@ -157,7 +199,49 @@ class Workers:
             raise TensorParallelError(f"TP worker {rank} failed to start: {reply}")
         return reply
 
-    def run(self, message: BatchStep | LaneStep, call: Callable[[], T]) -> T:
+    def share(self, tensor: torch.Tensor) -> None:
+        """Broadcast rank 0's ``tensor`` to the workers (each is receiving one in order)."""
+        self.group.follow(self.group.broadcast(tensor.contiguous(), 0))
+
+    def settler(self, cuda: bool) -> Callable[[], None] | None:
+        """On CUDA, what a step's results wait for before the host reads them: the step's
+        kernels (collectives included) done within ``tp_timeout_s`` and every worker alive.
+        A stalled peer holds the collectives past the deadline, and a dead one may let the
+        communicator's watchdog end them early with partial sums: either way the step
+        raises ``TensorParallelError`` and nothing it computed is read. (gloo's collectives
+        already raise within the deadline on the host.)"""
+        if not cuda:
+            return None
+        done = torch.cuda.Event()
+        done.record()
+        return lambda: self._settle(done)
+
+    def _settle(self, done: torch.cuda.Event) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        pause = 20e-6
+        while not done.query():
+            if time.monotonic() > deadline or not self._all_alive():
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        else:
+            if self._all_alive():
+                return
+        why = ("a worker exited" if not self._all_alive()
+               else f"the step did not finish within {self.timeout_s} s")
+        self._fail(why)
+
+    def _all_alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def _fail(self, why: str, cause: BaseException | None = None) -> NoReturn:
+        self.failed = why
+        if self.group.alive:
+            self.group.abort()
+        raise TensorParallelError(
+            f"a TP rank was lost mid-step ({why}){self._worker_errors()}") from cause
+
+    def run(self, message: BatchStep | LaneStep | EnableGraphs, call: Callable[[], T]) -> T:
         """Send ``message`` to every worker, then run ``call`` (rank 0's same step)."""
         if self.failed is not None:
             raise TensorParallelError(f"tensor parallelism already failed: {self.failed}")
@@ -165,10 +249,7 @@ class Workers:
             self._send(message)
             return call()
         except (PeerLost, OSError) as e:
-            self.failed = f"{type(e).__name__}: {e}"
-            self.group.abort()
-            raise TensorParallelError(
-                f"a TP rank was lost mid-step ({self.failed}){self._worker_errors()}") from e
+            self._fail(f"{type(e).__name__}: {e}", e)
 
     def close(self) -> None:
         """Stop the workers (politely, then by force) and drop the group."""
@@ -238,9 +319,9 @@ def tensor_parallel_model(config: EngineConfig, model: LlamaModel
 
 def make_runner(model: LlamaModel, pool: KVPool, numerics: LaneNumerics,
                 alignment: Alignment | None, workers: Workers | None) -> ModelRunner:
-    """Rank 0's runner: the plain one, or one that drives the workers (started here; CPU,
-    so no alignment)."""
+    """Rank 0's runner: the plain one, or one that drives the workers (started here, with
+    rank 0's numerics and alignment)."""
     if workers is None:
         return ModelRunner(model, pool, numerics, alignment)
-    workers.start(numerics)
-    return TPRunner(model, pool, numerics, workers)
+    workers.start(numerics, alignment)
+    return TPRunner(model, pool, numerics, workers, alignment)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from detserve.config import EngineConfig
 from detserve.executor.attention import RowSegment
-from detserve.executor.runner import Feed, PenaltyRow, PromptRows
+from detserve.executor.gemm_classes import Alignment
+from detserve.executor.runner import PenaltyRow, PromptRows
 from detserve.lane import LanePass
 from detserve.numerics import LaneNumerics
 from detserve.sampler import SamplingSpec
@@ -19,11 +20,13 @@ STARTUP_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What a worker needs to join: the engine's config, its rank, the store's address and
-    the group's name, and rank 0's thread count (a CPU product's bits may depend on it)."""
+    """What a worker needs to join: the engine's config, its rank and device, the store's
+    address and the group's name, and rank 0's thread count (a CPU product's bits may
+    depend on it)."""
 
     config: EngineConfig
     rank: int
+    device: str
     host: str
     port: int
     group: str
@@ -32,9 +35,20 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class Start:
-    """Build the runner: rank 0's resolved numerics."""
+    """Build the runner: rank 0's resolved numerics and GEMM alignment (CUDA)."""
 
     numerics: LaneNumerics
+    alignment: Alignment | None
+
+
+@dataclass(frozen=True)
+class FeedRows:
+    """A step fed tokens still on the device: rank 0 broadcasts the tensor right after
+    this message (``shape`` and ``dtype`` say what to receive); ``pairs`` as in ``Feed``."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    pairs: list[tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -45,7 +59,7 @@ class BatchStep:
     sample_specs: list[SamplingSpec | None]
     batch_invariant: bool
     align_decode: bool
-    feed: Feed | None
+    feed: FeedRows | None
     penalties: Sequence[PenaltyRow | None]
     prompt_rows: Sequence[PromptRows | None]
 
@@ -56,8 +70,21 @@ class LaneStep:
 
 
 @dataclass(frozen=True)
+class EnableGraphs:
+    """``ModelRunner.enable_cuda_graphs``' arguments: every rank captures at once (the
+    captures run the collectives)."""
+
+    decode: str | None
+    lane: bool
+    max_batch: int
+    max_blocks: int
+    step_rows: int
+    plain: bool
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
 
-Message = Start | BatchStep | LaneStep | Stop
+Message = Start | BatchStep | LaneStep | EnableGraphs | Stop

@@ -10,8 +10,6 @@ row is gathered, so no sum touches it.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
@@ -64,7 +62,7 @@ class TensorParallel:
                 return y
             if reduce == "ordered":
                 return tree_sum(self._gather(y))
-            self._wait(self.group.all_reduce(y))
+            self.group.follow(self.group.all_reduce(y))
             return y
         leaves = self._leaves.get(id(weight))
         if leaves is None:
@@ -97,20 +95,8 @@ class TensorParallel:
         """``t`` of every rank, in rank order."""
         assert self.group is not None
         out = [torch.empty_like(t) for _ in range(self.layout.size)]
-        self._wait(self.group.all_gather(out, t))
+        self.group.follow(self.group.all_gather(out, t))
         return out
-
-    def _wait(self, work: Any) -> None:
-        """gloo: done, or ``PeerLost`` at the group's deadline. NCCL: the current stream
-        waits for it and the host does not (a step must not stop at every layer); a lost
-        peer then shows at the NCCL group's own timeout (made with the same deadline) or
-        at the step's read-back."""
-        assert self.group is not None
-        if self.group.backend == "nccl":
-            work.wait()
-        else:
-            self.group.wait(work)
-
 
 @torch.inference_mode()
 def shard_model(model: LlamaModel, layout: TPLayout, group: Group | None,

@@ -9,7 +9,7 @@ import traceback
 
 import torch
 
-from detserve.distributed import PeerLost, new_group, open_store
+from detserve.distributed import Group, PeerLost, new_group, open_store
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import ModelRunner
 from detserve.model.loader import load_model
@@ -17,6 +17,7 @@ from detserve.parallel.layout import TPLayout
 from detserve.parallel.messages import (
     STARTUP_TIMEOUT_S,
     BatchStep,
+    EnableGraphs,
     LaneStep,
     Start,
     Stop,
@@ -27,34 +28,37 @@ from detserve.parallel.shard import shard_model
 
 def worker_main(pipe: multiprocessing.connection.Connection, spec: WorkerSpec) -> None:
     torch.set_num_threads(spec.threads)
-    c = spec.config
+    c, device = spec.config, spec.device
     try:
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
         store = open_store(spec.host, spec.port, server=False, timeout_s=STARTUP_TIMEOUT_S)
         pipe.send("joining")
         # (gloo applies the group's timeout to every operation: the steps' deadline)
-        group = new_group(store, spec.group, spec.rank, c.tensor_parallel_size, c.device,
+        group = new_group(store, spec.group, spec.rank, c.tensor_parallel_size, device,
                           timeout_s=c.tp_timeout_s)
-        whole, _, _ = load_model(c.model, dtype=c.dtype, device=c.device)
+        whole, _, _ = load_model(c.model, dtype=c.dtype, device=device)
         layout = TPLayout(whole.config, c.tensor_parallel_size, spec.rank)
         model = shard_model(whole, layout, group, tree=c.tp_invariant_lane)
         del whole
         mc, cc = model.config, c.cache
         pool = KVPool(mc.num_layers, cc.num_blocks, cc.block_size, mc.num_kv_heads,
-                      mc.head_dim, model.dtype, c.device)
+                      mc.head_dim, model.dtype, device)
         start = pipe.recv()
         if not isinstance(start, Start):
             raise RuntimeError(f"expected Start, got {type(start).__name__}")
-        runner = ModelRunner(model, pool, start.numerics)
+        runner = ModelRunner(model, pool, start.numerics, start.alignment)
         pipe.send("ready")
     except (EOFError, PeerLost):
         return
     except Exception:  # reported to rank 0, which fails the engine's start
         _report(pipe, traceback.format_exc())
         return
-    serve(pipe, runner)
+    serve(pipe, runner, group)
 
 
-def serve(pipe: multiprocessing.connection.Connection, runner: ModelRunner) -> None:
+def serve(pipe: multiprocessing.connection.Connection, runner: ModelRunner,
+          group: Group) -> None:
     """Run rank 0's steps in order; return when told to stop or when rank 0 is gone."""
     while True:
         try:
@@ -63,13 +67,22 @@ def serve(pipe: multiprocessing.connection.Connection, runner: ModelRunner) -> N
             return
         try:
             if isinstance(msg, BatchStep):
+                feed = None
+                if msg.feed is not None:  # rank 0's tokens, broadcast in stream order
+                    fed = torch.empty(msg.feed.shape, dtype=getattr(torch, msg.feed.dtype),
+                                      device=runner.device)
+                    group.follow(group.broadcast(fed, 0))
+                    feed = (fed, msg.feed.pairs)
                 launched = runner.launch_batch(msg.segments, msg.sample_specs,
-                                               msg.batch_invariant, msg.align_decode, msg.feed,
+                                               msg.batch_invariant, msg.align_decode, feed,
                                                msg.penalties, msg.prompt_rows)
                 launched.result()
                 launched.prompt_result()
             elif isinstance(msg, LaneStep):
                 runner.launch_lane(msg.lane_pass).finish()
+            elif isinstance(msg, EnableGraphs):
+                runner.enable_cuda_graphs(msg.decode, msg.lane, msg.max_batch, msg.max_blocks,
+                                          msg.step_rows, msg.plain)
             elif isinstance(msg, Stop):
                 return
             else:

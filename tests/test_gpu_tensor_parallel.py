@@ -1,0 +1,116 @@
+"""Tensor parallelism on two CUDA devices over NCCL, in bf16 with CUDA graphs (issue 36;
+skipped without two GPUs): DVR at TP=2 against the TP=1 oracle with the TP-invariant lane,
+the ordinary lane's control, determinism at TP=2 under a changing batch, and a lost
+worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from engine_utils import Req, random_prompts, run_engine, signature, tiny_model
+
+from detserve.engine import LLMEngine
+from detserve.parallel.executor import TensorParallelError
+from detserve.params import SamplingParams
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
+
+CUDA = {"device": "cuda:0", "dtype": "bfloat16"}
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    # 8 query heads over 2 K/V heads: one K/V head a rank at TP=2
+    return tiny_model(hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=2,
+                      num_layers=4)
+
+
+def _reqs(n: int = 10, seed: int = 4) -> list[Req]:
+    prompts = random_prompts(n, [3, 17, 70, 9, 130], seed=seed)
+    return [Req(p, SamplingParams(max_tokens=32, is_deterministic=True,
+                                  temperature=0.8 * (i % 2), top_p=0.9, seed=i, logprobs=1,
+                                  ignore_eos=True), arrival=i % 4)
+            for i, p in enumerate(prompts)]
+
+
+def test_invariant_lane_dvr_at_tp2_equals_tp1_lane_only(model: str) -> None:
+    """With the TP-invariant lane, llm42 at TP=2 with the fast path perturbed (the lane
+    catches and replaces every bad token) gives the TP=1 lane_only oracle's bits, and the
+    same fingerprint as llm42 at TP=1."""
+    reqs = _reqs()
+    oracle, _, eng1 = run_engine(model, reqs, mode="lane_only", tp_invariant_lane=True, **CUDA)
+    eng1.close()
+    dvr, stats, eng2 = run_engine(model, reqs, perturbation=0.2, tp_invariant_lane=True,
+                                  tensor_parallel_size=2, **CUDA)
+    prof2 = eng2.determinism_profile()
+    eng2.close()
+    _, _, eng3 = run_engine(model, reqs[:1], tp_invariant_lane=True, **CUDA)
+    prof1 = eng3.determinism_profile()
+    eng3.close()
+    assert stats["rollbacks"] > 0
+    assert [signature(o) for o in dvr] == [signature(o) for o in oracle]
+    assert prof2["fingerprint"] == prof1["fingerprint"] and prof2["tp_size"] == 2
+
+
+def test_ordinary_lane_at_tp2_is_deterministic_but_not_tp1s(model: str) -> None:
+    """Without the invariant lane, TP=2's deterministic requests keep their bits when the
+    batch around them changes (alone, or among the others with a perturbed fast path), but
+    differ from TP=1's lane (the control: the check above would catch a TP-dependent sum)."""
+    reqs = _reqs()
+    mixed, stats, eng = run_engine(model, reqs, perturbation=0.2, tensor_parallel_size=2, **CUDA)
+    eng.close()
+    alone, _, eng = run_engine(model, [reqs[3]], tensor_parallel_size=2, **CUDA)
+    eng.close()
+    one, _, eng = run_engine(model, reqs, mode="lane_only", **CUDA)
+    eng.close()
+    assert stats["rollbacks"] > 0
+    assert signature(alone[0]) == signature(mixed[3])
+    assert [signature(o) for o in mixed] != [signature(o) for o in one]
+
+
+def test_nondeterministic_tp2_follows_tp1(model: str) -> None:
+    """The ordinary mode at TP=2 computes TP=1's function: greedy logprobs of the first
+    token agree within bf16 noise."""
+    reqs = [Req(r.prompt, SamplingParams(max_tokens=1, logprobs=1), r.arrival)
+            for r in _reqs()]
+    one, _, eng = run_engine(model, reqs, mode="nondeterministic", **CUDA)
+    eng.close()
+    two, _, eng = run_engine(model, reqs, mode="nondeterministic", tensor_parallel_size=2,
+                             **CUDA)
+    eng.close()
+    for a, b in zip(one, two, strict=True):
+        assert a.logprobs and b.logprobs
+        assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < 0.1
+
+
+def test_lost_worker_fails_the_engine_within_the_deadline(model: str) -> None:
+    """A worker stopped mid-generation (it never answers; its NCCL collectives hang): the
+    next read-back raises TensorParallelError within tp_timeout_s, never hangs, and no token
+    computed after the stop is returned."""
+    deadline = 5.0
+    engine = LLMEngine.from_args(model, "llm42", tensor_parallel_size=2, tp_timeout_s=deadline,
+                                 max_model_len=512, **CUDA)
+    workers = engine._workers
+    assert workers is not None
+    procs = list(workers.procs)
+    try:
+        engine.add_request("a", None, SamplingParams(max_tokens=400, ignore_eos=True),
+                           prompt_token_ids=random_prompts(1, [20], seed=1)[0])
+        for _ in range(3):
+            engine.step()
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match="lost"):
+            for _ in range(400):
+                engine.step()
+        assert time.monotonic() - t0 < deadline + 10.0
+        with pytest.raises(TensorParallelError, match="already failed"):
+            engine.step()
+    finally:
+        os.kill(procs[0].pid, signal.SIGCONT)
+        engine.close()
