@@ -20,6 +20,7 @@ kill the process (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``), set before the first g
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -125,12 +126,23 @@ class Group:
         self.wait(work)
 
     def abort(self) -> None:
-        """Drop the group (its communicator, for NCCL); later operations fail."""
-        try:
-            self.pg.abort()
-        except (RuntimeError, AttributeError):
-            pass
-        self.pg = None
+        """Drop the group (its communicator, for NCCL); later operations fail at once.
+        NCCL's abort can wait up to a minute on a peer that has gone, so it finishes in
+        the background."""
+        pg, self.pg = self.pg, None
+        if pg is None:
+            return
+
+        def drop() -> None:
+            try:
+                pg.abort()
+            except (RuntimeError, AttributeError):
+                pass
+
+        if self.backend == "nccl":
+            threading.Thread(target=drop, daemon=True, name="detserve-group-abort").start()
+        else:
+            drop()
 
     @property
     def alive(self) -> bool:

@@ -226,6 +226,8 @@ class LLMEngine:
         planned after what turns out to be a stop token is dropped (the step that planned
         it could not know).
         """
+        if self._workers is not None:
+            self._workers.check()  # a TP engine whose rank was lost stays failed
         clock = StepClock(self.counters)
         plan, yield_to_lane = self._schedule()
         clock.lap("schedule")

@@ -40,7 +40,7 @@ from detserve.kernels._utils import num_sms
 from detserve.kernels.config import TABLE, LaneConfig
 from detserve.kernels.decode_attention import choose_num_splits
 from detserve.kernels.lane_attention import lane_attention
-from detserve.model.llama import LlamaModel, Ops
+from detserve.model.llama import LlamaModel, Ops, RowReduce
 
 __all__ = ["DecodeGraphs", "GraphCaptureError", "LaneGraph", "StepGraphs", "capture_graph",
            "step_layout", "step_sizes"]
@@ -108,13 +108,15 @@ class DecodeGraphs:
     def __init__(self, model: LlamaModel, pool: KVPool, ops: Ops, kind: str, max_batch: int,
                  max_blocks: int, aligned: bool = True,
                  buckets: Sequence[int] | None = None,
-                 lane_cfg: LaneConfig = TABLE.lane) -> None:
+                 lane_cfg: LaneConfig = TABLE.lane, reduce: RowReduce = "all_reduce") -> None:
         """``buckets``: captured sizes (default ``decode_buckets(max_batch)``); some must
-        hold ``max_batch`` sequences, and may be larger (an alignment's padded sizes)."""
+        hold ``max_batch`` sequences, and may be larger (an alignment's padded sizes).
+        ``reduce``: how row-parallel products sum over TP ranks (the eager path's)."""
         if kind not in ("fast", "bi"):
             raise ValueError(f"unknown decode graph kind {kind!r}")
         dev = model.embed_tokens.device
         self.model, self.pool, self.ops, self.kind = model, pool, ops, kind
+        self.reduce = reduce
         self.aligned = aligned
         self.lane_cfg = lane_cfg  # the lane attention kernel's (bi rows and aligned rows)
         self.block_size = pool.block_size
@@ -166,7 +168,8 @@ class DecodeGraphs:
             return lane_attention(q.contiguous(), kc, vc, tables, row_seq, lane_pos,
                                   cfg=self.lane_cfg)
 
-        hidden = self.model(ids, pos, attn, self.ops, rope_in_attention=True)
+        hidden = self.model(ids, pos, attn, self.ops, rope_in_attention=True,
+                            tp_reduce=self.reduce)
         return self.model.logits(hidden, self.ops)
 
     def capture(self) -> None:
@@ -307,10 +310,11 @@ class StepGraphs:
 
     def __init__(self, model: LlamaModel, pool: KVPool, ops: Ops, sizes: Sequence[int],
                  max_blocks: int, head_ops: Ops | None = None, head: int = 0,
-                 lane_cfg: LaneConfig = TABLE.lane, decode_cfg: LaneConfig | None = None
-                 ) -> None:
+                 lane_cfg: LaneConfig = TABLE.lane, decode_cfg: LaneConfig | None = None,
+                 reduce: RowReduce = "all_reduce") -> None:
         dev = model.embed_tokens.device
         self.model, self.pool, self.max_blocks = model, pool, max_blocks
+        self.reduce = reduce  # as ``DecodeGraphs``'
         self.sizes = sorted(sizes)
         self.head = head if head_ops is not None else 0
         self.lane_cfg = lane_cfg  # prompt rows
@@ -343,7 +347,7 @@ class StepGraphs:
             many = lane_attention(q, kc, vc, tables, row_seg, many_pos, cfg=self.lane_cfg)
             return torch.where(single, one, many)
 
-        return self.model(ids, pos, attn, ops, rope_in_attention=True)
+        return self.model(ids, pos, attn, ops, rope_in_attention=True, tp_reduce=self.reduce)
 
     def capture(self) -> None:
         """Capture every size and variant, largest first (smaller ones reuse its memory)."""
@@ -397,9 +401,11 @@ class LaneGraph:
     first: a capture in the middle of a run would hold that pass up for a whole capture."""
 
     def __init__(self, model: LlamaModel, pool: KVPool, ops: Ops, sizes: Sequence[int],
-                 max_blocks: int, lane_cfg: LaneConfig = TABLE.lane) -> None:
+                 max_blocks: int, lane_cfg: LaneConfig = TABLE.lane,
+                 reduce: RowReduce = "ordered") -> None:
         dev = model.embed_tokens.device
         self.model, self.pool, self.ops = model, pool, ops
+        self.reduce = reduce  # as ``DecodeGraphs``'
         self.lane_cfg = lane_cfg
         self.sizes = sorted(sizes)
         rows = self.sizes[-1]
@@ -423,7 +429,8 @@ class LaneGraph:
             return lane_attention(q.contiguous(), pool.k(layer), pool.v(layer), tables,
                                   row_seg, lane_pos, cfg=self.lane_cfg)
 
-        return self.model(ids, pos, attn, self.ops, rope_in_attention=True)
+        return self.model(ids, pos, attn, self.ops, rope_in_attention=True,
+                          tp_reduce=self.reduce)
 
     def run(self, batch: RowBatch) -> Tensor:
         """Final-normed hidden states [rows, hidden] of the pass (a static buffer)."""

@@ -308,13 +308,14 @@ class ModelRunner:
                          if decode == "fast" and self.decode_pads else ops)
             # batch_invariant decode rows give committed bits: the lane's config, always
             one_row = self.decode_attn if decode == "fast" else self.lane_attn
+            reduce = self.tp_reduce(decode)
             self.decode_graphs = DecodeGraphs(self.model, self.pool, graph_ops, decode, max_batch,
                                               max_blocks, aligned=self.align_fast_path,
-                                              buckets=buckets, lane_cfg=one_row)
+                                              buckets=buckets, lane_cfg=one_row, reduce=reduce)
             self.decode_graphs.capture()
             if decode == "fast" and self.align_fast_path and plain:
                 self.plain_graphs = DecodeGraphs(self.model, self.pool, ops, decode, max_batch,
-                                                 max_blocks, aligned=False)
+                                                 max_blocks, aligned=False, reduce=reduce)
                 self.plain_graphs.capture()
             if step_rows > 0:
                 head = self.decode_graphs.bucket(max_batch) or 0
@@ -323,11 +324,13 @@ class ModelRunner:
                             if decode == "fast" and self.decode_buckets and head else None)
                 self.step_graphs = StepGraphs(self.model, self.pool, ops, step_sizes(step_rows),
                                               max_blocks, head_ops=head_ops, head=head,
-                                              lane_cfg=self.lane_attn, decode_cfg=one_row)
+                                              lane_cfg=self.lane_attn, decode_cfg=one_row,
+                                              reduce=reduce)
                 self.step_graphs.capture()
         if lane:
             self.lane_graph = LaneGraph(self.model, self.pool, self.lane_ops,
-                                        self.lane_sizes(), max_blocks, lane_cfg=self.lane_attn)
+                                        self.lane_sizes(), max_blocks, lane_cfg=self.lane_attn,
+                                        reduce=self.tp_reduce("lane"))
 
     def lane_sizes(self) -> list[int]:
         """Row counts a lane pass runs at (``LaneNumerics.lane_sizes``)."""
@@ -358,14 +361,17 @@ class ModelRunner:
             rows = self.lane_chunk if kind == "lane" else self.bi_rows
             attn = partial(tiled_attention, self.pool, batch=batch, chunk_rows=rows,
                            per_head=kind == "lane" and self.numerics.tp_invariant_lane)
-        # tensor parallel: the lane's and batch_invariant's row-parallel sums in a fixed
-        # order (the TP-invariant tree for the lane where asked), the fast path's any
-        reduce: RowReduce = ("all_reduce" if kind == "fast" else
-                             "tree" if kind == "lane" and self.numerics.tp_invariant_lane
-                             else "ordered")
         return self.model(batch.input_ids, batch.positions,
                           lambda i, q, k, v: attn(i, q, k, v), ops, rope_in_attention=self.cuda,
-                          tp_reduce=reduce)
+                          tp_reduce=self.tp_reduce(kind))
+
+    def tp_reduce(self, kind: str) -> RowReduce:
+        """How a forward of ``kind`` sums row-parallel products over TP ranks, eager or
+        graphed alike: the lane's and batch_invariant's in a fixed order (the TP-invariant
+        tree for the lane where asked), the fast path's in any."""
+        if kind == "fast":
+            return "all_reduce"
+        return "tree" if kind == "lane" and self.numerics.tp_invariant_lane else "ordered"
 
     @torch.inference_mode()
     def run_batch(self, segments: list[RowSegment], sample_specs: list[SamplingSpec | None],

@@ -241,10 +241,14 @@ class Workers:
         raise TensorParallelError(
             f"a TP rank was lost mid-step ({why}){self._worker_errors()}") from cause
 
-    def run(self, message: BatchStep | LaneStep | EnableGraphs, call: Callable[[], T]) -> T:
-        """Send ``message`` to every worker, then run ``call`` (rank 0's same step)."""
+    def check(self) -> None:
+        """Raise ``TensorParallelError`` if a rank was lost before."""
         if self.failed is not None:
             raise TensorParallelError(f"tensor parallelism already failed: {self.failed}")
+
+    def run(self, message: BatchStep | LaneStep | EnableGraphs, call: Callable[[], T]) -> T:
+        """Send ``message`` to every worker, then run ``call`` (rank 0's same step)."""
+        self.check()
         try:
             self._send(message)
             return call()

@@ -31,13 +31,15 @@ class TensorParallel:
     ``tree`` the row-parallel weights are also kept cut into the tree's leaves (contiguous
     copies, so that a leaf's product sees the same shapes and strides at every TP size)."""
 
-    def __init__(self, layout: TPLayout, group: Group | None) -> None:
+    def __init__(self, layout: TPLayout, group: Group | None,
+                 device: torch.device | str = "cpu") -> None:
         if (group is None) != (layout.size == 1) or (group is not None and (
                 group.size != layout.size or group.rank != layout.rank)):
             raise ValueError("the group must match the layout (none at TP=1)")
         self.layout, self.group = layout, group
         starts = [a for a, _ in layout.vocab_ranges()]
-        self._vocab_starts = torch.tensor(starts[1:], dtype=torch.long)
+        # on the model's device: a CUDA graph's capture copies nothing from the host
+        self._vocab_starts = torch.tensor(starts[1:], dtype=torch.long, device=device)
         self._leaves: dict[int, list[tuple[int, int, Tensor]]] = {}  # id(weight) -> leaves
 
     def add_leaves(self, weight: Tensor, ranges: list[tuple[int, int]]) -> None:
@@ -52,7 +54,7 @@ class TensorParallel:
         v0, v1 = self.layout.vocab
         local = table[(ids - v0).clamp(0, v1 - v0 - 1)]  # right only for this rank's ids
         rows = self._gather(local)
-        owner = torch.bucketize(ids, self._vocab_starts.to(ids.device), right=True)
+        owner = torch.bucketize(ids, self._vocab_starts, right=True)
         return torch.stack(rows)[owner, torch.arange(ids.shape[0], device=ids.device)]
 
     def row_linear(self, ops: Ops, x: Tensor, weight: Tensor, reduce: RowReduce) -> Tensor:
@@ -134,7 +136,7 @@ def shard_model(model: LlamaModel, layout: TPLayout, group: Group | None,
             mine.input_norm.copy_(whole.input_norm)
             mine.post_norm.copy_(whole.post_norm)
         local.eval()
-    parallel = TensorParallel(layout, group)
+    parallel = TensorParallel(layout, group, local.embed_tokens.device)
     if tree:
         heads = [(a * d, b * d) for a, b in layout.leaves(c.num_heads)]
         columns = layout.leaves(c.intermediate_size)
