@@ -264,6 +264,7 @@ class ModelRunner:
         # CUDA: lane products run as one call at these row counts (probed)
         self.lane_one_call: dict[tuple[int, int], frozenset[int]] = {}
         self.kernel_set = CPU_KERNEL_SET
+        self.kernel_family = CPU_KERNEL_SET  # the set less what names this rank's shapes
         self.decode_graphs: DecodeGraphs | None = None
         # with an aligned fast path: graphs of the plain fast path, for decode steps whose
         # rows the lane will not verify (``enable_cuda_graphs(plain=True)``)
@@ -280,8 +281,10 @@ class ModelRunner:
                     model.gemm_weights(), numerics.lane_gemm_rows, list(numerics.lane_sizes),
                     model.gemm_biases())
             # the probe's verdicts are part of the numerics too: a verifier's runner must
-            # have found the same
-            self.kernel_set = gpu.KERNEL_VERSION + numerics.kernel_tags() + "".join(
+            # have found the same (they name this rank's product shapes; a product runs as
+            # one call only where the probe found the chunk's bits)
+            self.kernel_family = gpu.KERNEL_VERSION + numerics.kernel_tags()
+            self.kernel_set = self.kernel_family + "".join(
                 f"+one{n}x{k}@{','.join(map(str, sorted(v)))}"
                 for (n, k), v in sorted(self.lane_one_call.items()))
             self.lane_ops = gpu.GpuLaneOps(self.lane_chunk, self.lane_one_call, *fused)
