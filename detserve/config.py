@@ -310,12 +310,18 @@ class EngineConfig:
                              f"got tensor_parallel_size {tp}")
         if self.tp_timeout_s <= 0:
             raise ValueError("tp_timeout_s must be positive")
-        if tp > 1 and self.device != "cpu":
-            raise ValueError("tensor_parallel_size > 1 runs on CPU (gloo) for now")
         if tp > 1 and self.lane_threaded:
             raise ValueError("tensor_parallel_size > 1 needs lane passes in the engine's "
                              "thread (lane_threaded off): every rank runs the same forwards "
                              "in the same order")
+
+    def check_outside_lane(self) -> None:
+        """Raise ValueError when this engine cannot hand its lane passes to a verifier in
+        another process (which maps or receives its KV pool): the one rule both
+        ``LLMEngine`` and the serve config apply."""
+        if self.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 runs its lane in the engine for now: "
+                             "no outside verifier or exported KV pool")
 
     @classmethod
     def create(cls, model: str, mode: str = "llm42", *, dtype: str = "auto",
