@@ -316,6 +316,14 @@ class EngineConfig:
                              "thread (lane_threaded off): every rank runs the same forwards "
                              "in the same order")
 
+    def check_outside_lane(self) -> None:
+        """Raise ValueError when this engine cannot hand its lane passes to a verifier in
+        another process (which maps or receives its KV pool): the one rule both
+        ``LLMEngine`` and the serve config apply."""
+        if self.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 runs its lane in the engine for now: "
+                             "no outside verifier or exported KV pool")
+
     @classmethod
     def create(cls, model: str, mode: str = "llm42", *, dtype: str = "auto",
                max_model_len: int | None = None, block_size: int = 16,

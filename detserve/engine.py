@@ -71,9 +71,8 @@ class LLMEngine:
         ``kv_storage(shape, dtype, device)`` allocates the KV pool tensor, e.g. in shared
         memory so a co-located verifier process can map it."""
         self.config = config
-        if config.tensor_parallel_size > 1 and (verifier_factory or kv_storage):
-            raise ValueError("tensor_parallel_size > 1 runs its lane in the engine for now: "
-                             "no outside verifier or exported KV pool")
+        if verifier_factory or kv_storage:
+            config.check_outside_lane()
         dtype = getattr(torch, config.dtype)
         self.model, self.tokenizer, self.model_info = loaded or load_model(
             config.model, dtype=dtype, device=config.device)

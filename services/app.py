@@ -1,7 +1,8 @@
 """The Ray Serve application: ``build_app(args)`` (the contract of services.serve_config).
 
     Router(decoder handle[, verifier pool])  <- HTTP :8000 and gRPC :9000 ingress
-    Decoder x num_decoders                   <- one engine each (GPU when device == cuda)
+    Decoder x num_decoders                   <- one engine each (tensor_parallel_size GPUs
+                                                when device == cuda)
     Verifier x num_verifiers                 <- lane executors (services.verifier)
 
 Replica placement set here is the local default; KubeRay overlays override it per
@@ -23,7 +24,7 @@ from ray.serve.config import RequestRouterConfig
 from services.decoder.deployment import Decoder
 from services.router.deployment import Router
 from services.router.limits import ServingLimits
-from services.serve_config import validate_args
+from services.serve_config import decoder_gpus, validate_args, verifier_gpus, verifiers_deployed
 
 log = logging.getLogger(__name__)
 REQUEST_ROUTER = "services.router.request_router:PinningRouter"
@@ -46,22 +47,17 @@ def compose(args: Mapping[str, Any], *, limits: ServingLimits | None = None,
 
 
 def _decoder(args: Mapping[str, Any], num_cpus: float) -> Any:
-    gpus = 0.0
-    if args["device"] == "cuda":
-        shares_gpu = (args["num_verifiers"] > 0 and args["verifier_gpu_fraction"] < 1.0
-                      and not args.get("dedicated_verifiers", False))
-        gpus = 1.0 - args["verifier_gpu_fraction"] if shares_gpu else 1.0
     return Decoder.options(  # type: ignore[attr-defined]
         num_replicas=args["num_decoders"],
         max_ongoing_requests=4 * args["max_num_seqs"],
-        ray_actor_options={"num_cpus": num_cpus, "num_gpus": gpus},
+        ray_actor_options={"num_cpus": num_cpus, "num_gpus": decoder_gpus(args)},
         request_router_config=RequestRouterConfig(
             request_router_class=REQUEST_ROUTER),  # type: ignore[arg-type]
     )
 
 
 def _verifier(args: Mapping[str, Any], num_cpus: float) -> Any:
-    if args["num_verifiers"] == 0 or args["mode"] not in ("llm42", "lane_only"):
+    if not verifiers_deployed(args):
         return None
     try:
         module = importlib.import_module("services.verifier.deployment")
@@ -71,9 +67,7 @@ def _verifier(args: Mapping[str, Any], num_cpus: float) -> Any:
         log.warning("no verifier deployment (%s): decoders verify in-process", e)
         return None
     dedicated = bool(args.get("dedicated_verifiers", False))
-    gpus = args["verifier_gpu_fraction"] if args["device"] == "cuda" else 0.0
-    if dedicated and args["device"] == "cuda":
-        gpus = 1.0
+    gpus = verifier_gpus(args)
     return module.Verifier.options(
         num_replicas=args["num_verifiers"],
         ray_actor_options={"num_cpus": num_cpus, "num_gpus": gpus},

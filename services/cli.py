@@ -24,6 +24,7 @@ from detserve.flags import add_engine_flags, add_flags, options
 from services.serve_config import (
     APP_NAME,
     ARG_NAMES,
+    DEFAULT_ARGS,
     OPTIONAL_ARGS,
     SERVE_ENGINE_DEFAULTS,
     ServeConfig,
@@ -71,6 +72,8 @@ def _serve(a: argparse.Namespace) -> int:
     from services.app import compose
     from services.local import start_local_serve
 
+    # every refusal of the args (e.g. verifiers at TP > 1) before anything starts
+    serve_config_from(a, a.redis_url or DEFAULT_ARGS["redis_url"])
     for port in (a.http_port, a.grpc_port):
         _ensure_free(a.host, port)
     with ExitStack() as stack:

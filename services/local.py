@@ -5,6 +5,8 @@ throughput profile and direct ingress) are environment variables its processes r
 they start, so they are put into this process's environment before `ray.init` starts the
 local cluster, whose processes inherit them; so is the cluster secret that the internal
 gRPC servers ask for (``services.cluster_auth``: a fresh one unless one is configured).
+A cluster with fewer GPUs than the app reserves (decoders x ``tensor_parallel_size``, plus
+the verifiers') is refused before Ray Serve starts.
 """
 
 from __future__ import annotations
@@ -14,7 +16,12 @@ from typing import Any
 
 from services.cluster_auth import ensure_cluster_secret
 from services.redis_server import free_port
-from services.serve_config import apply_ray_serve_env, serve_start_options
+from services.serve_config import (
+    apply_ray_serve_env,
+    check_gpu_count,
+    gpus_needed,
+    serve_start_options,
+)
 
 
 def start_local_serve(stack: ExitStack, config: dict[str, Any], **ray_init: Any
@@ -29,6 +36,8 @@ def start_local_serve(stack: ExitStack, config: dict[str, Any], **ray_init: Any
     ensure_cluster_secret()
     ray.init(include_dashboard=False, **ray_init)
     stack.callback(ray.shutdown)
+    if gpus_needed(args):  # before Serve starts: replicas without GPUs would wait forever
+        check_gpu_count(args, ray.cluster_resources().get("GPU", 0.0))
     host = config["http_options"]["host"]
     http, grpc = serve_start_options(config, env, (free_port(host), free_port(host)))
     try:

@@ -39,6 +39,7 @@ GRPC_SERVICER_FUNCTIONS: tuple[str, ...] = (
 # ingress): broken HTTP framing answered with an OpenAI error body
 HTTP_PROXY_CALLBACK = "services.router.http_framing:proxy_callback"
 DEVICES = ("cpu", "cuda")
+LANE_MODES = ("llm42", "lane_only")  # the modes whose lane a Verifier replica may run
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
@@ -229,13 +230,6 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
                  "max_num_seqs"):
         _check_int(name, args[name], lo=1)
     _check_int("num_verifiers", args["num_verifiers"], lo=0)
-    tp = args.get("tensor_parallel_size", 1)
-    if isinstance(tp, int) and tp > 1:
-        if args["num_verifiers"] != 0 and args["mode"] in ("llm42", "lane_only"):
-            raise ValueError("tensor_parallel_size > 1 runs the lane on the decoder's own "
-                             "ranks for now: num_verifiers must be 0")
-    elif args["mode"] == "llm42" and args["num_verifiers"] < 1:
-        raise ValueError("mode 'llm42' needs num_verifiers >= 1")
     fraction = args["verifier_gpu_fraction"]
     _check_number("verifier_gpu_fraction", fraction, lo=0.0, hi=1.0)
     if args["device"] == "cpu" and fraction != 0.0:
@@ -277,10 +271,82 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
     for name, value in args.items():
         OPTIONS[name].check(value)
     try:
-        engine_config(args, read_checkpoint=False)
+        engine = engine_config(args, read_checkpoint=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"bad engine options: {e}") from None
+    _check_verifiers(args, engine)
     return {name: args[name] for name in (*ARG_NAMES, *OPTIONAL_ARGS) if name in args}
+
+
+def _check_verifiers(args: Mapping[str, Any], engine: EngineConfig) -> None:
+    """The verifier replicas against what the decoders' engine can hand them (the engine's
+    own rule, ``EngineConfig.check_outside_lane``) and what Ray can place."""
+    try:
+        engine.check_outside_lane()
+        in_engine_only = None
+    except ValueError as e:
+        in_engine_only = str(e)
+    if in_engine_only and verifiers_deployed(args):
+        raise ValueError(f"{in_engine_only}: num_verifiers must be 0 (--num-verifiers 0; "
+                         "each decoder verifies on its own ranks)")
+    if args["mode"] == "llm42" and args["num_verifiers"] < 1 and not in_engine_only:
+        raise ValueError("mode 'llm42' needs num_verifiers >= 1")
+    if (engine.tensor_parallel_size > 1 and args["device"] == "cuda"
+            and verifiers_deployed(args) and not args.get("dedicated_verifiers", False)):
+        # Ray gives an actor more than one GPU only whole: no share is left to co-locate in
+        raise ValueError("a decoder at tensor_parallel_size > 1 holds its GPUs whole: its "
+                         "verifiers cannot share them (set dedicated_verifiers)")
+
+
+def verifiers_deployed(args: Mapping[str, Any]) -> bool:
+    """Whether the app has Verifier replicas: a mode with a lane, and num_verifiers > 0."""
+    return bool(args["num_verifiers"] > 0 and args["mode"] in LANE_MODES)
+
+
+def decoder_gpus(args: Mapping[str, Any]) -> float:
+    """GPUs one decoder replica reserves (Ray's ``num_gpus``). On CUDA its engine's ranks
+    need ``tensor_parallel_size`` whole GPUs: Ray then makes exactly those visible to the
+    replica, and its ranks run on cuda:0..N-1 of them. At TP=1 a co-located verifier
+    takes ``verifier_gpu_fraction`` of the decoder's GPU."""
+    if args["device"] != "cuda":
+        return 0.0
+    tp = int(args.get("tensor_parallel_size", 1))
+    if tp > 1:
+        return float(tp)
+    shares = (verifiers_deployed(args) and not args.get("dedicated_verifiers", False)
+              and args["verifier_gpu_fraction"] < 1.0)
+    return 1.0 - args["verifier_gpu_fraction"] if shares else 1.0
+
+
+def verifier_gpus(args: Mapping[str, Any]) -> float:
+    """GPUs one verifier replica reserves: a whole one when dedicated, else its share."""
+    if args["device"] != "cuda":
+        return 0.0
+    return 1.0 if args.get("dedicated_verifiers", False) else args["verifier_gpu_fraction"]
+
+
+def gpus_needed(args: Mapping[str, Any]) -> float:
+    """GPUs the whole app reserves: every decoder's and every deployed verifier's."""
+    verifiers = args["num_verifiers"] if verifiers_deployed(args) else 0
+    return args["num_decoders"] * decoder_gpus(args) + verifiers * verifier_gpus(args)
+
+
+def check_gpu_count(args: Mapping[str, Any], available: float) -> None:
+    """Raise RuntimeError when a cluster with ``available`` GPUs cannot hold the app's
+    replicas: Ray Serve would otherwise keep them pending, and start-up would wait forever.
+    (A total that suffices can still fail to pack, e.g. TP=2 decoders on one-GPU nodes;
+    Ray Serve reports those replicas as pending.)"""
+    needed = gpus_needed(args)
+    if needed <= available + 1e-9:
+        return
+    tp = args.get("tensor_parallel_size", 1)
+    parts = [f"{args['num_decoders']} decoders x {decoder_gpus(args):g}"
+             + (f" (tensor_parallel_size {tp})" if tp > 1 else "")]
+    if verifiers_deployed(args) and verifier_gpus(args):
+        parts.append(f"{args['num_verifiers']} verifiers x {verifier_gpus(args):g}")
+    raise RuntimeError(f"the app needs {needed:g} GPUs ({' + '.join(parts)}) but this Ray "
+                       f"cluster has {available:g}; lower num_decoders or "
+                       "tensor_parallel_size, or run where more GPUs are visible")
 
 
 def default_serve_config(
@@ -310,6 +376,13 @@ def default_serve_config(
                     "decoder autoscaling initial_replicas must equal num_decoders "
                     f"({d.autoscaling.initial_replicas} != {args['num_decoders']})"
                 )
+        if d.name == DECODER and args["device"] == "cuda":
+            want = decoder_gpus(args)
+            if not math.isclose(d.num_gpus, want):
+                raise ValueError(
+                    f"Decoder num_gpus {d.num_gpus:g} must be {want:g} (tensor_parallel_size "
+                    f"{args.get('tensor_parallel_size', 1)}"
+                    + (", less the co-located verifier's share)" if want < 1 else ")"))
         if d.name == VERIFIER and args["device"] == "cuda":
             if args.get("dedicated_verifiers") and d.num_gpus != 1:
                 raise ValueError(f"Verifier num_gpus {d.num_gpus}: a dedicated verifier has "

@@ -7,6 +7,7 @@ with real kustomize runs only where `kubectl` is installed.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 import shutil
@@ -303,11 +304,15 @@ def test_rayservice_shape(rendered: tuple[str, list[Obj]]) -> None:
     groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
     assert "decoder" in groups
     gpu_overlay = name != "cpu-demo"
-    for group in groups.values():
+    args = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+    tp = args.get("tensor_parallel_size", 1)
+    for group_name, group in groups.items():
         resources = ray_container(group["template"])["resources"]
         if gpu_overlay:
-            assert resources["requests"]["nvidia.com/gpu"] == 1
-            assert resources["limits"]["nvidia.com/gpu"] == 1
+            # a decoder pod holds its replica's tensor-parallel GPUs; a verifier pod one
+            gpus = tp if group_name == "decoder" else 1
+            assert resources["requests"]["nvidia.com/gpu"] == gpus
+            assert resources["limits"]["nvidia.com/gpu"] == gpus
         else:
             assert "nvidia.com/gpu" not in resources["limits"]
 
@@ -352,10 +357,20 @@ def test_verifier_placement(rendered: tuple[str, list[Obj]]) -> None:
     groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
     config = yaml.safe_load(the(objects, "RayService")["spec"]["serveConfigV2"])
     deployments = {d["name"]: d for d in config["applications"][0]["deployments"]}
-    verifier = deployments["Verifier"]["ray_actor_options"]
     decoder = deployments["Decoder"]["ray_actor_options"]
     # rayStartParams.resources is a JSON object inside a (shell-quoted) JSON string
     slots = {g: json.loads(json.loads(groups[g]["rayStartParams"]["resources"])) for g in groups}
+    if name == "tp-2":
+        # the lane runs on each decoder's own ranks: no verifier replica, no verifier slot
+        assert config["applications"][0]["args"]["num_verifiers"] == 0
+        assert "Verifier" not in deployments
+        assert set(groups) == {"decoder"}
+        assert slots["decoder"] == {m.DECODER_SLOT: 1}
+        assert decoder["resources"] == {m.DECODER_SLOT: 1}
+        assert not any("nvidia-cuda-mps-control" in ray_container(g["template"])["args"][0]
+                       for g in groups.values())
+        return
+    verifier = deployments["Verifier"]["ray_actor_options"]
     if name == "gpu-8":
         assert set(groups) == {"decoder", "verifier"}
         assert slots["verifier"] == {m.VERIFIER_SLOT: 1}
@@ -470,5 +485,60 @@ def test_pod_volumes_resolve(rendered: tuple[str, list[Obj]]) -> None:
             g["template"] for g in cluster["workerGroupSpecs"]]:
         volumes = {v["name"]: v for v in template["spec"]["volumes"]}
         for mount in ray_container(template)["volumeMounts"]:
-            claim = volumes[mount["name"]]["persistentVolumeClaim"]["claimName"]
-            assert claim in claims
+            volume = volumes[mount["name"]]
+            if mount["mountPath"] == m.SHM_PATH:
+                assert volume["emptyDir"]["medium"] == "Memory"
+                continue
+            assert volume["persistentVolumeClaim"]["claimName"] in claims
+
+
+def _quantity(text: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    match = re.fullmatch(r"(\d+)([KMGT]i)", text)
+    assert match, f"unexpected quantity {text!r}"
+    return int(match[1]) * units[match[2]]
+
+
+def test_tensor_parallel_overlay() -> None:
+    """tp-2: each decoder pod holds the GPUs of one decoder replica's ranks, the serve args
+    carry the TP size, and NCCL gets a memory-backed /dev/shm and its interface."""
+    objects = render(K8S / "overlays" / "tp-2")
+    service = the(objects, "RayService")
+    config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    (app,) = config["applications"]
+    tp = app["args"]["tensor_parallel_size"]
+    assert tp == m.TP_SIZE == 2
+    assert the(objects, "ConfigMap")["data"]["DETSERVE_TENSOR_PARALLEL_SIZE"] == str(tp)
+    (decoder,) = [d for d in app["deployments"] if d["name"] == "Decoder"]
+    assert decoder["ray_actor_options"]["num_gpus"] == tp
+    (group,) = cluster_of(objects)["workerGroupSpecs"]
+    container = ray_container(group["template"])
+    resources = container["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == tp
+    # every decoder replica has a pod of its own: as many pods as decoders, fixed
+    assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == (
+        app["args"]["num_decoders"])
+    mounts = {v["mountPath"]: v["name"] for v in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in group["template"]["spec"]["volumes"]}
+    shm = volumes[mounts["/dev/shm"]]["emptyDir"]
+    assert shm["medium"] == "Memory"
+    # a memory-backed volume counts in the container's memory: it must fit well inside
+    assert 2**30 <= _quantity(shm["sizeLimit"]) <= _quantity(resources["limits"]["memory"]) // 4
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["NCCL_SOCKET_IFNAME"] == "eth0"
+    # pods without TP ranks keep the runtime's /dev/shm and NCCL's own defaults
+    head = ray_container(cluster_of(objects)["headGroupSpec"]["template"])
+    assert all(v["mountPath"] != "/dev/shm" for v in head["volumeMounts"])
+    assert "NCCL_SOCKET_IFNAME" not in {e["name"] for e in head["env"]}
+
+
+def test_overlay_refuses_pods_whose_gpus_do_not_match_their_replicas() -> None:
+    tp2 = m.overlay("tp-2")
+    (group,) = tp2.groups
+    with pytest.raises(ValueError, match="pods have 1 GPUs, the replicas their slots admit "
+                                         "reserve 2"):
+        dataclasses.replace(tp2, groups=(dataclasses.replace(group, gpus=1),))
+    gpu1 = m.overlay("gpu-1")  # decoder 0.75 and verifier 0.25 share one GPU
+    (group,) = gpu1.groups
+    with pytest.raises(ValueError, match="pods have 2 GPUs"):
+        dataclasses.replace(gpu1, groups=(dataclasses.replace(group, gpus=2),))

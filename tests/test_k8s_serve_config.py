@@ -113,6 +113,132 @@ def test_deployment_overrides() -> None:
                                 deployments=[verifier])
 
 
+# --- tensor parallelism: GPUs per decoder, refusals up front ----------------------------
+
+CUDA: dict[str, Any] = {"device": "cuda", "verifier_gpu_fraction": 0.25}
+TP2: dict[str, Any] = {"device": "cuda", "tensor_parallel_size": 2, "num_verifiers": 0}
+
+
+def _args(**overrides: Any) -> dict[str, Any]:
+    args: dict[str, Any] = sc.default_serve_config(**overrides)["applications"][0]["args"]
+    return args
+
+
+@pytest.mark.parametrize("overrides, decoder, verifier, total", [
+    ({}, 0.0, 0.0, 0.0),
+    (CUDA, 0.75, 0.25, 1.0),
+    ({**CUDA, "num_decoders": 2, "num_verifiers": 2}, 0.75, 0.25, 2.0),
+    ({"device": "cuda", "dedicated_verifiers": True, "num_decoders": 3}, 1.0, 1.0, 4.0),
+    # a mode without a lane deploys no verifier: its decoder keeps the whole GPU
+    ({**CUDA, "mode": "nondeterministic"}, 1.0, 0.25, 1.0),
+    (TP2, 2.0, 0.0, 2.0),
+    ({**TP2, "num_decoders": 3}, 2.0, 0.0, 6.0),
+    ({**TP2, "tensor_parallel_size": 4, "mode": "nondeterministic"}, 4.0, 0.0, 4.0),
+])
+def test_gpus_per_replica(overrides: dict[str, Any], decoder: float, verifier: float,
+                          total: float) -> None:
+    args = _args(**overrides)
+    assert sc.decoder_gpus(args) == decoder
+    assert sc.verifier_gpus(args) == verifier
+    assert sc.gpus_needed(args) == total
+
+
+def test_too_few_gpus_is_a_clear_error() -> None:
+    args = _args(**TP2, num_decoders=2)
+    sc.check_gpu_count(args, 4.0)
+    sc.check_gpu_count(args, 8.0)
+    with pytest.raises(RuntimeError, match=r"needs 4 GPUs \(2 decoders x 2 "
+                                           r"\(tensor_parallel_size 2\)\) but this Ray "
+                                           r"cluster has 3"):
+        sc.check_gpu_count(args, 3.0)
+    colocated = _args(**CUDA, num_decoders=2, num_verifiers=2)
+    sc.check_gpu_count(colocated, 2.0)
+    with pytest.raises(RuntimeError, match=r"2 decoders x 0.75 \+ 2 verifiers x 0.25"):
+        sc.check_gpu_count(colocated, 1.0)
+    sc.check_gpu_count(_args(), 0.0)  # CPU: nothing to check
+
+
+def test_tp_refuses_verifiers_with_the_engines_own_rule() -> None:
+    engine = sc.engine_config(_args(**TP2), read_checkpoint=False)
+    with pytest.raises(ValueError) as refusal:
+        engine.check_outside_lane()
+    for extra in (CUDA, {"device": "cuda", "dedicated_verifiers": True}, {"device": "cpu"}):
+        with pytest.raises(ValueError, match="num_verifiers must be 0") as e:
+            sc.default_serve_config(**{**TP2, **extra, "num_verifiers": 1})
+        assert str(refusal.value) in str(e.value)  # the engine's words, not a copy
+    # llm42 verifies on the decoder's ranks: no verifier replica is needed
+    assert _args(**TP2)["mode"] == "llm42"
+    # a mode without a lane deploys no verifier, so num_verifiers does not matter
+    assert _args(**{**TP2, "device": "cpu", "mode": "nondeterministic", "num_verifiers": 1})
+
+
+def test_tp_placement_once_the_engine_takes_outside_verifiers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should the engine hand a TP lane to verifiers, a co-located one has no GPU share to
+    take (Ray gives more than one GPU only whole); a dedicated one does."""
+    from detserve.config import EngineConfig
+
+    monkeypatch.setattr(EngineConfig, "check_outside_lane", lambda self: None)
+    with pytest.raises(ValueError, match="holds its GPUs whole"):
+        sc.default_serve_config(**{**TP2, **CUDA, "num_verifiers": 1})
+    args = _args(**{**TP2, "num_verifiers": 2, "dedicated_verifiers": True})
+    assert (sc.decoder_gpus(args), sc.verifier_gpus(args), sc.gpus_needed(args)) == (2, 1, 4)
+    with pytest.raises(ValueError, match="llm42' needs num_verifiers >= 1"):
+        sc.default_serve_config(**TP2)
+
+
+def test_decoder_override_must_reserve_the_tp_gpus() -> None:
+    def decoder(gpus: float) -> sc.DeploymentOverride:
+        return sc.DeploymentOverride(sc.DECODER, num_cpus=1, num_gpus=gpus)
+
+    sc.default_serve_config(**TP2, deployments=[decoder(2)])
+    with pytest.raises(ValueError, match=r"Decoder num_gpus 1 must be 2 \(tensor_parallel_size "
+                                         r"2\)"):
+        sc.default_serve_config(**TP2, deployments=[decoder(1)])
+    sc.default_serve_config(**CUDA, deployments=[decoder(0.75)])
+    with pytest.raises(ValueError, match="must be 0.75 .*less the co-located verifier's share"):
+        sc.default_serve_config(**CUDA, deployments=[decoder(1)])
+
+
+def test_serve_cli_refuses_tp_with_verifiers_before_starting_anything(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from services import cli
+    from services.console import main
+
+    def started(*a: Any, **kw: Any) -> None:
+        raise AssertionError("nothing may start before the args are checked")
+
+    monkeypatch.setattr(cli, "_ensure_free", started)
+    monkeypatch.setattr(cli, "_embedded_redis", started)
+    assert main(["serve", "--tensor-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "detserve serve: error:" in err and "num_verifiers must be 0" in err
+
+
+def test_local_serve_refuses_a_cluster_with_too_few_gpus(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One Ray node with 3 GPUs, two TP=2 decoders: an error before Ray Serve starts (which
+    would keep a decoder pending for ever), and Ray shut down again."""
+    from contextlib import ExitStack
+
+    import ray
+    from ray import serve
+
+    from services.local import start_local_serve
+
+    calls: list[str] = []
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append("init"))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 3.0})
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(serve, "start", lambda **kw: calls.append("start"))
+    monkeypatch.setattr("os.environ", {})
+    config = sc.default_serve_config(**TP2, num_decoders=2)
+    with pytest.raises(RuntimeError, match="needs 4 GPUs .* has 3"):
+        with ExitStack() as stack:
+            start_local_serve(stack, config)
+    assert calls == ["init", "shutdown"]
+
+
 def test_serve_config_module_does_not_import_ray() -> None:
     source = (ROOT / "services" / "serve_config.py").read_text()
     assert not re.search(r"^\s*(import|from)\s+ray\b", source, re.MULTILINE)
@@ -163,6 +289,13 @@ def test_app_builds_from_the_rayservice_config_without_kubernetes(name: str) -> 
     built = build_deployments(app, name=app_config["name"])
     names = {d.name for d in built.deployments}
     assert {d["name"] for d in app_config.get("deployments", [])} <= names
+    # the app's own placement is the overlay's: a decoder holds its TP ranks' GPUs
+    (decoder,) = [d for d in built.deployments if d.name == sc.DECODER]
+    assert (decoder.ray_actor_options or {})["num_gpus"] == sc.decoder_gpus(app_config["args"])
+    for override in app_config.get("deployments", []):
+        if override["name"] == sc.DECODER:
+            assert override["ray_actor_options"]["num_gpus"] == sc.decoder_gpus(
+                app_config["args"])
     for path in yaml.safe_load(rendered_serve_config(name))["grpc_options"][
             "grpc_servicer_functions"]:
         module_name, _, attr = path.partition(":")
@@ -268,7 +401,7 @@ def test_stream_interval_is_an_optional_validated_arg() -> None:
             sc.default_serve_config(stream_interval=bad)
 
 
-@pytest.mark.parametrize("overlay", ["cpu-demo", "gpu-1", "gpu-8"])
+@pytest.mark.parametrize("overlay", [o.name for o in m.OVERLAYS])
 def test_every_ray_pod_gets_the_throughput_profile_with_proxies_kept(overlay: str) -> None:
     (service,) = [o for o in render(K8S / "overlays" / overlay) if o["kind"] == "RayService"]
     spec = service["spec"]["rayClusterConfig"]

@@ -9,12 +9,14 @@ Placement: each worker group advertises Ray custom resources ("slots") per pod, 
 serve config's deployment overrides ask for them, so a decoder replica can only land on a
 decoder-group pod and a verifier replica on a pod that offers a verifier slot: the
 decoder's own pod when co-located (sharing its GPU through fractional `num_gpus` and
-CUDA MPS), or a pod of the verifier group when verifiers have GPUs of their own.
+CUDA MPS), or a pod of the verifier group when verifiers have GPUs of their own. A decoder
+at `tensor_parallel_size` N reserves N GPUs, so its pod has N (tp-2).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +57,11 @@ GENERATED_HEADER = (
     "# Do not edit: change the Overlay there and regenerate.\n"
 )
 MPS_PIPE_DIR, MPS_LOG_DIR = "/tmp/nvidia-mps", "/tmp/nvidia-mps-log"
+SHM_VOLUME, SHM_PATH = "dshm", "/dev/shm"
+# tp-2: a decoder replica's ranks are one process per GPU of its pod. NCCL moves their data
+# over NVLink/PCIe (or /dev/shm); its bootstrap sockets take the pod's interface.
+TP_SIZE, TP_SHM = 2, "16Gi"
+TP_NCCL_ENV = {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_DEBUG": "WARN"}
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,10 @@ class WorkerGroup:
     gpus: int
     slots: Mapping[str, int]
     mps: bool = False  # start a CUDA MPS control daemon in the pod before `ray start`
+    # size of a memory-backed /dev/shm (counted in `memory`): NCCL between the pod's GPUs
+    # and the engine's tensor-parallel workers need more than the runtime's 64 MiB
+    shm: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)  # more variables for the container
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.replicas <= self.max_replicas:
@@ -89,6 +100,19 @@ class Overlay:
     groups: tuple[WorkerGroup, ...]
     ray_autoscaler: bool = False
     extra_labels: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # a pod's GPUs are exactly what the replicas its slots admit reserve: fewer, and a
+        # replica never lands; more, and the spare GPUs sit idle (Ray shows a replica only
+        # the GPUs it reserved, e.g. tensor_parallel_size of them for a decoder)
+        gpus = {d.name: d.num_gpus for d in self.deployments}
+        for g in self.groups:
+            held = (g.slots.get(DECODER_SLOT, 0) * gpus.get(DECODER, 0.0)
+                    + g.slots.get(VERIFIER_SLOT, 0) * gpus.get(VERIFIER, 0.0))
+            if not math.isclose(held, g.gpus):
+                raise ValueError(f"overlay {self.name}, group {g.name}: its pods have "
+                                 f"{g.gpus} GPUs, the replicas their slots admit reserve "
+                                 f"{held:g}")
 
     def serve_config(self) -> dict[str, Any]:
         return default_serve_config(
@@ -159,6 +183,23 @@ OVERLAYS: tuple[Overlay, ...] = (
                         memory="64Gi", gpus=1, slots={VERIFIER_SLOT: 1}),
         ),
         ray_autoscaler=True,
+    ),
+    Overlay(
+        name="tp-2",
+        summary="tensor-parallel decoders: 2 decoder pods of 2 GPUs, each decoder's engine "
+                "split over both GPUs of its pod (NCCL inside the pod), the lane on its ranks",
+        serve_args=_args(model="smollm2", mode="llm42", device="cuda", dtype="bfloat16",
+                         verify_window=64, verify_group=8, num_decoders=2, num_verifiers=0,
+                         verifier_gpu_fraction=0.0, tensor_parallel_size=TP_SIZE,
+                         max_model_len=8192, max_num_seqs=128),
+        deployments=(
+            DeploymentOverride(DECODER, num_cpus=4, num_gpus=TP_SIZE,
+                               resources={DECODER_SLOT: 1}, max_ongoing_requests=128),
+        ),
+        head_cpu="4", head_memory="16Gi",
+        groups=(WorkerGroup("decoder", replicas=2, min_replicas=2, max_replicas=2, cpu="16",
+                            memory="128Gi", gpus=TP_SIZE, slots={DECODER_SLOT: 1},
+                            shm=TP_SHM, env=TP_NCCL_ENV),),
     ),
 )
 
@@ -337,6 +378,8 @@ def _pod_template(o: Overlay, container_name: str, group: WorkerGroup | None) ->
             {"name": "CUDA_MPS_PIPE_DIRECTORY", "value": MPS_PIPE_DIR},
             {"name": "CUDA_MPS_LOG_DIRECTORY", "value": MPS_LOG_DIR},
         ]
+    if group is not None:
+        env += [{"name": k, "value": v} for k, v in group.env.items()]
     ports = [
         {"name": "serve", "containerPort": HTTP_PORT},
         {"name": "grpc", "containerPort": GRPC_PORT},
@@ -391,6 +434,10 @@ def _pod_template(o: Overlay, container_name: str, group: WorkerGroup | None) ->
             {"name": "model-cache", "persistentVolumeClaim": {"claimName": MODEL_CACHE_PVC}},
         ],
     }
+    if group is not None and group.shm:
+        spec["volumes"].append({"name": SHM_VOLUME,
+                                "emptyDir": {"medium": "Memory", "sizeLimit": group.shm}})
+        container["volumeMounts"].append({"name": SHM_VOLUME, "mountPath": SHM_PATH})
     if group is not None and group.gpus:
         spec["tolerations"] = [
             {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},

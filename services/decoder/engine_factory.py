@@ -18,10 +18,9 @@ from detserve.config import EngineConfig
 from detserve.engine import LLMEngine
 from detserve.model.loader import load_model
 from services.cluster_auth import ClusterAuth
-from services.serve_config import ServeConfig, engine_config, serve_options
+from services.serve_config import LANE_MODES, ServeConfig, engine_config, serve_options
 
 log = logging.getLogger(__name__)
-LANE_MODES = ("llm42", "lane_only")
 
 
 @dataclass(frozen=True)

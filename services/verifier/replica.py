@@ -62,7 +62,7 @@ class VerifierReplica:
         # as soon as Redis answers; each beat publishes its load (decoders attached)
         self.heartbeat = Heartbeat(
             self.registry, self.record, ttl_s,
-            update=lambda r: replace(r, load=self.servicer.streams),  # type: ignore[type-var]
+            update=lambda r: replace(r, load=self.servicer.streams),  # type: ignore[type-var, arg-type]
         ).start(required=False)
         self._closed = False
         log.info("verifier %s serving %s on %s", self.verifier_id, info.name, self.record.address)

@@ -122,7 +122,8 @@ class _Pair:
         self.pull.abort()
 
 
-def _slots(pool: KVPool, spans: Iterable[tuple[Sequence[int], int, int]]) -> torch.Tensor:
+def _slots(pool: KVPool, spans: Iterable[tuple[list[int] | tuple[int, ...], int, int]]
+           ) -> torch.Tensor:
     parts = [pool.slots(table, a, b) for table, a, b in spans if b > a]
     if not parts:
         return torch.empty(0, dtype=torch.long, device=pool.data.device)
