@@ -54,6 +54,6 @@ case "${1:-}" in
       --num-blocks 16384 --warmup-requests 128 \
       --modes nondeterministic,llm42,llm42-dedicated --ratios 0.1,0.5,1.0 \
       --dedicated-verifier-device cuda:1 --out "$out/offline-8b.json" 2>&1 \
-      | grep -E "audit|out tok/s|transfer:|lane:" ;;
+      | tee "$out/offline-8b.log" | grep -E "audit|out tok/s|transfer:|lane:" ;;
   *) sed -n 2,20p "$0"; exit 2 ;;
 esac
