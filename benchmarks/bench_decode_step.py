@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     add_flags(p, {k: opts[k] for k in ("cuda_graphs", "align_fast_path", "lane_full_tiles",
                                        "aligned_decode_lane", "fused_silu_mul",
                                        "fused_add_rmsnorm", "plain_decode_graphs",
-                                       "async_scheduling")},
+                                       "async_scheduling", "tensor_parallel_size")},
               defaults={"plain_decode_graphs": False})
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile the steps: GPU kernel time per step and the "
@@ -115,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     loaded = random_model(a.model.split(":", 1)[1], torch.bfloat16, a.device)
     model = loaded[0]
     cfg_m = model.config
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
-    kv_per_token = 2 * cfg_m.num_layers * cfg_m.num_kv_heads * cfg_m.head_dim * 2
+    # at TP=N each rank reads about 1/N of the weights and of the K/V (its heads, MLP
+    # columns and vocabulary rows; the norms, replicated, are negligible)
+    tp = a.tensor_parallel_size
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) // tp
+    kv_per_token = 2 * cfg_m.num_layers * cfg_m.num_kv_heads * cfg_m.head_dim * 2 // tp
     bw = copy_bandwidth(a.device)
     rows = []
     budget = max(2048, a.context)  # prefill tokens per step
@@ -154,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         row = {"batch": bsz, "step_ms": step_ms, "roofline_ms": roof_ms,
                "ratio_to_roofline": step_ms / roof_ms,
                "padded_to": graphs.bucket(bsz) if graphs is not None else bsz}
-        fwd = forward_ms(eng, a.steps)
+        # (rank 0's graph alone would wait for ever for its peers' collectives)
+        fwd = forward_ms(eng, a.steps) if tp == 1 else None
         if fwd is not None:  # the GPU's share: the step's graph replayed back to back
             row.update(forward_ms=fwd, forward_ratio_to_roofline=fwd / roof_ms)
         print(f"batch {bsz:>4} (padded to {row['padded_to']}): {step_ms:7.2f} ms/step  roofline {roof_ms:6.2f} ms  "

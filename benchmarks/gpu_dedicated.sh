@@ -8,6 +8,7 @@
 # benchmarks/stage_redis.sh, the SmolLM2 GGUF):
 #   cp .bundleN/* /tmp/stage/ && bash .bundleN/unstage.sh && bash benchmarks/gpu_dedicated.sh check
 #   bash benchmarks/gpu_dedicated.sh perf
+#   bash benchmarks/gpu_dedicated.sh served
 # check: nvidia-smi topology; the CPU (gloo) tests of the transfer on this image; NCCL
 #        transfer times for a lane pass's row counts (bench_transfer); SmolLM2 and the 8B
 #        shape verified co-located and dedicated, sampled with logprobs: the audit line
@@ -16,6 +17,12 @@
 #        nondeterministic, co-located llm42 and llm42-dedicated at 10 %, 50 % and 100 %
 #        deterministic traffic in one process (same GPU 0 for every decoder); K/V bytes and
 #        wait per pass, the verifier's busy fraction. NREQ (default 768) requests a run.
+# served: the served path (`detserve serve`, as a user starts it) at one Poisson request
+#        rate, FRACTIONS (default 0.6) of nondeterministic's measured capacity: the P99
+#        inter-token latency of non-deterministic requests at 50 % deterministic traffic
+#        with a dedicated verifier, against co-located and nondeterministic at the same
+#        rate (benchmarks/online_campaign.py; traces of `online_campaign prepare --profile
+#        8b` carried in $TRACES, default results/campaign-traces; BUDGET_S default 420).
 # Results in $OUT (default results/gpu-dedicated).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,5 +62,13 @@ case "${1:-}" in
       --modes nondeterministic,llm42,llm42-dedicated --ratios 0.1,0.5,1.0 \
       --dedicated-verifier-device cuda:1 --out "$out/offline-8b.json" 2>&1 \
       | tee "$out/offline-8b.log" | grep -E "audit|out tok/s|transfer:|lane:" ;;
-  *) sed -n 2,20p "$0"; exit 2 ;;
+  served)
+    . benchmarks/gpu_env.sh serve || exit 1
+    timeout -k 20 $(( ${BUDGET_S:-420} + 60 )) python -m benchmarks.online_campaign run \
+      --profile 8b --traces "${TRACES:-results/campaign-traces}" --datasets sharegpt \
+      --series nondeterministic@0,llm42@0.5,llm42-dedicated@0.5 \
+      --fractions "${FRACTIONS:-0.6}" --budget-s "${BUDGET_S:-420}" --out "$out/served" \
+      > "$out/served.log" 2>&1
+    tail -30 "$out/served.log"; cp "$out/served/report.md" "$out/served-report.md" 2>/dev/null ;;
+  *) sed -n 2,27p "$0"; exit 2 ;;
 esac

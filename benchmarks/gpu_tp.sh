@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Tensor parallelism on a machine with two (or four) GPUs (issue 36), one part per device call:
 #   tests    the engine at TP=2 over NCCL with CUDA graphs (tests/test_gpu_tensor_parallel.py)
-#   step     8B shape: the runner's eager decode step at batch 1 and 64 for each TP size
-#            against each rank's memory roofline, and the runner-level TP-invariance audit
-#            (one lane pass: the tree's bits at every TP size, the ordinary sum's control)
+#   step     8B shape: the engine's decode step (CUDA graphs holding the collectives) at
+#            batch 1 and 64 for each TP size against each rank's memory roofline
+#            (bench_decode_step); the runner's eager step and the runner-level
+#            TP-invariance audit (tp_bench: one lane pass, the tree's bits at every TP
+#            size, the ordinary sum's control)
 #   audit    8B shape through the engine: the determinism audit at TP=2 (RUNS, default 20);
 #            the TP-invariance audit (the invariant lane at TP 1 and 2, and the ordinary
 #            lane at TP 1 as the control against the TP=2 audit): deterministic outputs
@@ -39,7 +41,12 @@ case "${1:-}" in
     timeout 400 python -m pytest -q -p no:cacheprovider -rs tests/test_gpu_tensor_parallel.py \
       2>&1 | tee "$out/tests.log" | tail -15 ;;
   step)
-    timeout 400 python -m benchmarks.tp_bench --model $model --tp ${TPS:-1 2} --batch 1 64 \
+    for tp in ${TPS:-1 2}; do
+      timeout 200 python -m benchmarks.bench_decode_step --model $model --batches 1,64 \
+        --tensor-parallel-size "$tp" --out "$out/decode-step-tp$tp.json" 2>&1 \
+        | tee "$out/decode-step-tp$tp.log" | grep -E "^batch"
+    done
+    timeout 300 python -m benchmarks.tp_bench --model $model --tp ${TPS:-1 2} --batch 1 64 \
       --out "$out/tp-bench.json" 2>&1 | tee "$out/tp-bench.log" | tail -6 ;;
   audit)
     audit tp2 --tensor-parallel-size 2
