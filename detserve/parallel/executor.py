@@ -7,7 +7,8 @@ or a lane pass) go to every worker through its pipe before rank 0 runs the step 
 every rank then runs the same ``ModelRunner`` call on its shard, and the collectives inside
 the forward (``shard.TensorParallel``) go over one run-time group (``detserve.distributed``)
 made with the ``tp_timeout_s`` deadline. The workers sample too (the gathered logits are
-the same on every rank) and drop the result. A step fed tokens that rank 0 has not read
+the same on every rank) but never read a step back: their hosts run ahead of their
+devices as rank 0's does. A step fed tokens that rank 0 has not read
 back (asynchronous scheduling) gets them by a broadcast in stream order, and CUDA graphs
 are captured on every rank at once (``EnableGraphs``): the captures hold the collectives.
 Lane passes run in the engine's thread (``InProcessVerifier``), so that every rank issues

@@ -73,13 +73,13 @@ def serve(pipe: multiprocessing.connection.Connection, runner: ModelRunner,
                                       device=runner.device)
                     group.follow(group.broadcast(fed, 0))
                     feed = (fed, msg.feed.pairs)
-                launched = runner.launch_batch(msg.segments, msg.sample_specs,
-                                               msg.batch_invariant, msg.align_decode, feed,
-                                               msg.penalties, msg.prompt_rows)
-                launched.result()
-                launched.prompt_result()
+                # queued, never read back: rank 0 reads the (identical) results and feeds
+                # the next step's tokens by broadcast, so this host prepares the next step
+                # while the device runs this one, as rank 0's does
+                runner.launch_batch(msg.segments, msg.sample_specs, msg.batch_invariant,
+                                    msg.align_decode, feed, msg.penalties, msg.prompt_rows)
             elif isinstance(msg, LaneStep):
-                runner.launch_lane(msg.lane_pass).finish()
+                runner.launch_lane(msg.lane_pass)
             elif isinstance(msg, EnableGraphs):
                 runner.enable_cuda_graphs(msg.decode, msg.lane, msg.max_batch, msg.max_blocks,
                                           msg.step_rows, msg.plain)
