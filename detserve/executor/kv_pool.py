@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import torch
 from torch import Tensor
+
+from detserve.executor.transfer import upload
 
 
 class KVPool:
@@ -51,12 +55,19 @@ class KVPool:
         v = self.v(layer)[idx].flatten(0, 1)[:length]
         return k, v
 
-    def slots(self, block_table: list[int] | tuple[int, ...], start: int, end: int) -> Tensor:
-        """The slots of positions ``start .. end-1`` of a sequence with ``block_table``."""
-        pos = torch.arange(start, end)
-        table = torch.tensor(block_table, dtype=torch.long)
-        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(
-            self.data.device)
+    def slots_of(self, spans: Iterable[tuple[Sequence[int], int, int]]) -> Tensor:
+        """The slots of several (block table, start, end) position ranges, in order, on the
+        pool's device: worked out on the host and uploaded once, without waiting for the
+        device (a transfer's slots must not hold the host up for the step still running)."""
+        parts = []
+        for block_table, start, end in spans:
+            if end > start:
+                pos = torch.arange(start, end)
+                table = torch.tensor(block_table, dtype=torch.long)
+                parts.append(table[pos // self.block_size] * self.block_size
+                             + pos % self.block_size)
+        host = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+        return upload(host, self.data.device)
 
     def read_rows(self, slots: Tensor) -> Tensor:
         """K/V of every layer at ``slots``: ``[layers, 2, len(slots), kv_heads, head_dim]``,

@@ -122,14 +122,6 @@ class _Pair:
         self.pull.abort()
 
 
-def _slots(pool: KVPool, spans: Iterable[tuple[list[int] | tuple[int, ...], int, int]]
-           ) -> torch.Tensor:
-    parts = [pool.slots(table, a, b) for table, a, b in spans if b > a]
-    if not parts:
-        return torch.empty(0, dtype=torch.long, device=pool.data.device)
-    return torch.cat(parts)
-
-
 class DecoderTransfer:
     """The decoder's side of one verifier stream: what the verifier holds of each sequence,
     the rows to push before a pass, the rows to take back after it."""
@@ -159,8 +151,8 @@ class DecoderTransfer:
         """Send the planned rows (from this pool: the lane's bits of committed positions);
         does not wait for them to arrive."""
         segs = lane_pass.segments
-        slots = _slots(self.pool, ((segs[i].block_table, a, segs[i].start)
-                                   for i, a in sorted(kv_from.items())))
+        slots = self.pool.slots_of((segs[i].block_table, a, segs[i].start)
+                                   for i, a in sorted(kv_from.items()))
         self.pair.send_rows(self.pair.push, self.pool, slots, VERIFIER_RANK)
 
     def pull(self, lane_pass: LanePass, result: LaneResult, kv_rows: int,
@@ -173,7 +165,7 @@ class DecoderTransfer:
         for s, end in spans:
             if s.kind == "window":  # rows past the accepted ones are the rejected candidates'
                 self.held[s.request_id] = end
-        slots = _slots(self.pool, ((s.block_table, s.start, end) for s, end in spans))
+        slots = self.pool.slots_of((s.block_table, s.start, end) for s, end in spans)
         if len(slots) != kv_rows:
             raise PeerLost(f"pass {result.pass_id}: the verifier sends {kv_rows} rows, "
                            f"its decisions commit {len(slots)}")
@@ -219,7 +211,7 @@ class VerifierTransfer:
                 raise KVFull(f"no room for {s.request_id!r} ({blocks.num_free} blocks free)")
         spans = [(self.tables[s.request_id], a, s.start)
                  for s, a in zip(lane_pass.segments, kv_from, strict=True) if a is not None]
-        self.pair.recv_rows(self.pair.push, pool, _slots(pool, spans), DECODER_RANK)
+        self.pair.recv_rows(self.pair.push, pool, pool.slots_of(spans), DECODER_RANK)
         return replace(lane_pass, segments=tuple(
             replace(s, block_table=tuple(self.tables[s.request_id])) for s in lane_pass.segments))
 
@@ -227,8 +219,8 @@ class VerifierTransfer:
         """Send the committed rows of ``lane_pass`` (as ``prepare`` returned it); their
         count, for the reply."""
         self.pair.reap()
-        slots = _slots(self.kv.pool, ((s.block_table, s.start, end)
-                                      for s, end in committed(lane_pass, result)))
+        slots = self.kv.pool.slots_of((s.block_table, s.start, end)
+                                      for s, end in committed(lane_pass, result))
         self.pair.send_rows(self.pair.pull, self.kv.pool, slots, DECODER_RANK)
         return len(slots)
 
