@@ -78,6 +78,12 @@ class DedicatedVerifier:
         self.address = line[2]
 
     def engine(self, config: EngineConfig, loaded: Any) -> LLMEngine:
+        """A new engine; the one before it (closed: runs take turns) gives up its exported
+        K/V pool now. Exported pools stay alive until released, and one 8B-shape pool a
+        run outgrew an H200 by the fourth run."""
+        for e in self._exporters:
+            e.close()
+        self._exporters.clear()
         decoder_id = f"bench-decoder-{self._engines}"
         self._engines += 1
         registry = Registry(self.redis.url, self.prefix)
