@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, closing
 from typing import Any
 
 import grpc
@@ -40,6 +40,7 @@ from test_remote_verifier import (  # noqa: F401  (fixtures used by name)
     oracle_prefix_checker,
     redis_url,
     running_verifiers,
+    unconnected,
 )
 
 from detserve.lane import LanePass
@@ -236,11 +237,8 @@ def test_two_decoders_share_one_verifier(model: str, redis_url: str, oracle: lis
 def test_stale_epoch_is_refused(model: str, redis_url: str,
                                 pool: tuple[str, list[VerifierProc]]) -> None:
     prefix, procs = pool
-    engine, exporter = make_engine(model, redis_url, prefix, "dec-xstale", connect=False)
-    remote = engine.verifier
-    assert isinstance(remote, RemoteVerifier)
-    registry = Registry(redis_url, prefix)
-    try:
+    with (unconnected(model, redis_url, prefix, "dec-xstale") as (_, remote),
+          closing(Registry(redis_url, prefix)) as registry):
         # a backend this verifier's device does not use
         transfer = pb.KVTransfer(group="stale-test", backend="nccl", device="cuda:0")
         wrong = codec.encode_hello(remote.record, transfer)
@@ -249,10 +247,6 @@ def test_stale_epoch_is_refused(model: str, redis_url: str,
         hello = codec.encode_hello(remote.record, transfer)
         registry.next_epoch("dec-xstale")  # the decoder restarted: this epoch is stale
         assert _hello_status(procs[0].address, hello) == grpc.StatusCode.FAILED_PRECONDITION
-    finally:
-        remote.close()
-        exporter.close()
-        registry.close()
 
 
 def test_a_vanished_decoder_frees_its_blocks_and_hangs_nothing(

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +183,22 @@ def make_engine(model: str, redis_url: str, prefix: str, decoder_id: str,
     factory = make_verifier_factory(redis_url, decoder_id, exporter, loaded[2].weights_hash,
                                     auth=AUTH, prefix=prefix, connect=connect, **options)
     return LLMEngine(config, loaded=loaded, kv_storage=exporter, verifier_factory=factory), exporter
+
+
+@contextmanager
+def unconnected(model: str, redis_url: str, prefix: str, decoder_id: str,
+                **options: float) -> Iterator[tuple[LLMEngine, RemoteVerifier]]:
+    """A decoder (``make_engine``) whose verifier has not said hello yet, and that verifier;
+    both closed after."""
+    engine, exporter = make_engine(model, redis_url, prefix, decoder_id, connect=False,
+                                   **options)
+    remote = engine.verifier
+    assert isinstance(remote, RemoteVerifier)
+    try:
+        yield engine, remote
+    finally:
+        remote.close()
+        exporter.close()
 
 
 def oracle_prefix_checker(oracle: list[tuple]) -> Callable[[int, RequestOutput], None]:
@@ -431,11 +447,8 @@ def test_other_requests_go_on_while_a_verifier_is_looked_for(
 def test_stale_or_incompatible_decoder_is_refused(model: str, redis_url: str,
                                                   pool: tuple[str, list[VerifierProc]]) -> None:
     prefix, procs = pool
-    engine, exporter = make_engine(model, redis_url, prefix, "dec-stale", connect=False)
-    remote = engine.verifier
-    assert isinstance(remote, RemoteVerifier)
-    registry = Registry(redis_url, prefix)
-    try:
+    with (unconnected(model, redis_url, prefix, "dec-stale") as (_, remote),
+          closing(Registry(redis_url, prefix)) as registry):
         hello = codec.encode_hello(remote.record)
         assert _hello_status(procs[0].address, hello) == grpc.StatusCode.OK
         bad = pb.LaneRequest()
@@ -454,10 +467,6 @@ def test_stale_or_incompatible_decoder_is_refused(model: str, redis_url: str,
         assert _hello_status(procs[0].address, hello) == grpc.StatusCode.FAILED_PRECONDITION
         with pytest.raises(StaleEpochError, match="stale epoch"):
             remote.connect()
-    finally:
-        remote.close()
-        exporter.close()
-        registry.close()
 
 
 def test_a_decoder_record_lost_with_redis_is_written_again_on_connect(
@@ -522,11 +531,8 @@ def test_a_caller_without_the_cluster_secret_is_refused(
     UNAUTHENTICATED on every RPC, before its hello is read; the verifier keeps serving
     callers that have it (control: the same hello with a fresh token gets Ready)."""
     prefix, procs = pool
-    engine, exporter = make_engine(model, redis_url, prefix, "dec-auth", connect=False)
-    remote = engine.verifier
-    assert isinstance(remote, RemoteVerifier)
     address = procs[0].address
-    try:
+    with unconnected(model, redis_url, prefix, "dec-auth") as (_, remote):
         hello = codec.encode_hello(remote.record)
         forged = (("x-detserve-auth", f"{int(time.time())}.{'0' * 32}.{'f' * 64}"),)
         foreign = ClusterAuth("another-clusters-secret-0123").handshake(address).metadata
@@ -544,19 +550,13 @@ def test_a_caller_without_the_cluster_secret_is_refused(
         with pytest.raises(VerifierUnavailable, match="UNAUTHENTICATED"):
             other.connect()
         other.registry.close()
-    finally:
-        remote.close()
-        exporter.close()
 
 
 def test_waits_for_a_verifier_then_gives_up_clearly(model: str, redis_url: str,
                                                     oracle: list[tuple]) -> None:
     prefix = f"wait{uuid.uuid4().hex[:6]}"
-    engine, exporter = make_engine(model, redis_url, prefix, "dec-wait", connect=False,
-                                   failover_timeout_s=0.5)
-    remote = engine.verifier
-    assert isinstance(remote, RemoteVerifier)
-    try:
+    with unconnected(model, redis_url, prefix, "dec-wait",
+                     failover_timeout_s=0.5) as (engine, remote):
         t0 = time.monotonic()
         with pytest.raises(VerifierUnavailable, match="no usable verifier"):
             remote.connect()
@@ -573,9 +573,6 @@ def test_waits_for_a_verifier_then_gives_up_clearly(model: str, redis_url: str,
                 p.stop()
         for i in DET:
             assert signature(outs[i]) == oracle[i]
-    finally:
-        remote.close()
-        exporter.close()
 
 
 def test_deployment_replica_registers_serves_and_deregisters(model: str, redis_url: str) -> None:
