@@ -32,6 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from detserve.flags import add_flags, engine_options
 from loadgen.audit import PromptTally, tally
 from loadgen.audit_prompts import AuditConfig, AuditPlan, words_text
 from loadgen.runner import jsonable
@@ -182,9 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="audit a running server (else one is started)")
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto")
+    # the served model's own flags, as `detserve serve` takes them
+    engine = engine_options()
+    add_flags(p, {k: engine[k] for k in ("model", "device", "dtype")})
     p.add_argument("--server-args", default="--max-num-seqs 128 --num-blocks 16384 "
                                              "--max-model-len 8192 --stream-interval 8",
                    help="more `detserve serve` flags (chunks of 8 tokens: the same tokens "
