@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -44,6 +45,20 @@ def open_store(host: str, port: int, *, server: bool, timeout_s: float = 30.0) -
     of groups share one store, each under its own prefix."""
     return dist.TCPStore(host, port, is_master=server, wait_for_workers=False,
                          timeout=timedelta(seconds=timeout_s), use_libuv=True)
+
+
+def poll(done: Callable[[], bool], timeout_s: float,
+         give_up: Callable[[], bool] = lambda: False) -> bool:
+    """Whether ``done()`` came true within ``timeout_s``: asked again after a pause that
+    grows from microseconds to a millisecond, and abandoned at once when ``give_up()``."""
+    deadline = time.monotonic() + timeout_s
+    pause = 20e-6
+    while not done():
+        if time.monotonic() > deadline or give_up():
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+    return True
 
 
 @dataclass
@@ -94,13 +109,9 @@ class Group:
                 self.abort()
                 raise PeerLost(str(e)) from e
         # NCCL: poll, so that a lost peer costs the deadline, not the watchdog's timeout
-        pause = 20e-6
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                self.abort()
-                raise PeerLost(f"no completion within {self.timeout_s} s")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        if not poll(work.is_completed, deadline - time.monotonic()):
+            self.abort()
+            raise PeerLost(f"no completion within {self.timeout_s} s")
         try:
             work.wait()
         except RuntimeError as e:

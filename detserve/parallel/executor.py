@@ -25,7 +25,6 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import threading
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar
@@ -33,7 +32,7 @@ from typing import Any, NoReturn, TypeVar
 import torch
 
 from detserve.config import EngineConfig
-from detserve.distributed import Group, PeerLost, new_group, open_store
+from detserve.distributed import Group, PeerLost, new_group, open_store, poll
 from detserve.executor.attention import RowSegment
 from detserve.executor.gemm_classes import Alignment
 from detserve.executor.kv_pool import KVPool
@@ -218,19 +217,11 @@ class Workers:
         return lambda: self._settle(done)
 
     def _settle(self, done: torch.cuda.Event) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        pause = 20e-6
-        while not done.query():
-            if time.monotonic() > deadline or not self._all_alive():
-                break
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-        else:
-            if self._all_alive():
-                return
-        why = ("a worker exited" if not self._all_alive()
-               else f"the step did not finish within {self.timeout_s} s")
-        self._fail(why)
+        alive = self._all_alive
+        if poll(done.query, self.timeout_s, give_up=lambda: not alive()) and alive():
+            return
+        self._fail("a worker exited" if not alive()
+                   else f"the step did not finish within {self.timeout_s} s")
 
     def _all_alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
