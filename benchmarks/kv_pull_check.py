@@ -26,7 +26,6 @@ import torch
 
 from benchmarks import bench_offline
 from detserve.lane import LanePass, LaneResult
-from services.verifier import transfer
 from services.verifier.transfer import DecoderTransfer, committed
 
 STATS: Counter[str] = Counter()
@@ -39,7 +38,7 @@ def install() -> Counter[str]:
     def checked(self: DecoderTransfer, lane_pass: LanePass, result: LaneResult,
                 kv_rows: int, write: bool = True) -> None:
         spans = committed(lane_pass, result)
-        slots = transfer._slots(self.pool, ((s.block_table, s.start, e) for s, e in spans))
+        slots = self.pool.slots_of((s.block_table, s.start, e) for s, e in spans)
         if not (write and len(slots)):
             pull(self, lane_pass, result, kv_rows, write)
             return

@@ -161,3 +161,22 @@ def test_dedicated_verifier_mode_transfers_and_audits(tmp_path: Path,
         pair = [r["det_digests"] for r in runs if r["deterministic_ratio"] == ratio]
         assert len(pair) == 2 and pair[0] == pair[1] and pair[0]
     assert "0 with more" in capsys.readouterr().out
+
+
+def test_kv_pull_check_counts_the_pulled_window_rows(capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU diagnostic runs end to end on CPU: it sees window rows pulled from a
+    dedicated verifier, and every row it wrote reads back (its counts come from real
+    pulls, not a stale API)."""
+    from benchmarks import kv_pull_check
+    from services.verifier.transfer import DecoderTransfer
+
+    # the diagnostic wraps these two; put them back afterwards
+    monkeypatch.setattr(bench_offline, "run_one", bench_offline.run_one)
+    monkeypatch.setattr(DecoderTransfer, "pull", DecoderTransfer.pull)
+    args = [*TINY, "--modes", "llm42-dedicated", "--ratios", "1.0",
+            "--dedicated-verifier-device", "cpu"]
+    assert kv_pull_check.main(args) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "pulled window rows" in x)
+    total = int(line.split("fast path's: ")[1].split(" of ")[1].split()[0])
+    assert total > 0 and line.endswith("rows that did not land: 0")

@@ -1,7 +1,7 @@
-"""Tensor parallelism on two CUDA devices over NCCL, in bf16 with CUDA graphs (issue 36;
-skipped without two GPUs): DVR at TP=2 against the TP=1 oracle with the TP-invariant lane,
-the ordinary lane's control, determinism at TP=2 under a changing batch, and a lost
-worker."""
+"""Tensor parallelism on two or four CUDA devices over NCCL, in bf16 with CUDA graphs
+(issue 36; each TP size skipped without that many GPUs): DVR at TP=2 and 4 against the
+TP=1 oracle with the TP-invariant lane, the ordinary lane's control, determinism at each
+TP size under a changing batch, and a lost worker."""
 
 from __future__ import annotations
 
@@ -19,13 +19,18 @@ from detserve.params import SamplingParams
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
+# every TP size this machine has the GPUs for (the tiny model's 2 K/V heads are
+# replicated at TP=4: a pair of ranks shares each)
+TP_SIZES = [pytest.param(n, marks=pytest.mark.skipif(torch.cuda.device_count() < n,
+                                                     reason=f"needs {n} CUDA devices"))
+            for n in (2, 4)]
 
 CUDA = {"device": "cuda:0", "dtype": "bfloat16"}
 
 
 @pytest.fixture(scope="module")
 def model() -> str:
-    # 8 query heads over 2 K/V heads: one K/V head a rank at TP=2
+    # 8 query heads over 2 K/V heads: one K/V head a rank at TP=2, replicated at TP=4
     return tiny_model(hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=2,
                       num_layers=4)
 
@@ -38,15 +43,16 @@ def _reqs(n: int = 10, seed: int = 4) -> list[Req]:
             for i, p in enumerate(prompts)]
 
 
-def test_invariant_lane_dvr_at_tp2_equals_tp1_lane_only(model: str) -> None:
-    """With the TP-invariant lane, llm42 at TP=2 with the fast path perturbed (the lane
-    catches and replaces every bad token) gives the TP=1 lane_only oracle's bits, and the
-    same fingerprint as llm42 at TP=1."""
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_invariant_lane_dvr_equals_tp1_lane_only(model: str, tp: int) -> None:
+    """With the TP-invariant lane, llm42 at TP=2 and 4 with the fast path perturbed (the
+    lane catches and replaces every bad token) gives the TP=1 lane_only oracle's bits, and
+    the same fingerprint as llm42 at TP=1."""
     reqs = _reqs()
     oracle, _, eng1 = run_engine(model, reqs, mode="lane_only", tp_invariant_lane=True, **CUDA)
     eng1.close()
     dvr, stats, eng2 = run_engine(model, reqs, perturbation=0.2, tp_invariant_lane=True,
-                                  tensor_parallel_size=2, **CUDA)
+                                  tensor_parallel_size=tp, **CUDA)
     prof2 = eng2.determinism_profile()
     eng2.close()
     _, _, eng3 = run_engine(model, reqs[:1], tp_invariant_lane=True, **CUDA)
@@ -54,17 +60,20 @@ def test_invariant_lane_dvr_at_tp2_equals_tp1_lane_only(model: str) -> None:
     eng3.close()
     assert stats["rollbacks"] > 0
     assert [signature(o) for o in dvr] == [signature(o) for o in oracle]
-    assert prof2["fingerprint"] == prof1["fingerprint"] and prof2["tp_size"] == 2
+    assert prof2["fingerprint"] == prof1["fingerprint"] and prof2["tp_size"] == tp
 
 
-def test_ordinary_lane_at_tp2_is_deterministic_but_not_tp1s(model: str) -> None:
-    """Without the invariant lane, TP=2's deterministic requests keep their bits when the
-    batch around them changes (alone, or among the others with a perturbed fast path), but
-    differ from TP=1's lane (the control: the check above would catch a TP-dependent sum)."""
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_ordinary_lane_is_deterministic_but_not_tp1s(model: str, tp: int) -> None:
+    """Without the invariant lane, TP=2's and 4's deterministic requests keep their bits
+    when the batch around them changes (alone, or among the others with a perturbed fast
+    path), but differ from TP=1's lane (the control: the check above would catch a
+    TP-dependent sum)."""
     reqs = _reqs()
-    mixed, stats, eng = run_engine(model, reqs, perturbation=0.2, tensor_parallel_size=2, **CUDA)
+    mixed, stats, eng = run_engine(model, reqs, perturbation=0.2, tensor_parallel_size=tp,
+                                   **CUDA)
     eng.close()
-    alone, _, eng = run_engine(model, [reqs[3]], tensor_parallel_size=2, **CUDA)
+    alone, _, eng = run_engine(model, [reqs[3]], tensor_parallel_size=tp, **CUDA)
     eng.close()
     one, _, eng = run_engine(model, reqs, mode="lane_only", **CUDA)
     eng.close()
@@ -73,14 +82,15 @@ def test_ordinary_lane_at_tp2_is_deterministic_but_not_tp1s(model: str) -> None:
     assert [signature(o) for o in mixed] != [signature(o) for o in one]
 
 
-def test_nondeterministic_tp2_follows_tp1(model: str) -> None:
-    """The ordinary mode at TP=2 computes TP=1's function: greedy logprobs of the first
-    token agree within bf16 noise."""
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_nondeterministic_follows_tp1(model: str, tp: int) -> None:
+    """The ordinary mode at TP=2 and 4 computes TP=1's function: greedy logprobs of the
+    first token agree within bf16 noise."""
     reqs = [Req(r.prompt, SamplingParams(max_tokens=1, logprobs=1), r.arrival)
             for r in _reqs()]
     one, _, eng = run_engine(model, reqs, mode="nondeterministic", **CUDA)
     eng.close()
-    two, _, eng = run_engine(model, reqs, mode="nondeterministic", tensor_parallel_size=2,
+    two, _, eng = run_engine(model, reqs, mode="nondeterministic", tensor_parallel_size=tp,
                              **CUDA)
     eng.close()
     for a, b in zip(one, two, strict=True):
