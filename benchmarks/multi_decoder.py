@@ -173,7 +173,7 @@ class Engines:
         for job in jobs:
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(target=_engine_process, args=(job, theirs, self.go, wait_s),
-                               name=f"engine{job.index}", daemon=True)
+                               name=f"engine{job.index}")
             proc.start()
             theirs.close()
             self.procs.append(proc)
@@ -265,6 +265,8 @@ def run_config(spec: RunSpec, args: argparse.Namespace, shapes: list[tuple[int, 
         "rollbacks": sum(r["rollbacks"] for r in records),
         "recomputed_pct_of_output": 100 * sum(r["recomputed_tokens"] for r in records)
         / max(1, out_tokens),
+        # (a dedicated engine's "transfer" reads the replica's busy time and passes: those
+        # of every decoder it served over that engine's run)
         "engines": [{k: v for k, v in r.items() if k != "start_monotonic"} for r in records],
     }
 
@@ -318,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     args.devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     if any(s.dedicated for s in specs) and len(args.devices) < 2:
         p.error("a dedicated run needs two devices or more (decoders, then the verifier's)")
+    if args.num_requests < len(args.devices):
+        p.error("--num-requests: fewer requests than engines")
     kinds = {torch.device(d).type for d in args.devices}
     if kinds - {"cpu", "cuda"} or len(kinds) > 1:
         p.error(f"--devices: all cuda or all cpu, got {args.devices}")
