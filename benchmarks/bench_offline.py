@@ -23,7 +23,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from detserve.kernels.config import TABLE, lane_variant
 from detserve.model.config import auto_dtype
 from detserve.model.loader import load_model, read_model_config, resolve_dtype
 from detserve.model.random_init import random_model
+from detserve.outputs import RequestOutput
 from detserve.params import SamplingParams
 from detserve.scheduler import LANE_STATES
 
@@ -92,11 +93,13 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
             shapes: list[tuple[int, int]],
             prompts: list[tuple[list[int], int]] | None = None,
             profile: tuple[int, int] | None = None,
-            dedicated: Any = None) -> dict[str, Any]:
+            dedicated: Any = None,
+            on_start: Callable[[], None] | None = None) -> dict[str, Any]:
     """One engine run. Prompts are random tokens of ``shapes``' lengths, or ``prompts``.
     ``profile`` (a, b): record the GPU kernels of engine steps a..b-1 (``stream_profile``).
-    ``dedicated`` (``benchmarks.dedicated.DedicatedVerifier``): the verifier of a
-    ``llm42-dedicated`` run."""
+    ``dedicated`` (``benchmarks.dedicated.DedicatedVerifier`` or ``VerifierClient``): the
+    verifier of a ``llm42-dedicated`` run. ``on_start``: called once every request is
+    queued, just before the clock starts (several engines started together wait there)."""
     label, mode = mode, "llm42" if mode == DEDICATED else mode
     cfg = EngineConfig.create(args.model, mode, **engine_kwargs(args))
     if label == DEDICATED:
@@ -104,26 +107,14 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         health0 = dedicated.health()
     else:
         engine = LLMEngine(cfg, loaded=loaded)
-    vocab = engine.model.config.vocab_size
-    rng = random.Random(args.seed)
-    n_det = round(ratio * len(shapes))
-    det_flags = [True] * n_det + [False] * (len(shapes) - n_det)
-    rng.shuffle(det_flags)
-    for i, ((n_in, n_out), det) in enumerate(zip(shapes, det_flags, strict=True)):
-        if prompts is not None:
-            prompt, n_out = prompts[i]
-        else:
-            prompt = [rng.randrange(3, vocab) for _ in range(n_in)]
-        engine.add_request(f"b{i}", None, SamplingParams(
-            max_tokens=n_out, ignore_eos=True, is_deterministic=det, output_kind="final_only",
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            logprobs=args.logprobs),
-            prompt_token_ids=prompt)
+    add_requests(engine, args, ratio, shapes, prompts)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     sync()
+    if on_start is not None:
+        on_start()
     t0 = time.perf_counter()
     start = time.monotonic()  # the clock of the requests' stats
-    out_tokens = 0
+    out_tokens = finished_requests = 0
     finished: dict[bool, list[float]] = {True: [], False: []}  # deterministic? -> finish s
     first: dict[bool, list[float]] = {True: [], False: []}  # deterministic? -> first token s
     window = None if profile is None else ProfileWindow(*profile, sync)
@@ -135,11 +126,11 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         done = []
         for o in engine.step():  # final outputs only, as offline generation returns them
             out_tokens += len(o.token_ids)
+            finished_requests += 1
             finished[o.is_deterministic].append((o.stats.finish_time or start) - start)
             first[o.is_deterministic].append((o.stats.first_token_time or start) - start)
             if o.is_deterministic:
-                det_digests[o.request_id] = hashlib.sha256(
-                    repr((o.token_ids, o.logprobs)).encode()).hexdigest()[:16]
+                det_digests[o.request_id] = output_digest(o)
                 done.append(o.request_id)
         if done and drop is not None:  # a dedicated verifier frees their K/V
             drop(done)
@@ -177,6 +168,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     kinds = (("deterministic", True), ("non_deterministic", False))
     return {
         "mode": label, "deterministic_ratio": ratio, "num_requests": len(shapes),
+        "finished_requests": finished_requests,
         "transfer": transfer,
         "det_digests": dict(sorted(det_digests.items())),
         "verify_window": args.verify_window, "verify_group": args.verify_group,
@@ -249,6 +241,35 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     }
 
 
+def add_requests(engine: LLMEngine, args: argparse.Namespace, ratio: float,
+                 shapes: list[tuple[int, int]],
+                 prompts: list[tuple[list[int], int]] | None = None) -> None:
+    """Queue requests ``b0``, ``b1``, ... of ``shapes``' lengths (random tokens drawn from
+    ``args.seed``, or ``prompts``), a ``ratio`` of them deterministic (which ones: drawn
+    from the same seed), all with ``args``' sampling options. The same arguments give the
+    same requests in any engine."""
+    vocab = engine.model.config.vocab_size
+    rng = random.Random(args.seed)
+    n_det = round(ratio * len(shapes))
+    det_flags = [True] * n_det + [False] * (len(shapes) - n_det)
+    rng.shuffle(det_flags)
+    for i, ((n_in, n_out), det) in enumerate(zip(shapes, det_flags, strict=True)):
+        if prompts is not None:
+            prompt, n_out = prompts[i]
+        else:
+            prompt = [rng.randrange(3, vocab) for _ in range(n_in)]
+        engine.add_request(f"b{i}", None, SamplingParams(
+            max_tokens=n_out, ignore_eos=True, is_deterministic=det, output_kind="final_only",
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            logprobs=args.logprobs),
+            prompt_token_ids=prompt)
+
+
+def output_digest(o: RequestOutput) -> str:
+    """A request's tokens and logprobs, hashed (equal digests: bit-identical outputs)."""
+    return hashlib.sha256(repr((o.token_ids, o.logprobs)).encode()).hexdigest()[:16]
+
+
 class ProfileWindow:
     """torch.profiler over engine steps a..b-1 of a run (``tick`` before each step). The
     profiler's own cost slows the window, so a profiled run's throughput is not a figure."""
@@ -290,6 +311,24 @@ def profile_range(text: str) -> tuple[int, int]:
     return a, b
 
 
+def add_request_flags(p: argparse.ArgumentParser) -> None:
+    """The request set's flags (how many, their lengths, their sampling options) and the
+    untimed warm-up's size; ``run_one`` reads them."""
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--lengths", default="fixed", choices=["fixed", "sharegpt"])
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--warmup-requests", type=int, default=4,
+                   help="requests run (untimed) in each mode before the timed runs")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's temperature (0: greedy); sampled requests are "
+                        "seeded by the engine's seed")
+    p.add_argument("--top-k", type=int, default=0, help="every request's top-k (0: off)")
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="every request's number of top logprobs (default: none)")
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (1: off)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     # the engine's options (one flag each, as ``detserve generate`` has them), the model a
@@ -297,10 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(p, skip=("mode",), defaults={"model": "random:tiny", "max_model_len": 2048})
     p.add_argument("--modes", default="nondeterministic,batch_invariant,llm42")
     p.add_argument("--ratios", default="0,0.1,1.0", help="deterministic ratios for llm42")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--lengths", default="fixed", choices=["fixed", "sharegpt"])
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=64)
+    add_request_flags(p)
     p.add_argument("--switch-interval", type=float, default=None,
                    help="Python's thread switch interval in seconds (sys.setswitchinterval): "
                         "how long the engine thread may hold the GIL while the lane thread "
@@ -319,17 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "by 10 %% and more on a GPU)")
     p.add_argument("--trace", default=None,
                    help="loadgen JSONL trace (real prompts, e.g. ShareGPT); overrides --lengths")
-    p.add_argument("--warmup-requests", type=int, default=4,
-                   help="requests run (untimed) in each mode before the timed runs")
     p.add_argument("--sweep", default=None,
                    help="llm42 W x G grid at the largest ratio, e.g. 16,32,64,128x1,4,8,16")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="every request's temperature (0: greedy); sampled requests are "
-                        "seeded by the engine's seed")
-    p.add_argument("--top-k", type=int, default=0, help="every request's top-k (0: off)")
-    p.add_argument("--logprobs", type=int, default=None,
-                   help="every request's number of top logprobs (default: none)")
-    p.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (1: off)")
     p.add_argument("--dedicated-verifier-device", default=None,
                    help=f"mode {DEDICATED}: the verifier replica's device (e.g. cuda:1; cpu "
                         "registers it as another host); its K/V moves over NCCL / gloo")

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from services.verifier.client import RemoteVerifier, make_verifier_factory
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: the replica is killed when this process dies (a benchmark stopped by a
     timeout would otherwise leave it holding its GPU)."""
     try:
@@ -45,26 +46,85 @@ def _die_with_parent() -> None:
         pass
 
 
+@dataclass(frozen=True)
+class VerifierAddress:
+    """Where the dedicated replica is and how to be let in: what a decoder process of this
+    host needs to build engines verified by it (picklable, for decoders in processes of
+    their own)."""
+
+    redis_url: str
+    prefix: str
+    secret: str  # the cluster secret (SECRET_ENV)
+    address: str  # the replica's gRPC address
+
+
+class VerifierClient:
+    """Builds engines verified by the replica at ``where``, one at a time (``engine``), and
+    reads the replica's health. Engine ids are ``<name>-0``, ``<name>-1``, ...: several
+    clients of one replica need names of their own."""
+
+    def __init__(self, where: VerifierAddress, name: str = "bench-decoder") -> None:
+        self.where, self.name = where, name
+        self.auth = ClusterAuth(where.secret)
+        self._engines = 0
+        self._exporters: list[KVExporter] = []
+
+    def engine(self, config: EngineConfig, loaded: Any) -> LLMEngine:
+        """A new engine; the one before it (closed: runs take turns) gives up its exported
+        K/V pool now. Exported pools stay alive until released, and one 8B-shape pool a
+        run outgrew an H200 by the fourth run."""
+        self.release()
+        decoder_id = f"{self.name}-{self._engines}"
+        self._engines += 1
+        registry = Registry(self.where.redis_url, self.where.prefix)
+        epoch = registry.next_epoch(decoder_id)
+        registry.close()
+        exporter = KVExporter(decoder_id, epoch)
+        self._exporters.append(exporter)
+        factory = make_verifier_factory(self.where.redis_url, decoder_id, exporter,
+                                        loaded[2].weights_hash, auth=self.auth,
+                                        prefix=self.where.prefix, publish_block_tables=False)
+        engine = LLMEngine(config, loaded=loaded, kv_storage=exporter,
+                           verifier_factory=factory)
+        remote = engine.verifier
+        if not isinstance(remote, RemoteVerifier) or remote.transfer_stats is None:
+            raise RuntimeError("the engine's verifier does not transfer K/V (co-located?)")
+        return engine
+
+    def health(self) -> pb.HealthReply:
+        address = self.where.address
+        with self.auth.channel(address) as ch:
+            return pb_grpc.VerifierStub(ch).Health(  # type: ignore[no-any-return]
+                pb.HealthRequest(), timeout=10,
+                metadata=self.auth.handshake(address).metadata)
+
+    def release(self) -> None:
+        """Close the exported pools of the engines built so far."""
+        for e in self._exporters:
+            e.close()
+        self._exporters.clear()
+
+
 class DedicatedVerifier:
     """Redis + one verifier replica process; ``engine(config, loaded)`` builds an engine
-    verified by it. ``close()`` stops both."""
+    verified by it, and ``where`` lets other processes build theirs (``VerifierClient``).
+    ``close()`` stops both."""
 
     def __init__(self, model: str, dtype: str, device: str,
                  start_timeout_s: float = 600.0) -> None:
-        self._engines = 0
-        self._exporters: list[KVExporter] = []
         self.redis = EmbeddedRedis().start()
-        self.prefix = f"bench{uuid.uuid4().hex[:6]}"
-        self.auth = ClusterAuth(os.environ.get(SECRET_ENV) or secrets.token_urlsafe(32))
-        env = {**os.environ, SECRET_ENV: self.auth.secret, "PYTHONUNBUFFERED": "1"}
+        prefix = f"bench{uuid.uuid4().hex[:6]}"
+        secret = os.environ.get(SECRET_ENV) or secrets.token_urlsafe(32)
+        env = {**os.environ, SECRET_ENV: secret, "PYTHONUNBUFFERED": "1"}
         if torch.device(device).type != "cuda":  # (on a GPU of its own, it sees both: NCCL
             env[HOST_ID_ENV] = "dedicated-verifier-host"  # may then use NVLink P2P)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.verifier.replica", "--model", model,
-             "--redis-url", self.redis.url, "--prefix", self.prefix, "--dtype", dtype,
+             "--redis-url", self.redis.url, "--prefix", prefix, "--dtype", dtype,
              "--device", device, "--kv-blocks", "-1"],  # its pool: what the device holds
             cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env,
-            preexec_fn=_die_with_parent)
+            preexec_fn=die_with_parent)
+        self.client: VerifierClient | None = None
         assert self.proc.stdout is not None
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
@@ -75,37 +135,20 @@ class DedicatedVerifier:
         if not line or line[0] != "READY":
             self.close()
             raise RuntimeError(f"the verifier replica failed to start: {line}")
-        self.address = line[2]
+        self.where = VerifierAddress(self.redis.url, prefix, secret, line[2])
+        self.client = VerifierClient(self.where)
+
+    @property
+    def address(self) -> str:
+        return self.where.address
 
     def engine(self, config: EngineConfig, loaded: Any) -> LLMEngine:
-        """A new engine; the one before it (closed: runs take turns) gives up its exported
-        K/V pool now. Exported pools stay alive until released, and one 8B-shape pool a
-        run outgrew an H200 by the fourth run."""
-        for e in self._exporters:
-            e.close()
-        self._exporters.clear()
-        decoder_id = f"bench-decoder-{self._engines}"
-        self._engines += 1
-        registry = Registry(self.redis.url, self.prefix)
-        epoch = registry.next_epoch(decoder_id)
-        registry.close()
-        exporter = KVExporter(decoder_id, epoch)
-        self._exporters.append(exporter)
-        factory = make_verifier_factory(self.redis.url, decoder_id, exporter,
-                                        loaded[2].weights_hash, auth=self.auth,
-                                        prefix=self.prefix, publish_block_tables=False)
-        engine = LLMEngine(config, loaded=loaded, kv_storage=exporter,
-                           verifier_factory=factory)
-        remote = engine.verifier
-        if not isinstance(remote, RemoteVerifier) or remote.transfer_stats is None:
-            raise RuntimeError("the engine's verifier does not transfer K/V (co-located?)")
-        return engine
+        assert self.client is not None
+        return self.client.engine(config, loaded)
 
     def health(self) -> pb.HealthReply:
-        with self.auth.channel(self.address) as ch:
-            return pb_grpc.VerifierStub(ch).Health(  # type: ignore[no-any-return]
-                pb.HealthRequest(), timeout=10,
-                metadata=self.auth.handshake(self.address).metadata)
+        assert self.client is not None
+        return self.client.health()
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -114,6 +157,6 @@ class DedicatedVerifier:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        for e in self._exporters:
-            e.close()
+        if self.client is not None:
+            self.client.release()
         self.redis.stop()
