@@ -495,18 +495,24 @@ def _run_all(args: argparse.Namespace, loaded: Any, shapes: list[tuple[int, int]
 def audit_lines(runs: list[dict[str, Any]]) -> list[str]:
     """Whether every run with a lane gave each deterministic request the same tokens and
     logprobs (co-located, dedicated, repeats, and across ratios where a request is
-    deterministic in both)."""
-    seen: dict[str, set[str]] = {}
-    for r in runs:
-        for rid, digest in (r.get("det_digests") or {}).items():
-            seen.setdefault(rid, set()).add(digest)
-    if not seen:
-        return []
-    differ = sorted(rid for rid, d in seen.items() if len(d) > 1)
-    runs_with = sum(bool(r.get("det_digests")) for r in runs)
-    return [f"determinism audit: {len(seen)} deterministic requests over {runs_with} runs: "
-            f"{len(seen) - len(differ)} with one output, {len(differ)} with more"
-            + (f" ({', '.join(differ[:8])})" if differ else "")]
+    deterministic in both); batch_invariant runs, whose kernels have other bits than the
+    lane's, are audited among themselves."""
+    lines = []
+    for family, label in (("lane", "determinism audit"),
+                          ("batch_invariant", "determinism audit, batch_invariant")):
+        mine = [r for r in runs if r.get("det_digests")
+                and (r["mode"] == "batch_invariant") == (family == "batch_invariant")]
+        seen: dict[str, set[str]] = {}
+        for r in mine:
+            for rid, digest in r["det_digests"].items():
+                seen.setdefault(rid, set()).add(digest)
+        if not seen:
+            continue
+        differ = sorted(rid for rid, d in seen.items() if len(d) > 1)
+        lines.append(f"{label}: {len(seen)} deterministic requests over {len(mine)} runs: "
+                     f"{len(seen) - len(differ)} with one output, {len(differ)} with more"
+                     + (f" ({', '.join(differ[:8])})" if differ else ""))
+    return lines
 
 
 def parse_variants(args: argparse.Namespace) -> list[argparse.Namespace]:

@@ -284,7 +284,8 @@ def table_line(r: dict[str, Any]) -> str:
 def audit(runs: list[dict[str, Any]]) -> list[str]:
     """``bench_offline``'s determinism audit over the lane runs, a request named by the
     number of engines its set was dealt to, its engine and its id."""
-    keyed = [{"det_digests": {f"{len(r['engines'])}/{e['engine']}/{rid}": d
+    keyed = [{"mode": r["mode"],
+              "det_digests": {f"{len(r['engines'])}/{e['engine']}/{rid}": d
                               for e in r["engines"] for rid, d in e["det_digests"].items()}}
              for r in runs if r["mode"] in LANE_MODES]
     return audit_lines(keyed)

@@ -116,6 +116,22 @@ class LaneNumerics:
         sums, with the query tile and launch of ``aligned_decode_lane``."""
         return lane_variant(self.lane_attention, self.aligned_decode_lane)
 
+    def row_reduce(self, kind: str, aligned: bool = False) -> str:
+        """How a forward of ``kind`` ("fast", "lane" or "bi") sums row-parallel products
+        over TP ranks (``llama.RowReduce``): the lane's and batch_invariant's in a fixed
+        order (the TP-invariant tree for the lane where asked), the fast path's in any,
+        except in forwards with decode rows ``aligned`` with the lane: there as the lane
+        sums wherever the backend's all-reduce could add in another order. At two ranks
+        every algorithm adds the same two partials, so the cheaper all-reduce stays; at
+        more, NCCL's ring or tree order is not the lane's pairwise one, and an aligned
+        row would carry the lane's bits only by chance (its window rolled back)."""
+        lane = "tree" if self.tp_invariant_lane else "ordered"
+        if kind != "fast":
+            return lane if kind == "lane" else "ordered"
+        if not aligned or (lane == "ordered" and self.tensor_parallel_size <= 2):
+            return "all_reduce"
+        return lane
+
     def kernel_tags(self) -> str:
         """The kernel set's tags of these settings: one for each field whose value selects
         kernels of other bits (its metadata ``"tag"``), nested configs included, in field

@@ -180,3 +180,18 @@ def test_kv_pull_check_counts_the_pulled_window_rows(capsys: pytest.CaptureFixtu
     line = next(x for x in capsys.readouterr().out.splitlines() if "pulled window rows" in x)
     total = int(line.split("fast path's: ")[1].split(" of ")[1].split()[0])
     assert total > 0 and line.endswith("rows that did not land: 0")
+
+
+def test_audit_compares_lane_runs_and_batch_invariant_runs_apart() -> None:
+    """batch_invariant's kernels have other bits than the lane's: its runs are audited
+    among themselves, and a lane run that disagrees with another lane run is still
+    caught."""
+    lane = {"mode": "llm42", "det_digests": {"a": "1", "b": "2"}}
+    bi = {"mode": "batch_invariant", "det_digests": {"a": "9", "b": "8"}}
+    lines = bench_offline.audit_lines([lane, dict(lane), bi, dict(bi)])
+    assert lines == [
+        "determinism audit: 2 deterministic requests over 2 runs: 2 with one output, 0 with more",
+        "determinism audit, batch_invariant: 2 deterministic requests over 2 runs: "
+        "2 with one output, 0 with more"]
+    drift = {"mode": "llm42-dedicated", "det_digests": {"a": "1", "b": "3"}}
+    assert "1 with more (b)" in bench_offline.audit_lines([lane, drift, bi])[0]

@@ -17,6 +17,7 @@ from detserve.executor.ops import TorchOps
 from detserve.llm import LLM
 from detserve.model.config import ModelConfig
 from detserve.model.loader import load_model
+from detserve.numerics import LaneNumerics
 from detserve.outputs import RequestOutput
 from detserve.parallel.executor import TensorParallelError
 from detserve.parallel.layout import TPLayout, cut, tree_leaves
@@ -260,3 +261,19 @@ def test_real_smollm2_at_tp2_answers_with_the_tp1_lane_bits() -> None:
             llm.close()
     assert "Paris" in outs[2].text
     assert signature(outs[2]) == signature(outs[1])
+
+
+@pytest.mark.parametrize(("tp", "invariant", "aligned"), [
+    (1, False, "all_reduce"), (2, False, "all_reduce"), (4, False, "ordered"),
+    (1, True, "tree"), (2, True, "tree"), (4, True, "tree")])
+def test_aligned_fast_rows_sum_as_the_lane_does(tp: int, invariant: bool, aligned: str) -> None:
+    """A fast forward whose decode rows the lane will verify sums the ranks' partials as
+    the lane does wherever NCCL could add them in another order (at 4 ranks its ring is
+    not the lane's pairwise tree: on 4 x H200, llm42 rolled windows back at TP=4 and none
+    at TP=2); at 2 ranks both add the same two partials. Every other fast forward takes the all-reduce,
+    and the lane and batch_invariant keep their fixed orders."""
+    n = LaneNumerics(tensor_parallel_size=tp, tp_invariant_lane=invariant)
+    assert n.row_reduce("fast", aligned=True) == aligned
+    assert n.row_reduce("fast") == "all_reduce"
+    assert n.row_reduce("lane") == ("tree" if invariant else "ordered")
+    assert n.row_reduce("bi") == "ordered"

@@ -311,14 +311,16 @@ class ModelRunner:
                          if decode == "fast" and self.decode_pads else ops)
             # batch_invariant decode rows give committed bits: the lane's config, always
             one_row = self.decode_attn if decode == "fast" else self.lane_attn
-            reduce = self.tp_reduce(decode)
+            # (step graphs, like the aligned decode graphs, carry aligned decode rows)
+            reduce = self.tp_reduce(decode, aligned=True)
             self.decode_graphs = DecodeGraphs(self.model, self.pool, graph_ops, decode, max_batch,
                                               max_blocks, aligned=self.align_fast_path,
                                               buckets=buckets, lane_cfg=one_row, reduce=reduce)
             self.decode_graphs.capture()
             if decode == "fast" and self.align_fast_path and plain:
                 self.plain_graphs = DecodeGraphs(self.model, self.pool, ops, decode, max_batch,
-                                                 max_blocks, aligned=False, reduce=reduce)
+                                                 max_blocks, aligned=False,
+                                                 reduce=self.tp_reduce(decode))
                 self.plain_graphs.capture()
             if step_rows > 0:
                 head = self.decode_graphs.bucket(max_batch) or 0
@@ -366,15 +368,13 @@ class ModelRunner:
                            per_head=kind == "lane" and self.numerics.tp_invariant_lane)
         return self.model(batch.input_ids, batch.positions,
                           lambda i, q, k, v: attn(i, q, k, v), ops, rope_in_attention=self.cuda,
-                          tp_reduce=self.tp_reduce(kind))
+                          tp_reduce=self.tp_reduce(kind, aligned))
 
-    def tp_reduce(self, kind: str) -> RowReduce:
+    def tp_reduce(self, kind: str, aligned: bool = False) -> RowReduce:
         """How a forward of ``kind`` sums row-parallel products over TP ranks, eager or
-        graphed alike: the lane's and batch_invariant's in a fixed order (the TP-invariant
-        tree for the lane where asked), the fast path's in any."""
-        if kind == "fast":
-            return "all_reduce"
-        return "tree" if kind == "lane" and self.numerics.tp_invariant_lane else "ordered"
+        graphed alike (``LaneNumerics.row_reduce``; ``aligned``: its decode rows must
+        carry the lane's bits, where the fast path is aligned at all)."""
+        return cast(RowReduce, self.numerics.row_reduce(kind, aligned and self.align_fast_path))
 
     @torch.inference_mode()
     def run_batch(self, segments: list[RowSegment], sample_specs: list[SamplingSpec | None],
