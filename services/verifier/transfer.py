@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -77,6 +78,12 @@ class _Pair:
         self.pull = new_group(store, f"{name}/pull", rank, 2, device, timeout_s)
         self.stats = TransferStats()
         self._sends: list[tuple[Group, Any, torch.Tensor]] = []
+        # CUDA: receives are issued from a stream of their own. NCCL orders an operation
+        # after the work queued on the stream it is issued from; from the engine's stream a
+        # decoder's pull would wait for the fast step still running (async scheduling),
+        # and its host with it, though the rows land in a buffer that step never reads.
+        dev = torch.device(device)
+        self._recv_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
 
     def send_rows(self, group: Group, pool: KVPool, slots: torch.Tensor, dst: int) -> None:
         """Send the K/V of ``slots`` (nothing if there are none); does not wait."""
@@ -94,14 +101,19 @@ class _Pair:
         if not len(slots):
             return
         d = pool.data
-        rows = torch.empty((d.shape[0], 2, len(slots), d.shape[4], d.shape[5]), dtype=d.dtype,
-                           device=d.device)
+        side = self._recv_stream
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            rows = torch.empty((d.shape[0], 2, len(slots), d.shape[4], d.shape[5]),
+                               dtype=d.dtype, device=d.device)
+            work = group.recv(rows, src)
         t0 = time.perf_counter()
-        group.wait(group.recv(rows, src))
+        group.wait(work)  # (CUDA: the engine's stream is now ordered after the receive)
         self.stats.wait_s += time.perf_counter() - t0
         self.stats.bytes_in += rows.numel() * rows.element_size()
         self.stats.rows_in += rows.shape[2]
         if write:
+            if side is not None:  # read on the engine's stream: not reused before that
+                rows.record_stream(torch.cuda.current_stream(d.device))
             pool.write_rows(slots, rows)
 
     def reap(self) -> None:
