@@ -86,8 +86,11 @@ def _serve(a: argparse.Namespace) -> int:
         cpus = os.cpu_count() or 1
         start_local_serve(stack, config)
         # share this machine's CPUs between the replicas instead of waiting for more
-        serve.run(compose(args, replica_cpus=min(1.0, cpus / replicas)), name=APP_NAME,
-                  route_prefix="/")
+        try:
+            serve.run(compose(args, replica_cpus=min(1.0, cpus / replicas)), name=APP_NAME,
+                      route_prefix="/")
+        except RuntimeError as e:  # Serve names the deployments, not what their replicas hit
+            raise RuntimeError(f"{e}{_deployment_errors()}") from e
         host = "127.0.0.1" if a.host == "0.0.0.0" else a.host
         print(f"detserve: serving {args['model']} ({args['mode']}) at "
               f"http://{host}:{args['http_port']}/v1 and grpc {host}:{args['grpc_port']}; "
@@ -95,6 +98,18 @@ def _serve(a: argparse.Namespace) -> int:
         _wait_for_signal()
         print("detserve: shutting down", flush=True)
     return 0
+
+
+def _deployment_errors() -> str:
+    """Each failed deployment's status message (its replicas' error), one line each."""
+    from ray import serve
+
+    try:
+        apps = serve.status().applications
+    except Exception:  # (the controller may be gone with the failure)
+        return ""
+    return "".join(f"\n  {name} {d.status}: {d.message}" for app in apps.values()
+                   for name, d in app.deployments.items() if d.message)
 
 
 def _stop_signals() -> list[int]:
