@@ -25,7 +25,9 @@ cd "$(dirname "$0")/.."
 part=${1:-}
 final=${OUT:-results/gpu-campaign}; mkdir -p "$final"
 out=/tmp/gpu-campaign; mkdir -p "$out"
-pack() {  # the part's folder as one tarball, its report and log beside it
+pack() {  # the part's folder as one tarball (with Ray Serve's own logs, which say why a
+          # deployment failed), its report and log beside it
+  [ -d "$out/$part" ] && cp -r /tmp/ray/session_latest/logs/serve "$out/$part/ray-serve-logs" 2>/dev/null
   [ -d "$out/$part" ] && tar czf "$final/$part.tgz" -C "$out" "$part"
   [ -f "$out/$part/report.md" ] && cp "$out/$part/report.md" "$final/$part-report.md"
   [ -f "$out/$part.log" ] && cp "$out/$part.log" "$final/$part.log"
