@@ -14,7 +14,8 @@
 #   offline  8B shape, ShareGPT-like lengths, NREQ requests (default 384), at each TP size:
 #            nondeterministic, llm42 at 10 % and 100 %, batch_invariant, and llm42 at 100 %
 #            with the TP-invariant lane (its cost)
-# TPS: the TP sizes (default "1 2"; "1 2 4" on four GPUs). Needs nothing staged but the
+# TPS: the TP sizes (default "1 2"; "1 2 4" on four GPUs). offline takes about 4-5 minutes a
+# TP size on H200s: one or two sizes a device call. Needs nothing staged but the
 # repository. Results in $OUT (default results/gpu-tp).
 set -uo pipefail
 cd "$(dirname "$0")/.."
