@@ -311,10 +311,6 @@ class EngineConfig:
                              f"got tensor_parallel_size {tp}")
         if self.tp_timeout_s <= 0:
             raise ValueError("tp_timeout_s must be positive")
-        if tp > 1 and self.lane_threaded:
-            raise ValueError("tensor_parallel_size > 1 needs lane passes in the engine's "
-                             "thread (lane_threaded off): every rank runs the same forwards "
-                             "in the same order")
 
     def check_outside_lane(self) -> None:
         """Raise ValueError when this engine cannot hand its lane passes to a verifier in

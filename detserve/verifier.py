@@ -85,6 +85,7 @@ class ThreadedVerifier:
         self._done: queue.Queue[LaneResult | BaseException] = queue.Queue()
         self._pending = 0
         self.green_context_sms: int | None = None
+        self._green_ctx: Any = None  # kept alive with the thread
         self._ready = threading.Event()
         self._lane_sms = lane_sms
         self._thread = threading.Thread(target=self._work, name="lane-verifier", daemon=True)
@@ -95,14 +96,8 @@ class ThreadedVerifier:
         torch = self._torch
         stream = None
         if self.runner.cuda:
-            device = self.runner.device
-            torch.cuda.set_device(device)
-            stream = self._green_stream(device) if self._lane_sms else None
-            if stream is None:
-                # high priority: when the lane and the fast path both have kernels waiting,
-                # the lane's go first, so windows and prompt chunks come back quickly and
-                # sequences do not sit out decode steps waiting for them
-                stream = torch.cuda.Stream(device=device, priority=-1)
+            stream, self._green_ctx, self.green_context_sms = lane_stream(self.runner.device,
+                                                                          self._lane_sms)
         self._ready.set()
         while (job := self._todo.get()) is not None:
             lane_pass, event = job
@@ -117,23 +112,6 @@ class ThreadedVerifier:
                 self._done.put(result)
             except BaseException as e:  # surfaced to the engine by poll()
                 self._done.put(e)
-
-    def _green_stream(self, device: Any) -> Any:
-        """A stream whose kernels run on ``lane_sms`` SMs only; None where unsupported."""
-        try:
-            from torch.cuda.green_contexts import GreenContext
-
-            ctx: Any = GreenContext.create(num_sms=self._lane_sms, device_id=device.index or 0)
-            if hasattr(ctx, "Stream"):
-                stream = ctx.Stream()
-            else:  # older torch: make the context current for this thread
-                ctx.set_context()
-                stream = self._torch.cuda.Stream(device=device)
-        except Exception:  # driver/torch without green contexts: share all SMs
-            return None
-        self._green_ctx = ctx  # keep alive with the thread
-        self.green_context_sms = self._lane_sms
-        return stream
 
     def submit(self, lane_pass: LanePass) -> None:
         event = None
@@ -156,6 +134,10 @@ class ThreadedVerifier:
             block = False
             self._pending -= 1
             if isinstance(item, BaseException):
+                from detserve.parallel.executor import TensorParallelError
+
+                if isinstance(item, TensorParallelError):  # a lost rank: the engine is done
+                    raise item
                 raise RuntimeError("lane pass failed") from item
             out.append(item)
         return out
@@ -166,3 +148,28 @@ class ThreadedVerifier:
     def close(self) -> None:
         self._todo.put(None)
         self._thread.join(timeout=30)
+
+
+def lane_stream(device: Any, lane_sms: int | None) -> tuple[Any, Any, int | None]:
+    """For the calling thread (made current on ``device``): the CUDA stream lane passes run
+    on, the green context behind it (keep it alive as long as the stream), and its SM
+    count. With ``lane_sms``, a stream whose kernels run on that many SMs only, where the
+    driver and torch have green contexts; else a high-priority stream on every SM: when
+    the lane and the fast path both have kernels waiting, the lane's go first, so windows
+    and prompt chunks come back quickly and sequences do not sit out decode steps waiting
+    for them."""
+    import torch
+
+    torch.cuda.set_device(device)
+    if lane_sms:
+        try:
+            from torch.cuda.green_contexts import GreenContext
+
+            ctx: Any = GreenContext.create(num_sms=lane_sms, device_id=device.index or 0)
+            if hasattr(ctx, "Stream"):
+                return ctx.Stream(), ctx, lane_sms
+            ctx.set_context()  # older torch: the context current for this thread
+            return torch.cuda.Stream(device=device), ctx, lane_sms
+        except Exception:  # driver/torch without green contexts: share all SMs
+            pass
+    return torch.cuda.Stream(device=device, priority=-1), None, None

@@ -86,11 +86,8 @@ def _serve(a: argparse.Namespace) -> int:
         cpus = os.cpu_count() or 1
         start_local_serve(stack, config)
         # share this machine's CPUs between the replicas instead of waiting for more
-        try:
-            serve.run(compose(args, replica_cpus=min(1.0, cpus / replicas)), name=APP_NAME,
-                      route_prefix="/")
-        except RuntimeError as e:  # Serve names the deployments, not what their replicas hit
-            raise RuntimeError(f"{e}{_deployment_errors()}") from e
+        run_app(compose(args, replica_cpus=min(1.0, cpus / replicas)), name=APP_NAME,
+                route_prefix="/")
         host = "127.0.0.1" if a.host == "0.0.0.0" else a.host
         print(f"detserve: serving {args['model']} ({args['mode']}) at "
               f"http://{host}:{args['http_port']}/v1 and grpc {host}:{args['grpc_port']}; "
@@ -100,16 +97,22 @@ def _serve(a: argparse.Namespace) -> int:
     return 0
 
 
-def _deployment_errors() -> str:
-    """Each failed deployment's status message (its replicas' error), one line each."""
+def run_app(app: Any, **options: Any) -> None:
+    """``serve.run(app, **options)``; a failed deployment's error also carries each
+    deployment's status message (what its replicas hit), where Serve names only the
+    deployments."""
     from ray import serve
 
     try:
-        apps = serve.status().applications
-    except Exception:  # (the controller may be gone with the failure)
-        return ""
-    return "".join(f"\n  {name} {d.status}: {d.message}" for app in apps.values()
-                   for name, d in app.deployments.items() if d.message)
+        serve.run(app, **options)
+    except RuntimeError as e:
+        try:
+            apps = serve.status().applications
+        except Exception:  # (the controller may be gone with the failure)
+            raise e from None
+        why = "".join(f"\n  {name} {d.status}: {d.message}" for status in apps.values()
+                      for name, d in status.deployments.items() if d.message)
+        raise RuntimeError(f"{e}{why}") from e
 
 
 def _stop_signals() -> list[int]:

@@ -167,17 +167,22 @@ def _deterministic() -> SamplingParams:
                           logprobs=0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("shape", ["llama", "smollm2-heads"])
-def test_invariant_lane_tp2_dvr_equals_tp1_lane_only(shape: str, prompts: list[list[int]]) -> None:
+@pytest.mark.parametrize(("shape", "threaded"), [("llama", False), ("smollm2-heads", False),
+                                               ("llama", True)])
+def test_invariant_lane_tp2_dvr_equals_tp1_lane_only(shape: str, threaded: bool,
+                                                     prompts: list[list[int]]) -> None:
     """With the TP-invariant lane, llm42 at TP=2 (fast path perturbed: the lane must catch
     and replace every bad token) gives the TP=1 lane_only oracle's tokens and logprobs
-    bit for bit, and the same fingerprint as llm42 at TP=1."""
+    bit for bit, and the same fingerprint as llm42 at TP=1; also with the lane on threads
+    of its own (rank 0's verifier thread and each worker's lane thread, in the lane's
+    group) while the fast path keeps stepping, with asynchronous scheduling."""
     model = tiny_model(**SMOLLM2_HEADS) if shape != "llama" else tiny_model()
     params = _deterministic()
     oracle, _ = _run(model, params, prompts, "lane_only", tp_invariant_lane=True)
     _, prof_one = _run(model, params, prompts[:1], "llm42", tp_invariant_lane=True)
     dvr, prof_two = _run(model, params, prompts, "llm42", tp_invariant_lane=True,
-                         tensor_parallel_size=2, fastpath_perturbation=0.2)
+                         tensor_parallel_size=2, fastpath_perturbation=0.2,
+                         lane_threaded=threaded, async_scheduling=threaded)
     assert STATS["rollbacks"] > 0  # the lane did replace perturbed tokens
     assert [signature(o) for o in dvr] == [signature(o) for o in oracle]
     assert prof_two["fingerprint"] == prof_one["fingerprint"]
@@ -210,21 +215,27 @@ def test_ordinary_lane_bits_depend_on_tp_size(model: str, prompts: list[list[int
 
 # ---- a lost worker ------------------------------------------------------------------
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+@pytest.mark.parametrize(("how", "threaded"), [(signal.SIGKILL, False),
+                                               (signal.SIGSTOP, False),
+                                               (signal.SIGKILL, True)],
+                         ids=["killed", "stopped", "killed-lane-threaded"])
 def test_lost_worker_fails_the_engine_within_the_deadline(model: str, how: signal.Signals,
+                                                           threaded: bool,
                                                            prompts: list[list[int]]) -> None:
     """A worker killed (its sockets close) or stopped (it never answers) mid-generation:
     the next step raises TensorParallelError within tp_timeout_s, never hangs; the engine
-    stays failed and closes."""
+    stays failed and closes (also with the lane on threads of its own)."""
     deadline = 3.0
     llm = LLM(model, "llm42", **LANE, tensor_parallel_size=2,  # type: ignore[arg-type]
-              tp_timeout_s=deadline)
+              tp_timeout_s=deadline, lane_threaded=threaded)
     engine = llm.engine
     workers = engine._workers
     assert workers is not None
     procs = list(workers.procs)
     try:
-        engine.add_request("a", None, SamplingParams(max_tokens=64, ignore_eos=True),
+        # (deterministic with the threaded lane: its passes run while the worker goes)
+        engine.add_request("a", None, SamplingParams(max_tokens=64, ignore_eos=True,
+                                                     is_deterministic=threaded),
                            prompt_token_ids=prompts[0])
         for _ in range(3):
             engine.step()

@@ -11,8 +11,10 @@ the same on every rank) but never read a step back: their hosts run ahead of the
 devices as rank 0's does. A step fed tokens that rank 0 has not read
 back (asynchronous scheduling) gets them by a broadcast in stream order, and CUDA graphs
 are captured on every rank at once (``EnableGraphs``): the captures hold the collectives.
-Lane passes run in the engine's thread (``InProcessVerifier``), so that every rank issues
-its collectives in one order.
+Lane passes meet in a group of their own (``lane_group``): on every rank they run on a lane
+thread (rank 0's is the engine's verifier's: ``ThreadedVerifier`` on CUDA), in the order
+rank 0 sent them, so the lane's collectives and the fast path's are each issued in one
+order on every rank and the lane does not stop the fast path.
 
 A worker that dies or stalls makes rank 0's next collective raise ``PeerLost`` within the
 deadline; the step then raises ``TensorParallelError`` and the engine is done (its group is
@@ -27,7 +29,7 @@ import multiprocessing.connection
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 import torch
 
@@ -59,7 +61,7 @@ from detserve.parallel.messages import (
     Stop,
     WorkerSpec,
 )
-from detserve.parallel.shard import shard_model
+from detserve.parallel.shard import TensorParallel, shard_model
 from detserve.parallel.worker import worker_main
 from detserve.sampler import SamplingSpec
 
@@ -101,8 +103,11 @@ class TPRunner(ModelRunner):
         return self.workers.run(step, launch)
 
     def launch_lane(self, lane_pass: LanePass) -> LaneLaunch:
+        parallel = cast(TensorParallel, self.model.parallel)
+
         def launch() -> LaneLaunch:
-            launched = super(TPRunner, self).launch_lane(lane_pass)
+            with parallel.on(self.workers.lane_group):
+                launched = super(TPRunner, self).launch_lane(lane_pass)
             launched.before_read = self.workers.settler(self.cuda)
             return launched
 
@@ -152,26 +157,32 @@ class Workers:
             self.procs.append(proc)
             self.pipes.append(ours)
         self.failed: str | None = None
-        self.group: Group = self._join(name, config.device)
+        self._sending = threading.Lock()  # the engine's and the lane's threads both send
+        self.group, self.lane_group = self._join(name, config.device)
 
-    def _join(self, name: str, device: str) -> Group:
-        """Rank 0's end of the group. Once every worker has said it is joining (its imports
-        done), the group is made with the steps' deadline, which gloo applies to every
-        operation; in a thread, while the workers are watched: one that exits fails the
-        start at once."""
+    def _join(self, name: str, device: str) -> tuple[Group, Group]:
+        """Rank 0's end of the groups (the steps', then the lane's: the workers make them in
+        that order). Once every worker has said it is joining (its imports done), the groups
+        are made with the steps' deadline, which gloo applies to every operation; in a
+        thread, while the workers are watched: one that exits fails the start at once."""
         for rank, pipe in enumerate(self.pipes, start=1):
             if self._receive(rank, pipe) != "joining":
                 raise AssertionError("unreachable: _receive raises on anything else")
-        joined: list[Group | BaseException] = []
-        thread = threading.Thread(target=lambda: joined.append(_try(lambda: new_group(
-            self.store, name, 0, self.size, device, timeout_s=self.timeout_s))),
-            daemon=True, name="detserve-tp-join")
+        joined: list[tuple[Group, Group] | BaseException] = []
+
+        def join() -> tuple[Group, Group]:
+            return (new_group(self.store, name, 0, self.size, device, timeout_s=self.timeout_s),
+                    new_group(self.store, f"{name}/lane", 0, self.size, device,
+                              timeout_s=self.timeout_s))
+
+        thread = threading.Thread(target=lambda: joined.append(_try(join)), daemon=True,
+                                  name="detserve-tp-join")
         thread.start()
         while thread.is_alive() and all(p.is_alive() for p in self.procs):
             thread.join(timeout=0.1)
         thread.join(timeout=1.0)
         result = joined[0] if joined else None
-        if isinstance(result, Group):
+        if isinstance(result, tuple):
             return result
         errors = self._worker_errors()
         self.close()
@@ -228,8 +239,7 @@ class Workers:
 
     def _fail(self, why: str, cause: BaseException | None = None) -> NoReturn:
         self.failed = why
-        if self.group.alive:
-            self.group.abort()
+        self._abort_groups()
         raise TensorParallelError(
             f"a TP rank was lost mid-step ({why}){self._worker_errors()}") from cause
 
@@ -262,13 +272,17 @@ class Workers:
         for pipe in self.pipes:
             pipe.close()
         self.pipes, self.procs = [], []
-        group = getattr(self, "group", None)
-        if group is not None and group.alive:
-            group.abort()
+        self._abort_groups()
+
+    def _abort_groups(self) -> None:
+        for group in (getattr(self, "group", None), getattr(self, "lane_group", None)):
+            if group is not None and group.alive:
+                group.abort()
 
     def _send(self, message: Message) -> None:
-        for pipe in self.pipes:
-            pipe.send(message)
+        with self._sending:  # one message whole on each pipe, in one order on all
+            for pipe in self.pipes:
+                pipe.send(message)
 
     def _worker_errors(self) -> str:
         """What the workers said before they went (their last error, or exit codes)."""

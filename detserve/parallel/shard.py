@@ -10,6 +10,10 @@ row is gathered, so no sum touches it.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
@@ -36,11 +40,33 @@ class TensorParallel:
         if (group is None) != (layout.size == 1) or (group is not None and (
                 group.size != layout.size or group.rank != layout.rank)):
             raise ValueError("the group must match the layout (none at TP=1)")
-        self.layout, self.group = layout, group
+        self.layout, self._main = layout, group
+        self._thread = threading.local()  # a thread's own group (``on``)
         starts = [a for a, _ in layout.vocab_ranges()]
         # on the model's device: a CUDA graph's capture copies nothing from the host
         self._vocab_starts = torch.tensor(starts[1:], dtype=torch.long, device=device)
         self._leaves: dict[int, list[tuple[int, int, Tensor]]] = {}  # id(weight) -> leaves
+
+    @property
+    def group(self) -> Group | None:
+        """The group this thread's forwards meet in (None at TP=1)."""
+        return getattr(self._thread, "group", None) or self._main
+
+    @contextmanager
+    def on(self, group: Group | None) -> Iterator[None]:
+        """Meanwhile this thread's forwards meet in ``group`` (another of the same ranks):
+        the lane's thread runs its passes in a group of its own, so that its collectives
+        and the fast path's, each issued in one order on every rank, never interleave in
+        one group."""
+        if group is not None and (group.size, group.rank) != (self.layout.size,
+                                                             self.layout.rank):
+            raise ValueError("the group must match the layout")
+        before = getattr(self._thread, "group", None)
+        self._thread.group = group
+        try:
+            yield
+        finally:
+            self._thread.group = before
 
     def add_leaves(self, weight: Tensor, ranges: list[tuple[int, int]]) -> None:
         """Keep ``weight`` (a row-parallel product's, [N, K_local]) cut into the tree's

@@ -1,11 +1,16 @@
 """A tensor-parallel worker process (rank >= 1): loads and shards the checkpoint, builds
 its runner and KV pool (its own K/V heads only), then runs whatever rank 0 sends, in order,
-until told to stop or until rank 0 is gone (``executor`` describes the protocol)."""
+until told to stop or until rank 0 is gone (``executor`` describes the protocol): steps on
+its main thread, lane passes on a lane thread of their own, in the lane's group."""
 
 from __future__ import annotations
 
 import multiprocessing.connection
+import queue
+import threading
 import traceback
+from contextlib import nullcontext
+from typing import Any
 
 import torch
 
@@ -23,7 +28,8 @@ from detserve.parallel.messages import (
     Stop,
     WorkerSpec,
 )
-from detserve.parallel.shard import shard_model
+from detserve.parallel.shard import TensorParallel, shard_model
+from detserve.verifier import lane_stream
 
 
 def worker_main(pipe: multiprocessing.connection.Connection, spec: WorkerSpec) -> None:
@@ -37,6 +43,8 @@ def worker_main(pipe: multiprocessing.connection.Connection, spec: WorkerSpec) -
         # (gloo applies the group's timeout to every operation: the steps' deadline)
         group = new_group(store, spec.group, spec.rank, c.tensor_parallel_size, device,
                           timeout_s=c.tp_timeout_s)
+        lane_group = new_group(store, f"{spec.group}/lane", spec.rank, c.tensor_parallel_size,
+                               device, timeout_s=c.tp_timeout_s)
         whole, _, _ = load_model(c.model, dtype=c.dtype, device=device)
         layout = TPLayout(whole.config, c.tensor_parallel_size, spec.rank)
         model = shard_model(whole, layout, group, tree=c.tp_invariant_lane)
@@ -54,12 +62,67 @@ def worker_main(pipe: multiprocessing.connection.Connection, spec: WorkerSpec) -
     except Exception:  # reported to rank 0, which fails the engine's start
         _report(pipe, traceback.format_exc())
         return
-    serve(pipe, runner, group)
+    lanes = LaneThread(runner, model.parallel, lane_group, c.lane_sms, pipe, group)
+    try:
+        serve(pipe, runner, group, lanes)
+    finally:
+        lanes.stop()
+
+
+class LaneThread:
+    """This rank's lane passes, in the order rank 0 sent them, in the lane's group and (CUDA)
+    on a stream of their own; a pass waits for the steps queued before it (the fast path's
+    K/V of its windows). A failed pass is reported and ends both groups, so that rank 0's
+    next collective fails within its deadline."""
+
+    def __init__(self, runner: ModelRunner, parallel: Any, group: Group, lane_sms: int | None,
+                 pipe: multiprocessing.connection.Connection, step_group: Group) -> None:
+        self.runner, self.group, self.step_group = runner, group, step_group
+        self.parallel: TensorParallel = parallel
+        self.pipe, self.lane_sms = pipe, lane_sms
+        self._jobs: queue.Queue[tuple[Any, Any] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name="detserve-tp-lane",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, lane_pass: Any) -> None:
+        event = None
+        if self.runner.cuda:
+            event = torch.cuda.Event()
+            event.record()  # the steps queued so far
+        self._jobs.put((lane_pass, event))
+
+    def _work(self) -> None:
+        stream = ctx = None
+        if self.runner.cuda:
+            stream, ctx, _ = lane_stream(self.runner.device, self.lane_sms)
+        while (job := self._jobs.get()) is not None:
+            lane_pass, event = job
+            try:
+                with self.parallel.on(self.group), (
+                        torch.cuda.stream(stream) if stream is not None else nullcontext()):
+                    if stream is not None:
+                        stream.wait_event(event)
+                    self.runner.launch_lane(lane_pass)  # never read back, as steps
+            except PeerLost:
+                break
+            except Exception:
+                _report(self.pipe, traceback.format_exc())
+                break
+        del ctx
+        for g in (self.group, self.step_group):
+            if g.alive and job is not None:
+                g.abort()
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=5.0)
 
 
 def serve(pipe: multiprocessing.connection.Connection, runner: ModelRunner,
-          group: Group) -> None:
-    """Run rank 0's steps in order; return when told to stop or when rank 0 is gone."""
+          group: Group, lanes: LaneThread) -> None:
+    """Run rank 0's steps in order (lane passes on ``lanes``); return when told to stop or
+    when rank 0 is gone."""
     while True:
         try:
             msg = pipe.recv()
@@ -79,7 +142,7 @@ def serve(pipe: multiprocessing.connection.Connection, runner: ModelRunner,
                 runner.launch_batch(msg.segments, msg.sample_specs, msg.batch_invariant,
                                     msg.align_decode, feed, msg.penalties, msg.prompt_rows)
             elif isinstance(msg, LaneStep):
-                runner.launch_lane(msg.lane_pass)
+                lanes.submit(msg.lane_pass)
             elif isinstance(msg, EnableGraphs):
                 runner.enable_cuda_graphs(msg.decode, msg.lane, msg.max_batch, msg.max_blocks,
                                           msg.step_rows, msg.plain)
