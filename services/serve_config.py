@@ -284,6 +284,10 @@ def _check_verifiers(args: Mapping[str, Any], engine: EngineConfig) -> None:
     try:
         engine.check_outside_lane()
         in_engine_only = None
+        if engine.tensor_parallel_size > 1:  # the engine takes one (offline); not served yet
+            in_engine_only = ("a served decoder at tensor_parallel_size > 1 verifies on its "
+                              "own ranks (dedicated verifiers of TP decoders are offline only "
+                              "for now)")
     except ValueError as e:
         in_engine_only = str(e)
     if in_engine_only and verifiers_deployed(args):

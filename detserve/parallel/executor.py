@@ -49,6 +49,7 @@ from detserve.executor.runner import (
 from detserve.lane import LanePass
 from detserve.model.llama import LlamaModel
 from detserve.numerics import LaneNumerics
+from detserve.parallel.kv_rows import ShardedKV
 from detserve.parallel.layout import TPLayout
 from detserve.parallel.messages import (
     STARTUP_TIMEOUT_S,
@@ -57,9 +58,11 @@ from detserve.parallel.messages import (
     FeedRows,
     LaneStep,
     Message,
+    ReadKV,
     Start,
     Stop,
     WorkerSpec,
+    WriteKV,
 )
 from detserve.parallel.shard import TensorParallel, shard_model
 from detserve.parallel.worker import worker_main
@@ -118,6 +121,15 @@ class TPRunner(ModelRunner):
         self.workers.run(EnableGraphs(decode, lane, max_batch, max_blocks, step_rows, plain),
                          lambda: super(TPRunner, self).enable_cuda_graphs(
                              decode, lane, max_batch, max_blocks, step_rows, plain))
+
+
+def transfer_pool(runner: ModelRunner) -> KVPool | ShardedKV:
+    """What K/V transfer to a verifier outside the engine reads and writes: the runner's
+    pool, or at TP>1 every rank's as whole heads."""
+    if not isinstance(runner, TPRunner):
+        return runner.pool
+    parallel = cast(TensorParallel, runner.model.parallel)
+    return ShardedKV(runner.pool, runner.workers, parallel.layout)
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -248,7 +260,8 @@ class Workers:
         if self.failed is not None:
             raise TensorParallelError(f"tensor parallelism already failed: {self.failed}")
 
-    def run(self, message: BatchStep | LaneStep | EnableGraphs, call: Callable[[], T]) -> T:
+    def run(self, message: BatchStep | LaneStep | EnableGraphs | WriteKV | ReadKV,
+            call: Callable[[], T]) -> T:
         """Send ``message`` to every worker, then run ``call`` (rank 0's same step)."""
         self.check()
         try:

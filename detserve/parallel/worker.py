@@ -18,15 +18,18 @@ from detserve.distributed import Group, PeerLost, new_group, open_store
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import ModelRunner
 from detserve.model.loader import load_model
+from detserve.parallel.kv_rows import pad_heads
 from detserve.parallel.layout import TPLayout
 from detserve.parallel.messages import (
     STARTUP_TIMEOUT_S,
     BatchStep,
     EnableGraphs,
     LaneStep,
+    ReadKV,
     Start,
     Stop,
     WorkerSpec,
+    WriteKV,
 )
 from detserve.parallel.shard import TensorParallel, shard_model
 from detserve.verifier import lane_stream
@@ -146,6 +149,8 @@ def serve(pipe: multiprocessing.connection.Connection, runner: ModelRunner,
             elif isinstance(msg, EnableGraphs):
                 runner.enable_cuda_graphs(msg.decode, msg.lane, msg.max_batch, msg.max_blocks,
                                           msg.step_rows, msg.plain)
+            elif isinstance(msg, WriteKV | ReadKV):
+                move_kv(runner, group, msg)
             elif isinstance(msg, Stop):
                 return
             else:
@@ -155,6 +160,25 @@ def serve(pipe: multiprocessing.connection.Connection, runner: ModelRunner,
         except Exception:
             _report(pipe, traceback.format_exc())
             return
+
+
+def move_kv(runner: ModelRunner, group: Group, msg: WriteKV | ReadKV) -> None:
+    """This rank's part of a K/V transfer (``parallel.kv_rows``), in step order: store its
+    heads of the whole-head rows rank 0 broadcasts, or join the all-gather with its own."""
+    pool = runner.pool
+    slots = pool.slots_of(msg.spans)
+    parallel: TensorParallel = runner.model.parallel  # type: ignore[assignment]
+    if isinstance(msg, WriteKV):
+        d = pool.data
+        rows = torch.empty((d.shape[0], 2, len(slots), msg.kv_heads, d.shape[5]),
+                           dtype=d.dtype, device=d.device)
+        group.follow(group.broadcast(rows, 0))
+        mine = torch.tensor(parallel.layout.kv_heads, dtype=torch.long, device=d.device)
+        pool.write_rows(slots, rows.index_select(3, mine))
+    else:
+        rows = pad_heads(pool.read_rows(slots), msg.width)
+        group.follow(group.all_gather([torch.empty_like(rows) for _ in range(group.size)],
+                                      rows))
 
 
 def _report(pipe: multiprocessing.connection.Connection, text: str) -> None:
