@@ -20,6 +20,7 @@ from contextlib import closing
 
 import grpc
 import pytest
+import torch
 from engine_utils import drive, run_engine, signature, tiny_model
 from test_dedicated_verifier import PREFIX_REQS, decoder_host, transferring  # noqa: F401
 from test_remote_verifier import (  # noqa: F401  (fixtures used by name)
@@ -37,6 +38,8 @@ from test_remote_verifier import (  # noqa: F401  (fixtures used by name)
 )
 from test_tensor_parallel import SMOLLM2_HEADS
 
+from detserve.lane import LanePass
+from detserve.parallel.kv_rows import ShardedKV, Slots
 from services.registry import Registry
 from services.verifier import codec
 from services.verifier import verifier_pb2 as pb
@@ -91,6 +94,69 @@ def test_tp2_decoder_with_a_dedicated_verifier_equals_the_tp1_oracle(
     finally:
         engine.close()
         exporter.close()
+
+
+def test_a_wrong_gather_is_caught(shaped: tuple[str, str, list[VerifierProc]], redis_url: str,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: the heads gathered from the worker decide the pushed rows. Noise
+    on the heads only the worker holds (as a gather that took the wrong rank's) changes
+    the output, so the comparison above would catch a wrong assembly."""
+    model, prefix, _ = shaped
+    prefix_oracle = lane_only(model, PREFIX_REQS)
+    real = ShardedKV.read_rows
+
+    def noisy_read(self: ShardedKV, slots: Slots) -> torch.Tensor:
+        rows = real(self, slots)
+        theirs = sorted(set(range(self.kv_heads)) - {int(h) for h in self._mine})
+        rows[:, :, :, theirs] += torch.randn_like(rows[:, :, :, theirs])
+        return rows
+
+    monkeypatch.setattr(ShardedKV, "read_rows", noisy_read)
+    engine, exporter = make_engine(model, redis_url, prefix, f"dec-tpn-{uuid.uuid4().hex[:4]}",
+                                   engine_kw=TP2)
+    try:
+        outs = drive(engine, PREFIX_REQS)
+        assert engine.scheduler.prefix_hit_tokens > 0
+        assert outs[1].finish_reason == "length"
+        assert signature(outs[1]) != prefix_oracle[1], "a wrong gather went unnoticed"
+    finally:
+        engine.close()
+        exporter.close()
+
+
+def test_killed_verifier_pushes_the_prefix_from_both_ranks(redis_url: str) -> None:
+    """Two transferring verifiers; the one in use killed mid-run: the TP decoder fails
+    over and pushes every sequence's committed prefix to the new one, gathered from both
+    ranks, and every deterministic output still equals the TP=1 oracle."""
+    model = tiny_model()
+    oracle = lane_only(model, REQS)
+    prefix = f"tpkill{uuid.uuid4().hex[:6]}"
+    with transferring(2, model, redis_url, prefix) as procs:
+        by_address = {p.address: p for p in procs}
+        engine, exporter = make_engine(model, redis_url, prefix, "dec-tp-kill",
+                                       engine_kw=TP2, transfer_timeout_s=5.0)
+        remote = engine.verifier
+        assert isinstance(remote, RemoteVerifier) and remote.verifier is not None
+        first = remote.verifier.address
+        submit, submitted = remote.submit, [0]
+
+        def submit_then_kill(lane_pass: LanePass) -> None:
+            submit(lane_pass)
+            submitted[0] += 1
+            if submitted[0] == 4:
+                by_address[first].kill()
+
+        remote.submit = submit_then_kill  # type: ignore[method-assign]
+        try:
+            outs = drive(engine, REQS, oracle_prefix_checker(oracle))
+            assert remote.failovers >= 1 and remote.verifier.address != first
+            for i in DET:
+                assert signature(outs[i]) == oracle[i], f"r{i} differs from the TP=1 oracle"
+            assert remote.transfer_stats is not None and remote.transfer_stats.rows_out > 0, \
+                "the new verifier was pushed the committed rows"
+        finally:
+            engine.close()
+            exporter.close()
 
 
 def _refusals(address: str, remote: RemoteVerifier) -> None:
