@@ -34,7 +34,14 @@ from typing import Any, NoReturn, TypeVar, cast
 import torch
 
 from detserve.config import EngineConfig
-from detserve.distributed import Group, PeerLost, new_group, open_store, poll
+from detserve.distributed import (
+    Group,
+    PeerLost,
+    TensorParallelError,
+    new_group,
+    open_store,
+    poll,
+)
 from detserve.executor.attention import RowSegment
 from detserve.executor.gemm_classes import Alignment
 from detserve.executor.kv_pool import KVPool
@@ -49,7 +56,6 @@ from detserve.executor.runner import (
 from detserve.lane import LanePass
 from detserve.model.llama import LlamaModel
 from detserve.numerics import LaneNumerics
-from detserve.parallel.kv_rows import ShardedKV
 from detserve.parallel.layout import TPLayout
 from detserve.parallel.messages import (
     STARTUP_TIMEOUT_S,
@@ -69,11 +75,6 @@ from detserve.parallel.worker import worker_main
 from detserve.sampler import SamplingSpec
 
 T = TypeVar("T")
-
-
-class TensorParallelError(RuntimeError):
-    """A tensor-parallel rank was lost (died, stalled past ``tp_timeout_s``, or failed);
-    the engine cannot go on."""
 
 
 class TPRunner(ModelRunner):
@@ -121,15 +122,6 @@ class TPRunner(ModelRunner):
         self.workers.run(EnableGraphs(decode, lane, max_batch, max_blocks, step_rows, plain),
                          lambda: super(TPRunner, self).enable_cuda_graphs(
                              decode, lane, max_batch, max_blocks, step_rows, plain))
-
-
-def transfer_pool(runner: ModelRunner) -> KVPool | ShardedKV:
-    """What K/V transfer to a verifier outside the engine reads and writes: the runner's
-    pool, or at TP>1 every rank's as whole heads."""
-    if not isinstance(runner, TPRunner):
-        return runner.pool
-    parallel = cast(TensorParallel, runner.model.parallel)
-    return ShardedKV(runner.pool, runner.workers, parallel.layout)
 
 
 def rank_device(device: str, rank: int) -> str:

@@ -19,17 +19,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import cast
 
 import torch
 from torch import Tensor
 
 from detserve.executor.kv_pool import KVPool
+from detserve.executor.runner import ModelRunner
+from detserve.parallel.executor import TPRunner, Workers
 from detserve.parallel.layout import TPLayout
 from detserve.parallel.messages import ReadKV, Span, WriteKV
-
-if TYPE_CHECKING:
-    from detserve.parallel.executor import Workers
+from detserve.parallel.shard import TensorParallel
+from detserve.parallel.worker import pad_heads
 
 
 @dataclass(frozen=True)
@@ -106,10 +107,10 @@ class ShardedKV:
         return self.workers.run(ReadKV(slots.spans, self.width), read)
 
 
-def pad_heads(rows: Tensor, width: int) -> Tensor:
-    """``rows`` with zero heads appended up to ``width`` (ranks may hold different counts)."""
-    extra = width - rows.shape[3]
-    if not extra:
-        return rows.contiguous()
-    pad = rows.new_zeros((*rows.shape[:3], extra, rows.shape[4]))
-    return torch.cat([rows, pad], dim=3)
+def transfer_pool(runner: ModelRunner) -> KVPool | ShardedKV:
+    """What K/V transfer to a verifier outside the engine reads and writes: the runner's
+    pool, or at TP>1 every rank's as whole heads."""
+    if not isinstance(runner, TPRunner):
+        return runner.pool
+    parallel = cast(TensorParallel, runner.model.parallel)
+    return ShardedKV(runner.pool, runner.workers, parallel.layout)

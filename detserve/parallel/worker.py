@@ -18,7 +18,6 @@ from detserve.distributed import Group, PeerLost, new_group, open_store
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import ModelRunner
 from detserve.model.loader import load_model
-from detserve.parallel.kv_rows import pad_heads
 from detserve.parallel.layout import TPLayout
 from detserve.parallel.messages import (
     STARTUP_TIMEOUT_S,
@@ -179,6 +178,15 @@ def move_kv(runner: ModelRunner, group: Group, msg: WriteKV | ReadKV) -> None:
         rows = pad_heads(pool.read_rows(slots), msg.width)
         group.follow(group.all_gather([torch.empty_like(rows) for _ in range(group.size)],
                                       rows))
+
+
+def pad_heads(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """``rows`` with zero heads appended up to ``width`` (ranks may hold different counts)."""
+    extra = width - rows.shape[3]
+    if not extra:
+        return rows.contiguous()
+    pad = rows.new_zeros((*rows.shape[:3], extra, rows.shape[4]))
+    return torch.cat([rows, pad], dim=3)
 
 
 def _report(pipe: multiprocessing.connection.Connection, text: str) -> None:

@@ -42,7 +42,7 @@ import redis
 from detserve.distributed import PeerLost, backend_for, open_store
 from detserve.executor.runner import ModelRunner
 from detserve.lane import LanePass, LaneResult
-from detserve.parallel.executor import transfer_pool
+from detserve.parallel.kv_rows import transfer_pool
 from detserve.verifier import LaneUnavailable
 from services.cluster_auth import ClusterAuth
 from services.kv_handle import KVExporter, KVHandle
