@@ -125,6 +125,10 @@ def serve(pipe: multiprocessing.connection.Connection, runner: ModelRunner,
           group: Group, lanes: LaneThread) -> None:
     """Run rank 0's steps in order (lane passes on ``lanes``); return when told to stop or
     when rank 0 is gone."""
+    parallel: TensorParallel = runner.model.parallel  # type: ignore[assignment]
+    # this rank's heads of a whole-head K/V row (made once: an upload from pageable memory
+    # would wait for the steps queued before it)
+    kv_index = torch.tensor(parallel.layout.kv_heads, dtype=torch.long, device=runner.device)
     while True:
         try:
             msg = pipe.recv()
@@ -149,7 +153,7 @@ def serve(pipe: multiprocessing.connection.Connection, runner: ModelRunner,
                 runner.enable_cuda_graphs(msg.decode, msg.lane, msg.max_batch, msg.max_blocks,
                                           msg.step_rows, msg.plain)
             elif isinstance(msg, WriteKV | ReadKV):
-                move_kv(runner, group, msg)
+                move_kv(runner.pool, group, msg, kv_index)
             elif isinstance(msg, Stop):
                 return
             else:
@@ -161,19 +165,17 @@ def serve(pipe: multiprocessing.connection.Connection, runner: ModelRunner,
             return
 
 
-def move_kv(runner: ModelRunner, group: Group, msg: WriteKV | ReadKV) -> None:
+def move_kv(pool: KVPool, group: Group, msg: WriteKV | ReadKV, kv_index: torch.Tensor) -> None:
     """This rank's part of a K/V transfer (``parallel.kv_rows``), in step order: store its
-    heads of the whole-head rows rank 0 broadcasts, or join the all-gather with its own."""
-    pool = runner.pool
+    heads (``kv_index`` of the whole model's) of the whole-head rows rank 0 broadcasts, or
+    join the all-gather with its own."""
     slots = pool.slots_of(msg.spans)
-    parallel: TensorParallel = runner.model.parallel  # type: ignore[assignment]
     if isinstance(msg, WriteKV):
         d = pool.data
         rows = torch.empty((d.shape[0], 2, len(slots), msg.kv_heads, d.shape[5]),
                            dtype=d.dtype, device=d.device)
         group.follow(group.broadcast(rows, 0))
-        mine = torch.tensor(parallel.layout.kv_heads, dtype=torch.long, device=d.device)
-        pool.write_rows(slots, rows.index_select(3, mine))
+        pool.write_rows(slots, rows.index_select(3, kv_index))
     else:
         rows = pad_heads(pool.read_rows(slots), msg.width)
         group.follow(group.all_gather([torch.empty_like(rows) for _ in range(group.size)],
