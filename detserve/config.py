@@ -315,10 +315,13 @@ class EngineConfig:
     def check_outside_lane(self) -> None:
         """Raise ValueError when this engine cannot hand its lane passes to a verifier in
         another process (which maps or receives its KV pool): the one rule both
-        ``LLMEngine`` and the serve config apply."""
-        if self.tensor_parallel_size > 1:
-            raise ValueError("tensor_parallel_size > 1 runs its lane in the engine for now: "
-                             "no outside verifier or exported KV pool")
+        ``LLMEngine`` and the serve config apply. At TP>1 the verifier is dedicated (K/V
+        transfer over all ranks, ``parallel.kv_rows``): the pool is sharded, never mapped."""
+        if self.tensor_parallel_size > 1 and not self.tp_invariant_lane:
+            raise ValueError("tensor_parallel_size > 1 hands its lane to an outside verifier "
+                             "only with tp_invariant_lane (a TP=1 verifier reproduces only "
+                             "the invariant lane's bits); without it the lane runs in the "
+                             "engine")
 
     @classmethod
     def create(cls, model: str, mode: str = "llm42", *, dtype: str = "auto",

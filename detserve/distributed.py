@@ -35,6 +35,12 @@ class PeerLost(RuntimeError):
     """A group operation did not complete within its deadline, or its peer is gone."""
 
 
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank was lost (died, stalled past ``tp_timeout_s``, or failed);
+    the engine cannot go on (``parallel.executor`` raises it; here so that the verifiers
+    can tell it apart without importing the executor)."""
+
+
 def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Protocol
 
+from detserve.distributed import TensorParallelError
 from detserve.executor.runner import ModelRunner
 from detserve.lane import LanePass, LaneResult
 
@@ -134,8 +135,6 @@ class ThreadedVerifier:
             block = False
             self._pending -= 1
             if isinstance(item, BaseException):
-                from detserve.parallel.executor import TensorParallelError
-
                 if isinstance(item, TensorParallelError):  # a lost rank: the engine is done
                     raise item
                 raise RuntimeError("lane pass failed") from item

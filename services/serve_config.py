@@ -278,12 +278,21 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
     return {name: args[name] for name in (*ARG_NAMES, *OPTIONAL_ARGS) if name in args}
 
 
+# The engine hands a TP decoder's lane to a dedicated verifier (with tp_invariant_lane,
+# offline: benchmarks/dedicated.py); the served decoders are not wired and tested that way yet
+SERVED_TP_VERIFIERS = False
+
+
 def _check_verifiers(args: Mapping[str, Any], engine: EngineConfig) -> None:
     """The verifier replicas against what the decoders' engine can hand them (the engine's
     own rule, ``EngineConfig.check_outside_lane``) and what Ray can place."""
     try:
         engine.check_outside_lane()
         in_engine_only = None
+        if engine.tensor_parallel_size > 1 and not SERVED_TP_VERIFIERS:
+            in_engine_only = ("a served decoder at tensor_parallel_size > 1 verifies on its "
+                              "own ranks (dedicated verifiers of TP decoders are offline only "
+                              "for now)")
     except ValueError as e:
         in_engine_only = str(e)
     if in_engine_only and verifiers_deployed(args):

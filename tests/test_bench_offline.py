@@ -163,6 +163,25 @@ def test_dedicated_verifier_mode_transfers_and_audits(tmp_path: Path,
     assert "0 with more" in capsys.readouterr().out
 
 
+def test_dedicated_verifier_mode_at_tp2(tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """``llm42-dedicated`` with a TP=2 decoder (the invariant lane): the TP=1 replica
+    verifies, rows move to and from both ranks, and the deterministic outputs equal those
+    of the TP=2 engine's own lane."""
+    out = tmp_path / "dedicated-tp2.json"
+    args = [*TINY, "--modes", "llm42,llm42-dedicated", "--ratios", "1.0",
+            "--dedicated-verifier-device", "cpu", "--tensor-parallel-size", "2",
+            "--tp-invariant-lane", "--fastpath-perturbation", "0.2", "--logprobs", "1",
+            "--temperature", "0.7", "--out", str(out)]
+    assert bench_offline.main(args) == 0
+    runs = json.loads(out.read_text())["runs"]
+    (dedicated,) = [r for r in runs if r["mode"] == "llm42-dedicated"]
+    assert dedicated["transfer"]["pulled_rows"] > 0 and dedicated["rollbacks"] > 0
+    pair = [r["det_digests"] for r in runs]
+    assert len(pair) == 2 and pair[0] == pair[1] and pair[0]
+    assert "0 with more" in capsys.readouterr().out
+
+
 def test_kv_pull_check_counts_the_pulled_window_rows(capsys: pytest.CaptureFixture[str],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU diagnostic runs end to end on CPU: it sees window rows pulled from a

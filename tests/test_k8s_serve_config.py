@@ -179,6 +179,7 @@ def test_tp_placement_once_the_engine_takes_outside_verifiers(
     from detserve.config import EngineConfig
 
     monkeypatch.setattr(EngineConfig, "check_outside_lane", lambda self: None)
+    monkeypatch.setattr(sc, "SERVED_TP_VERIFIERS", True)
     with pytest.raises(ValueError, match="holds its GPUs whole"):
         sc.default_serve_config(**{**TP2, **CUDA, "num_verifiers": 1})
     args = _args(**{**TP2, "num_verifiers": 2, "dedicated_verifiers": True})

@@ -69,6 +69,16 @@ class KVPool:
         host = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
         return upload(host, self.data.device)
 
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def empty_rows(self, n: int) -> Tensor:
+        """A buffer for ``n`` rows as ``read_rows`` returns them (what a transfer receives)."""
+        d = self.data
+        return torch.empty((d.shape[0], 2, n, d.shape[4], d.shape[5]), dtype=d.dtype,
+                           device=d.device)
+
     def read_rows(self, slots: Tensor) -> Tensor:
         """K/V of every layer at ``slots``: ``[layers, 2, len(slots), kv_heads, head_dim]``,
         contiguous (what a transfer sends)."""

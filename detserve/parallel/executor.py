@@ -34,7 +34,14 @@ from typing import Any, NoReturn, TypeVar, cast
 import torch
 
 from detserve.config import EngineConfig
-from detserve.distributed import Group, PeerLost, new_group, open_store, poll
+from detserve.distributed import (
+    Group,
+    PeerLost,
+    TensorParallelError,
+    new_group,
+    open_store,
+    poll,
+)
 from detserve.executor.attention import RowSegment
 from detserve.executor.gemm_classes import Alignment
 from detserve.executor.kv_pool import KVPool
@@ -57,20 +64,17 @@ from detserve.parallel.messages import (
     FeedRows,
     LaneStep,
     Message,
+    ReadKV,
     Start,
     Stop,
     WorkerSpec,
+    WriteKV,
 )
 from detserve.parallel.shard import TensorParallel, shard_model
 from detserve.parallel.worker import worker_main
 from detserve.sampler import SamplingSpec
 
 T = TypeVar("T")
-
-
-class TensorParallelError(RuntimeError):
-    """A tensor-parallel rank was lost (died, stalled past ``tp_timeout_s``, or failed);
-    the engine cannot go on."""
 
 
 class TPRunner(ModelRunner):
@@ -248,7 +252,8 @@ class Workers:
         if self.failed is not None:
             raise TensorParallelError(f"tensor parallelism already failed: {self.failed}")
 
-    def run(self, message: BatchStep | LaneStep | EnableGraphs, call: Callable[[], T]) -> T:
+    def run(self, message: BatchStep | LaneStep | EnableGraphs | WriteKV | ReadKV,
+            call: Callable[[], T]) -> T:
         """Send ``message`` to every worker, then run ``call`` (rank 0's same step)."""
         self.check()
         try:

@@ -82,9 +82,32 @@ class EnableGraphs:
     plain: bool
 
 
+# (block table, start, end): positions of one sequence, as ``KVPool.slots_of`` takes them
+Span = tuple[tuple[int, ...], int, int]
+
+
+@dataclass(frozen=True)
+class WriteKV:
+    """Store whole-head K/V rows at ``spans``: rank 0 broadcasts the rows
+    ``[layers, 2, positions, kv_heads, head_dim]`` (``kv_heads`` the whole model's) right
+    after this message; each rank keeps its own heads (``parallel.kv_rows``)."""
+
+    spans: tuple[Span, ...]
+    kv_heads: int
+
+
+@dataclass(frozen=True)
+class ReadKV:
+    """Read the K/V rows at ``spans``: each rank reads its heads, pads them to ``width``
+    heads and joins an all-gather, from which rank 0 assembles whole heads."""
+
+    spans: tuple[Span, ...]
+    width: int
+
+
 @dataclass(frozen=True)
 class Stop:
     pass
 
 
-Message = Start | BatchStep | LaneStep | EnableGraphs | Stop
+Message = Start | BatchStep | LaneStep | EnableGraphs | WriteKV | ReadKV | Stop

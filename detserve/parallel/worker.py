@@ -24,9 +24,11 @@ from detserve.parallel.messages import (
     BatchStep,
     EnableGraphs,
     LaneStep,
+    ReadKV,
     Start,
     Stop,
     WorkerSpec,
+    WriteKV,
 )
 from detserve.parallel.shard import TensorParallel, shard_model
 from detserve.verifier import lane_stream
@@ -123,6 +125,10 @@ def serve(pipe: multiprocessing.connection.Connection, runner: ModelRunner,
           group: Group, lanes: LaneThread) -> None:
     """Run rank 0's steps in order (lane passes on ``lanes``); return when told to stop or
     when rank 0 is gone."""
+    parallel: TensorParallel = runner.model.parallel  # type: ignore[assignment]
+    # this rank's heads of a whole-head K/V row (made once: an upload from pageable memory
+    # would wait for the steps queued before it)
+    kv_index = torch.tensor(parallel.layout.kv_heads, dtype=torch.long, device=runner.device)
     while True:
         try:
             msg = pipe.recv()
@@ -146,6 +152,8 @@ def serve(pipe: multiprocessing.connection.Connection, runner: ModelRunner,
             elif isinstance(msg, EnableGraphs):
                 runner.enable_cuda_graphs(msg.decode, msg.lane, msg.max_batch, msg.max_blocks,
                                           msg.step_rows, msg.plain)
+            elif isinstance(msg, WriteKV | ReadKV):
+                move_kv(runner.pool, group, msg, kv_index)
             elif isinstance(msg, Stop):
                 return
             else:
@@ -155,6 +163,32 @@ def serve(pipe: multiprocessing.connection.Connection, runner: ModelRunner,
         except Exception:
             _report(pipe, traceback.format_exc())
             return
+
+
+def move_kv(pool: KVPool, group: Group, msg: WriteKV | ReadKV, kv_index: torch.Tensor) -> None:
+    """This rank's part of a K/V transfer (``parallel.kv_rows``), in step order: store its
+    heads (``kv_index`` of the whole model's) of the whole-head rows rank 0 broadcasts, or
+    join the all-gather with its own."""
+    slots = pool.slots_of(msg.spans)
+    if isinstance(msg, WriteKV):
+        d = pool.data
+        rows = torch.empty((d.shape[0], 2, len(slots), msg.kv_heads, d.shape[5]),
+                           dtype=d.dtype, device=d.device)
+        group.follow(group.broadcast(rows, 0))
+        pool.write_rows(slots, rows.index_select(3, kv_index))
+    else:
+        rows = pad_heads(pool.read_rows(slots), msg.width)
+        group.follow(group.all_gather([torch.empty_like(rows) for _ in range(group.size)],
+                                      rows))
+
+
+def pad_heads(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """``rows`` with zero heads appended up to ``width`` (ranks may hold different counts)."""
+    extra = width - rows.shape[3]
+    if not extra:
+        return rows.contiguous()
+    pad = rows.new_zeros((*rows.shape[:3], extra, rows.shape[4]))
+    return torch.cat([rows, pad], dim=3)
 
 
 def _report(pipe: multiprocessing.connection.Connection, text: str) -> None:

@@ -40,9 +40,9 @@ import grpc
 import redis
 
 from detserve.distributed import PeerLost, backend_for, open_store
-from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import ModelRunner
 from detserve.lane import LanePass, LaneResult
+from detserve.parallel.kv_rows import transfer_pool
 from detserve.verifier import LaneUnavailable
 from services.cluster_auth import ClusterAuth
 from services.kv_handle import KVExporter, KVHandle
@@ -56,7 +56,7 @@ from services.registry import (
 from services.verifier import codec
 from services.verifier import verifier_pb2 as pb
 from services.verifier.stream import Closed, Event, LaneStream
-from services.verifier.transfer import DecoderTransfer, TransferStats
+from services.verifier.transfer import DecoderTransfer, RowStore, TransferStats
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +79,12 @@ class RemoteVerifier:
     stream_ordered = False
 
     def __init__(self, registry: Registry, record: DecoderRecord, auth: ClusterAuth, *,
-                 pool: KVPool | None = None,
+                 pool: RowStore | None = None,
                  failover_timeout_s: float = 30.0, hello_timeout_s: float = 10.0,
                  pass_timeout_s: float = 120.0, retry_bad_after_s: float = 2.0,
                  transfer_timeout_s: float = 30.0, publish_block_tables: bool = True) -> None:
-        """``pool``: the engine's KV pool, for K/V transfer (without it, co-located
-        verifiers only)."""
+        """``pool``: the engine's KV pool (at TP>1 all its ranks', ``transfer_pool``), for
+        K/V transfer (without it, co-located verifiers only)."""
         self.registry = registry
         self.pool = pool
         self.transfer_timeout_s = transfer_timeout_s
@@ -242,7 +242,11 @@ class RemoteVerifier:
             f"{self.record.decoder_id}/{v.verifier_id}".encode()).digest()))
 
     def _colocated(self, v: VerifierRecord) -> bool:
+        """Whether ``v`` maps our pool. Never at TP>1: the pool is sharded over the ranks
+        (the exported one is rank 0's heads only), so its K/V always moves by transfer."""
         handle = self.record.kv_handle
+        if self.record.numerics.tensor_parallel_size > 1:
+            return False
         return v.host == handle.host and v.device_key in ("", handle.device_key)
 
     def _send(self, lane_pass: LanePass) -> None:
@@ -327,7 +331,7 @@ class RemoteVerifier:
             transfer = pb.KVTransfer(
                 group=f"{self.record.decoder_id}/{self.record.epoch}/{self._generation}/"
                       f"{uuid.uuid4().hex[:8]}",
-                backend=backend_for(self.pool.data.device), device=str(self.pool.data.device))
+                backend=backend_for(self.pool.device), device=str(self.pool.device))
         stream.send(codec.encode_hello(self.record, transfer))
         try:
             _, event = private.get(timeout=self.hello_timeout_s)
@@ -493,7 +497,7 @@ def make_verifier_factory(redis_url: str, decoder_id: str, kv_handle: KVHandle |
                                runner.numerics, codec.kernels_profile(runner))
         registry = Registry(redis_url, prefix)
         registry.publish_decoder(record)
-        verifier = RemoteVerifier(registry, record, auth, pool=runner.pool,
+        verifier = RemoteVerifier(registry, record, auth, pool=transfer_pool(runner),
                                   **options)  # type: ignore[arg-type]
         verifier.keep_registered()
         if connect:

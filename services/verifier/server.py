@@ -38,6 +38,8 @@ from detserve.model.identity import ModelInfo
 from detserve.model.llama import LlamaModel
 from detserve.model.loader import load_model
 from detserve.numerics import LaneNumerics
+from detserve.parallel.layout import TPLayout
+from detserve.parallel.shard import shard_model
 from services.cluster_auth import ClusterAuth
 from services.kv_handle import KVHandle, open_kv
 from services.registry import Registry
@@ -109,6 +111,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.transfer_timeout_s = transfer_timeout_s
         self._own: VerifierKV | None = None  # made at the first transfer hello
         self._own_runners: dict[LaneNumerics, ModelRunner] = {}
+        self._tree_model: LlamaModel | None = None  # made at the first invariant-lane hello
+        self._tree_lock = threading.Lock()
         self.streams = 0
         self.passes = 0
         self.busy_s = 0.0
@@ -253,7 +257,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         mc = self.model.config
         pool = KVPool(mc.num_layers, handle.shape[2], numerics.block_size, mc.num_kv_heads,
                       mc.head_dim, handle.torch_dtype, self.device, storage=storage)
-        runner = ModelRunner(self.model, pool, numerics)
+        runner = ModelRunner(self._model_for(numerics), pool, numerics)
         kernels = _same_kernels(hello, runner)
         if self.cuda_graphs:  # a pass's block tables are at most the whole pool wide
             runner.enable_cuda_graphs(None, lane=True, max_batch=1, max_blocks=handle.shape[2])
@@ -295,7 +299,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                    f"has blocks of {own.pool.block_size}")
             runner = self._own_runners.get(numerics)
             if runner is None:
-                runner = ModelRunner(self.model, own.pool, numerics)
+                runner = ModelRunner(self._model_for(numerics), own.pool, numerics)
                 if self.cuda_graphs:  # tables as wide as the longest sequence, not the pool
                     longest = -(-self.model.config.max_position_embeddings
                                 // numerics.block_size)
@@ -304,6 +308,18 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 self._own_runners[numerics] = runner
         _same_kernels(hello, runner)
         return runner
+
+    def _model_for(self, numerics: LaneNumerics) -> LlamaModel:
+        """The model a runner of ``numerics`` runs: with the TP-invariant lane, the whole
+        model carrying the tree's leaves (as a TP=1 engine's), whatever the decoder's TP
+        size; else the model itself."""
+        if not numerics.tp_invariant_lane:
+            return self.model
+        with self._tree_lock:
+            if self._tree_model is None:
+                self._tree_model = shard_model(self.model, TPLayout(self.model.config, 1, 0),
+                                               None, tree=True)
+            return self._tree_model
 
     def _check_current(self, hello: pb.Hello, handle: KVHandle) -> None:
         """Refuse anything but the decoder's current epoch, as published in the registry."""
@@ -335,8 +351,22 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             problems.append(f"dtype {hello.dtype} != {self.info.dtype}")
         if mapped and (handle.kind == "shm") != (torch.device(self.device).type == "cpu"):
             problems.append(f"a {handle.kind} pool cannot be used on {self.device}")
+        kv_heads = mc.num_kv_heads
+        tp = g.tensor_parallel_size
+        if tp > 1:  # the handle is rank 0's pool: its heads only
+            if mapped:
+                problems.append(f"a decoder at tensor_parallel_size {tp} shards its KV pool "
+                                "over its ranks: it cannot be mapped (K/V transfer only)")
+            if not g.tp_invariant_lane:
+                problems.append(f"a decoder at tensor_parallel_size {tp} is verified outside "
+                                "its ranks only with tp_invariant_lane (this verifier's lane "
+                                "runs at TP=1)")
+            try:
+                kv_heads = len(TPLayout(mc, tp, 0).kv_heads)
+            except ValueError as e:
+                problems.append(str(e))
         nb = handle.shape[2] if len(handle.shape) == 6 else -1
-        want = KVPool.shape_for(mc.num_layers, nb, g.block_size, mc.num_kv_heads, mc.head_dim)
+        want = KVPool.shape_for(mc.num_layers, nb, g.block_size, kv_heads, mc.head_dim)
         if handle.shape != want:
             problems.append(f"KV pool shape {handle.shape} != {want}")
         if problems:

@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -40,6 +40,23 @@ from detserve.lane import LanePass, LaneResult, LaneSegment
 log = logging.getLogger(__name__)
 VERIFIER_RANK, DECODER_RANK = 0, 1
 MAX_SENDS = 32  # sends in flight per direction before the oldest is waited for
+
+
+class RowStore(Protocol):
+    """What a transfer uses of a pool: ``KVPool``, or a tensor-parallel engine's ranks as
+    whole heads (``detserve.parallel.kv_rows.ShardedKV``); ``slots_of`` returns what the
+    other methods take (``len``: the positions)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def slots_of(self, spans: Iterable[tuple[Sequence[int], int, int]]) -> Any: ...
+
+    def read_rows(self, slots: Any) -> torch.Tensor: ...
+
+    def write_rows(self, slots: Any, rows: torch.Tensor) -> None: ...
+
+    def empty_rows(self, n: int) -> torch.Tensor: ...
 
 
 class KVFull(RuntimeError):
@@ -85,7 +102,7 @@ class _Pair:
         dev = torch.device(device)
         self._recv_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
 
-    def send_rows(self, group: Group, pool: KVPool, slots: torch.Tensor, dst: int) -> None:
+    def send_rows(self, group: Group, pool: RowStore, slots: Any, dst: int) -> None:
         """Send the K/V of ``slots`` (nothing if there are none); does not wait."""
         if not len(slots):
             return
@@ -94,17 +111,15 @@ class _Pair:
         self.stats.bytes_out += rows.numel() * rows.element_size()
         self.stats.rows_out += rows.shape[2]
 
-    def recv_rows(self, group: Group, pool: KVPool, slots: torch.Tensor, src: int,
+    def recv_rows(self, group: Group, pool: RowStore, slots: Any, src: int,
                   write: bool = True) -> None:
         """Receive the K/V of ``slots`` and, with ``write``, store it there; raises
         ``PeerLost`` if it does not come."""
         if not len(slots):
             return
-        d = pool.data
         side = self._recv_stream
         with torch.cuda.stream(side) if side is not None else nullcontext():
-            rows = torch.empty((d.shape[0], 2, len(slots), d.shape[4], d.shape[5]),
-                               dtype=d.dtype, device=d.device)
+            rows = pool.empty_rows(len(slots))
             work = group.recv(rows, src)
         t0 = time.perf_counter()
         group.wait(work)  # (CUDA: the engine's stream is now ordered after the receive)
@@ -113,7 +128,7 @@ class _Pair:
         self.stats.rows_in += rows.shape[2]
         if write:
             if side is not None:  # read on the engine's stream: not reused before that
-                rows.record_stream(torch.cuda.current_stream(d.device))
+                rows.record_stream(torch.cuda.current_stream(pool.device))
             pool.write_rows(slots, rows)
 
     def reap(self) -> None:
@@ -138,9 +153,10 @@ class DecoderTransfer:
     """The decoder's side of one verifier stream: what the verifier holds of each sequence,
     the rows to push before a pass, the rows to take back after it."""
 
-    def __init__(self, store: Any, name: str, pool: KVPool, timeout_s: float) -> None:
+    def __init__(self, store: Any, name: str, pool: RowStore, timeout_s: float) -> None:
+        """``pool``: the engine's, or at TP>1 its ranks' as whole heads."""
         self.pool = pool
-        self.pair = _Pair(store, name, DECODER_RANK, pool.data.device, timeout_s)
+        self.pair = _Pair(store, name, DECODER_RANK, pool.device, timeout_s)
         # request id -> positions 0 .. n-1 the verifier holds (or will, once the passes
         # sent so far have run)
         self.held: dict[str, int] = {}
