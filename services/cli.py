@@ -67,7 +67,6 @@ def serve_config_from(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
 
 
 def _serve(a: argparse.Namespace) -> int:
-    from ray import serve
 
     from services.app import compose
     from services.local import start_local_serve
