@@ -278,33 +278,29 @@ def validate_args(args: Mapping[str, Any]) -> dict[str, Any]:
     return {name: args[name] for name in (*ARG_NAMES, *OPTIONAL_ARGS) if name in args}
 
 
-# The engine hands a TP decoder's lane to a dedicated verifier (with tp_invariant_lane,
-# offline: benchmarks/dedicated.py); the served decoders are not wired and tested that way yet
-SERVED_TP_VERIFIERS = False
-
-
 def _check_verifiers(args: Mapping[str, Any], engine: EngineConfig) -> None:
     """The verifier replicas against what the decoders' engine can hand them (the engine's
-    own rule, ``EngineConfig.check_outside_lane``) and what Ray can place."""
+    own rule, ``EngineConfig.check_outside_lane``) and what can reach its K/V: a decoder
+    at tensor_parallel_size > 1 shards its pool over its ranks, so only a dedicated
+    verifier (K/V transfer) verifies it; without verifier replicas it verifies on its own
+    ranks."""
+    tp = engine.tensor_parallel_size
+    if not verifiers_deployed(args):
+        if args["mode"] == "llm42" and tp == 1:
+            raise ValueError("mode 'llm42' needs num_verifiers >= 1")
+        return
     try:
         engine.check_outside_lane()
-        in_engine_only = None
-        if engine.tensor_parallel_size > 1 and not SERVED_TP_VERIFIERS:
-            in_engine_only = ("a served decoder at tensor_parallel_size > 1 verifies on its "
-                              "own ranks (dedicated verifiers of TP decoders are offline only "
-                              "for now)")
     except ValueError as e:
-        in_engine_only = str(e)
-    if in_engine_only and verifiers_deployed(args):
-        raise ValueError(f"{in_engine_only}: num_verifiers must be 0 (--num-verifiers 0; "
-                         "each decoder verifies on its own ranks)")
-    if args["mode"] == "llm42" and args["num_verifiers"] < 1 and not in_engine_only:
-        raise ValueError("mode 'llm42' needs num_verifiers >= 1")
-    if (engine.tensor_parallel_size > 1 and args["device"] == "cuda"
-            and verifiers_deployed(args) and not args.get("dedicated_verifiers", False)):
-        # Ray gives an actor more than one GPU only whole: no share is left to co-locate in
-        raise ValueError("a decoder at tensor_parallel_size > 1 holds its GPUs whole: its "
-                         "verifiers cannot share them (set dedicated_verifiers)")
+        raise ValueError(f"{e}: num_verifiers must be 0 (--num-verifiers 0; each decoder "
+                         "verifies on its own ranks), or set --tp-invariant-lane with "
+                         "--dedicated-verifiers") from None
+    if tp > 1 and not args.get("dedicated_verifiers", False):
+        # on CUDA, besides: Ray gives an actor more than one GPU only whole, no share is left
+        whole = " and holds its GPUs whole" if args["device"] == "cuda" else ""
+        raise ValueError(f"a decoder at tensor_parallel_size {tp} shards its KV pool over its "
+                         f"ranks (it cannot be mapped){whole}: its verifiers cannot share "
+                         "them; set --dedicated-verifiers (K/V transfer), or --num-verifiers 0")
 
 
 def verifiers_deployed(args: Mapping[str, Any]) -> bool:

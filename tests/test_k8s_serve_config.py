@@ -117,6 +117,7 @@ def test_deployment_overrides() -> None:
 
 CUDA: dict[str, Any] = {"device": "cuda", "verifier_gpu_fraction": 0.25}
 TP2: dict[str, Any] = {"device": "cuda", "tensor_parallel_size": 2, "num_verifiers": 0}
+INVARIANT: dict[str, Any] = {"tp_invariant_lane": True}
 
 
 def _args(**overrides: Any) -> dict[str, Any]:
@@ -172,20 +173,79 @@ def test_tp_refuses_verifiers_with_the_engines_own_rule() -> None:
     assert _args(**{**TP2, "device": "cpu", "mode": "nondeterministic", "num_verifiers": 1})
 
 
-def test_tp_placement_once_the_engine_takes_outside_verifiers(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Should the engine hand a TP lane to verifiers, a co-located one has no GPU share to
-    take (Ray gives more than one GPU only whole); a dedicated one does."""
-    from detserve.config import EngineConfig
-
-    monkeypatch.setattr(EngineConfig, "check_outside_lane", lambda self: None)
-    monkeypatch.setattr(sc, "SERVED_TP_VERIFIERS", True)
+def test_tp_placement_of_dedicated_verifiers() -> None:
+    """With the invariant lane the engine hands a TP lane to verifiers: a co-located one has
+    no GPU share to take (Ray gives more than one GPU only whole); a dedicated one does."""
     with pytest.raises(ValueError, match="holds its GPUs whole"):
-        sc.default_serve_config(**{**TP2, **CUDA, "num_verifiers": 1})
-    args = _args(**{**TP2, "num_verifiers": 2, "dedicated_verifiers": True})
+        sc.default_serve_config(**{**TP2, **CUDA, **INVARIANT, "num_verifiers": 1})
+    args = _args(**{**TP2, **INVARIANT, "num_verifiers": 2, "dedicated_verifiers": True})
     assert (sc.decoder_gpus(args), sc.verifier_gpus(args), sc.gpus_needed(args)) == (2, 1, 4)
+    # llm42 without verifier replicas: at TP=1 refused, at TP>1 the lane runs on the
+    # decoder's own ranks (invariant or not)
     with pytest.raises(ValueError, match="llm42' needs num_verifiers >= 1"):
-        sc.default_serve_config(**TP2)
+        sc.default_serve_config(**{**CUDA, "num_verifiers": 0})
+    assert _args(**{**TP2, **INVARIANT})["num_verifiers"] == 0
+
+
+# the combinations a TP decoder's verifiers come in: accepted only dedicated, with the
+# invariant lane; every refusal names the flags that fix it
+TP_CPU: dict[str, Any] = {"tensor_parallel_size": 2, "num_verifiers": 1}
+
+
+@pytest.mark.parametrize("extra", [
+    {**INVARIANT, "dedicated_verifiers": True},
+    {**INVARIANT, "dedicated_verifiers": True, "device": "cuda", "num_verifiers": 3},
+    {**INVARIANT, "dedicated_verifiers": True, "tensor_parallel_size": 4, "mode": "lane_only"},
+    {**INVARIANT, "num_verifiers": 0},
+    {"num_verifiers": 0},
+    {**INVARIANT, "mode": "nondeterministic"},  # no lane: no verifier deployed
+], ids=["cpu", "cuda", "tp4-lane-only", "own-ranks-invariant", "own-ranks", "no-lane"])
+def test_tp_verifier_combinations_accepted(extra: dict[str, Any]) -> None:
+    args = _args(**{**TP_CPU, **extra})
+    engine = sc.engine_config(args, read_checkpoint=False)
+    assert engine.tensor_parallel_size == args["tensor_parallel_size"] > 1
+    if sc.verifiers_deployed(args):
+        engine.check_outside_lane()  # the engine takes the verifiers the config deploys
+        assert args["dedicated_verifiers"] and args["tp_invariant_lane"]
+
+
+@pytest.mark.parametrize("extra, words", [
+    # co-located: a sharded pool cannot be mapped (on CUDA nor shared)
+    (INVARIANT, ["cannot be mapped", "--dedicated-verifiers", "--num-verifiers 0"]),
+    ({**INVARIANT, **CUDA}, ["cannot be mapped", "holds its GPUs whole",
+                             "--dedicated-verifiers"]),
+    # dedicated without the invariant lane: a TP=1 verifier cannot reproduce its bits
+    ({"dedicated_verifiers": True}, ["only with tp_invariant_lane", "--tp-invariant-lane",
+                                     "--dedicated-verifiers", "--num-verifiers 0"]),
+    ({"dedicated_verifiers": True, "device": "cuda"}, ["--tp-invariant-lane"]),
+    ({"mode": "lane_only"}, ["--tp-invariant-lane", "num_verifiers must be 0"]),
+], ids=["colocated", "colocated-cuda", "dedicated-plain", "dedicated-plain-cuda",
+        "colocated-plain"])
+def test_tp_verifier_combinations_refused(extra: dict[str, Any], words: list[str]) -> None:
+    with pytest.raises(ValueError) as e:
+        sc.default_serve_config(**{**TP_CPU, **extra})
+    for word in words:
+        assert word in str(e.value), (word, str(e.value))
+
+
+def test_serve_cli_accepts_tp_with_dedicated_verifiers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flags reach the config, and it passes the checks (Redis is the first thing
+    started, stopped here)."""
+    from services import cli
+    from services.console import main
+
+    class Started(Exception):
+        pass
+
+    def started(*a: Any, **kw: Any) -> None:
+        raise Started
+
+    monkeypatch.setattr(cli, "_ensure_free", started)
+    monkeypatch.setattr(cli, "_embedded_redis", started)
+    with pytest.raises(Started):
+        main(["serve", "--tensor-parallel-size", "2", "--tp-invariant-lane",
+              "--dedicated-verifiers", "--num-verifiers", "1"])
 
 
 def test_decoder_override_must_reserve_the_tp_gpus() -> None:
