@@ -3,7 +3,10 @@
 With ``num_verifiers == 0`` (or a mode without a lane) the engine verifies in-process. Otherwise
 the KV pool is exported (shared memory on CPU, CUDA IPC on GPU) and lane passes go to the
 Verifier pool through ``services.verifier.client``; when that package is not installed the
-engine falls back to the in-process verifier, logging why.
+engine falls back to the in-process verifier, logging why. At ``tensor_parallel_size`` > 1
+the same wiring holds (the serve config admits only dedicated verifiers, with
+``tp_invariant_lane``): the exported pool is rank 0's, and the client moves K/V over every
+rank by transfer, never asking a verifier to map it.
 """
 
 from __future__ import annotations

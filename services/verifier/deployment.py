@@ -112,7 +112,7 @@ class Verifier:
         s = self.replica.servicer
         return {"verifier_id": self.replica.verifier_id, "address": self.replica.address,
                 "streams": s.streams, "passes": s.passes, "kv_bytes_in": s.kv_bytes_in,
-                "kv_bytes_out": s.kv_bytes_out}
+                "kv_bytes_out": s.kv_bytes_out, "kv_rows_out": s.kv_rows_out}
 
     def __del__(self) -> None:
         # Ray Serve calls __del__ when it stops a replica: deregister before exiting

@@ -118,6 +118,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.busy_s = 0.0
         self.kv_bytes_in = 0
         self.kv_bytes_out = 0
+        self.kv_rows_out = 0  # committed rows sent back to transferring decoders
         self.serving = True
 
     # ---- RPCs ---------------------------------------------------------------------
@@ -223,6 +224,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             kv_rows = transfer.send_back(lane_pass, result)
             self.kv_bytes_in += transfer.stats.bytes_in - before[0]
             self.kv_bytes_out += transfer.stats.bytes_out - before[1]
+            self.kv_rows_out += kv_rows
         self.busy_s += time.perf_counter() - t0
         return codec.encode_result(result, kv_rows)
 
