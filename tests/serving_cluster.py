@@ -67,6 +67,29 @@ def serving_cluster(*, limits: ServingLimits | None = None, **overrides: Any
                       time.monotonic() - t0, redis)
 
 
+def tp1_lane_reference(model: str, prompt: str, max_tokens: int) -> Any:
+    """The offline TP=1 ``lane_only`` answer (TP-invariant lane) to a deterministic,
+    seeded request (temperature 0.8, seed 5, logprobs), at one thread as a decoder replica
+    runs: what a served TP decoder must give bit for bit."""
+    import torch
+
+    from detserve.llm import LLM
+    from detserve.params import SamplingParams
+
+    offline = LLM(model, mode="lane_only", verify_window=W, verify_group=G,
+                  max_model_len=MAX_MODEL_LEN, tp_invariant_lane=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        (ref,) = offline.generate([prompt], SamplingParams(
+            max_tokens=max_tokens, temperature=0.8, seed=5, logprobs=1, ignore_eos=True,
+            is_deterministic=True))
+    finally:
+        torch.set_num_threads(threads)
+        offline.close()
+    return ref
+
+
 def _wait_ready(url: str, bound_s: float = 60.0) -> None:
     """Until /health answers 200 (the decoders' links found, a verifier usable), at most
     ``bound_s``: a test's first request then meets the cluster it means to test. A cluster

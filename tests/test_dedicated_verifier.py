@@ -33,6 +33,7 @@ from test_remote_verifier import (  # noqa: F401  (fixtures used by name)
     W,
     _hello_status,
     cluster_secret,
+    kill_after,
     make_engine,
     model,
     oracle,
@@ -173,16 +174,7 @@ def _kill_mid_transfer(model: str, redis_url: str, prefix: str, procs: list[Veri
                                    transfer_timeout_s=5.0)
     remote = engine.verifier
     assert isinstance(remote, RemoteVerifier) and remote.verifier is not None
-    first = remote.verifier.address
-    submit, submitted = remote.submit, [0]
-
-    def submit_then_kill(lane_pass: LanePass) -> None:
-        submit(lane_pass)
-        submitted[0] += 1
-        if submitted[0] == 4:
-            by_address[first].kill()
-
-    remote.submit = submit_then_kill  # type: ignore[method-assign]
+    first = kill_after(remote, procs, 4)
     try:
         outs = drive(engine, REQS, oracle_prefix_checker(oracle))
         assert by_address[first].proc.poll() is not None

@@ -167,6 +167,25 @@ def pool(model: str, redis_url: str) -> Iterator[tuple[str, list[VerifierProc]]]
         yield prefix, procs
 
 
+def kill_after(remote: RemoteVerifier, procs: list[VerifierProc], passes: int) -> str:
+    """Make ``remote`` kill the verifier it talks to now right after submitting its
+    ``passes``-th lane pass (that pass is then certainly still in flight); returns the
+    killed verifier's address."""
+    assert remote.verifier is not None
+    first = remote.verifier.address
+    victim = next(p for p in procs if p.address == first)
+    submit, submitted = remote.submit, [0]
+
+    def submit_then_kill(lane_pass: LanePass) -> None:
+        submit(lane_pass)
+        submitted[0] += 1
+        if submitted[0] == passes:
+            victim.kill()
+
+    remote.submit = submit_then_kill  # type: ignore[method-assign]
+    return first
+
+
 def make_engine(model: str, redis_url: str, prefix: str, decoder_id: str,
                 connect: bool = True, engine_kw: dict[str, Any] | None = None,
                 **options: float) -> tuple[LLMEngine, KVExporter]:
@@ -308,16 +327,7 @@ def test_killed_verifier_loses_nothing(model: str, redis_url: str,
         engine, exporter = make_engine(model, redis_url, prefix, "dec-kill")
         remote = engine.verifier
         assert isinstance(remote, RemoteVerifier) and remote.verifier is not None
-        first = remote.verifier.address
-        submit, submitted = remote.submit, [0]
-
-        def submit_then_kill(lane_pass: LanePass) -> None:
-            submit(lane_pass)
-            submitted[0] += 1
-            if submitted[0] == 3:  # the pass just sent is certainly still in flight
-                by_address[first].kill()
-
-        remote.submit = submit_then_kill  # type: ignore[method-assign]
+        first = kill_after(remote, procs, 3)
         try:
             outs = drive(engine, REQS, oracle_prefix_checker(oracle))
         finally:

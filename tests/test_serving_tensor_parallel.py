@@ -10,11 +10,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import torch
-from serving_cluster import MAX_MODEL_LEN, Cluster, G, W, serving_cluster
+from serving_cluster import Cluster, serving_cluster, tp1_lane_reference
 
-from detserve.llm import LLM
-from detserve.params import SamplingParams
 from services.serve_config import default_serve_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -29,16 +26,7 @@ def cluster() -> Iterator[Cluster]:
 
 
 def test_tp2_serves_the_tp1_lane_bits(cluster: Cluster) -> None:
-    offline = LLM(cluster.args["model"], mode="lane_only", verify_window=W, verify_group=G,
-                  max_model_len=MAX_MODEL_LEN, tp_invariant_lane=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as a decoder replica runs
-    try:
-        (ref,) = offline.generate([PROMPT], SamplingParams(
-            max_tokens=MAX_TOKENS, temperature=0.8, seed=5, logprobs=1, ignore_eos=True,
-            is_deterministic=True))
-    finally:
-        torch.set_num_threads(threads)
+    ref = tp1_lane_reference(cluster.args["model"], PROMPT, MAX_TOKENS)
     body = {"model": cluster.args["model"], "prompt": PROMPT, "max_tokens": MAX_TOKENS,
             "temperature": 0.8, "seed": 5, "logprobs": 1, "ignore_eos": True}
     with httpx.Client(base_url=cluster.base_url, timeout=120) as client:

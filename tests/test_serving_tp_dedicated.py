@@ -17,11 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
-from serving_cluster import MAX_MODEL_LEN, Cluster, G, W, serving_cluster
+from serving_cluster import Cluster, serving_cluster, tp1_lane_reference
 
-from detserve.llm import LLM
-from detserve.params import SamplingParams
 from services.serve_config import APP_NAME, DECODER, VERIFIER
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -44,16 +41,7 @@ def _handle_call(deployment: str, method: str) -> Any:
 
 
 def test_tp2_decoder_verified_by_a_dedicated_replica(cluster: Cluster) -> None:
-    offline = LLM(cluster.args["model"], mode="lane_only", verify_window=W, verify_group=G,
-                  max_model_len=MAX_MODEL_LEN, tp_invariant_lane=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as a decoder replica runs
-    try:
-        (ref,) = offline.generate([PROMPT], SamplingParams(
-            max_tokens=MAX_TOKENS, temperature=0.8, seed=5, logprobs=1, ignore_eos=True,
-            is_deterministic=True))
-    finally:
-        torch.set_num_threads(threads)
+    ref = tp1_lane_reference(cluster.args["model"], PROMPT, MAX_TOKENS)
     body = {"model": cluster.args["model"], "prompt": PROMPT, "max_tokens": MAX_TOKENS,
             "temperature": 0.8, "seed": 5, "logprobs": 1, "ignore_eos": True,
             "is_deterministic": True}

@@ -32,13 +32,13 @@ from test_remote_verifier import (  # noqa: F401  (fixtures used by name)
     VerifierProc,
     W,
     cluster_secret,
+    kill_after,
     make_engine,
     oracle_prefix_checker,
     redis_url,
 )
 from test_tensor_parallel import SMOLLM2_HEADS
 
-from detserve.lane import LanePass
 from detserve.parallel.kv_rows import ShardedKV, Slots
 from services.registry import Registry
 from services.verifier import codec
@@ -132,21 +132,11 @@ def test_killed_verifier_pushes_the_prefix_from_both_ranks(redis_url: str) -> No
     oracle = lane_only(model, REQS)
     prefix = f"tpkill{uuid.uuid4().hex[:6]}"
     with transferring(2, model, redis_url, prefix) as procs:
-        by_address = {p.address: p for p in procs}
         engine, exporter = make_engine(model, redis_url, prefix, "dec-tp-kill",
                                        engine_kw=TP2, transfer_timeout_s=5.0)
         remote = engine.verifier
         assert isinstance(remote, RemoteVerifier) and remote.verifier is not None
-        first = remote.verifier.address
-        submit, submitted = remote.submit, [0]
-
-        def submit_then_kill(lane_pass: LanePass) -> None:
-            submit(lane_pass)
-            submitted[0] += 1
-            if submitted[0] == 4:
-                by_address[first].kill()
-
-        remote.submit = submit_then_kill  # type: ignore[method-assign]
+        first = kill_after(remote, procs, 4)
         try:
             outs = drive(engine, REQS, oracle_prefix_checker(oracle))
             assert remote.failovers >= 1 and remote.verifier.address != first
