@@ -73,11 +73,13 @@ class KVPool:
     def device(self) -> torch.device:
         return self.data.device
 
-    def empty_rows(self, n: int) -> Tensor:
-        """A buffer for ``n`` rows as ``read_rows`` returns them (what a transfer receives)."""
+    def empty_rows(self, n: int, kv_heads: int | None = None) -> Tensor:
+        """A buffer for ``n`` rows as ``read_rows`` returns them (what a transfer receives),
+        of ``kv_heads`` heads (default this pool's: a TP rank's are the whole model's
+        rows only when they arrive)."""
         d = self.data
-        return torch.empty((d.shape[0], 2, n, d.shape[4], d.shape[5]), dtype=d.dtype,
-                           device=d.device)
+        return torch.empty((d.shape[0], 2, n, d.shape[4] if kv_heads is None else kv_heads,
+                            d.shape[5]), dtype=d.dtype, device=d.device)
 
     def read_rows(self, slots: Tensor) -> Tensor:
         """K/V of every layer at ``slots``: ``[layers, 2, len(slots), kv_heads, head_dim]``,

@@ -30,7 +30,7 @@ from detserve.parallel.executor import TPRunner, Workers
 from detserve.parallel.layout import TPLayout
 from detserve.parallel.messages import ReadKV, Span, WriteKV
 from detserve.parallel.shard import TensorParallel
-from detserve.parallel.worker import pad_heads
+from detserve.parallel.worker import gather_heads
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,7 @@ class ShardedKV:
         return Slots(kept, self.pool.slots_of(kept))
 
     def empty_rows(self, n: int) -> Tensor:
-        d = self.pool.data
-        return torch.empty((d.shape[0], 2, n, self.kv_heads, d.shape[5]), dtype=d.dtype,
-                           device=d.device)
+        return self.pool.empty_rows(n, self.kv_heads)
 
     def write_rows(self, slots: Slots, rows: Tensor) -> None:
         """Store whole-head ``rows`` at ``slots`` on every rank."""
@@ -97,10 +95,7 @@ class ShardedKV:
     def read_rows(self, slots: Slots) -> Tensor:
         """Whole-head rows at ``slots``, gathered from every rank."""
         def read() -> Tensor:
-            mine = pad_heads(self.pool.read_rows(slots.local), self.width)
-            parts = [torch.empty_like(mine) for _ in range(self.workers.size)]
-            group = self.workers.group
-            group.follow(group.all_gather(parts, mine))
+            parts = gather_heads(self.pool, self.workers.group, slots.local, self.width)
             # [layers, 2, n, ranks * width, head_dim] -> the whole heads in order
             return torch.cat(parts, dim=3).index_select(3, self._gather_index)
 

@@ -10,7 +10,7 @@ import queue
 import threading
 import traceback
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -64,7 +64,7 @@ def worker_main(pipe: multiprocessing.connection.Connection, spec: WorkerSpec) -
     except Exception:  # reported to rank 0, which fails the engine's start
         _report(pipe, traceback.format_exc())
         return
-    lanes = LaneThread(runner, model.parallel, lane_group, c.lane_sms, pipe, group)
+    lanes = LaneThread(runner, lane_group, c.lane_sms, pipe, group)
     try:
         serve(pipe, runner, group, lanes)
     finally:
@@ -77,10 +77,10 @@ class LaneThread:
     K/V of its windows). A failed pass is reported and ends both groups, so that rank 0's
     next collective fails within its deadline."""
 
-    def __init__(self, runner: ModelRunner, parallel: Any, group: Group, lane_sms: int | None,
+    def __init__(self, runner: ModelRunner, group: Group, lane_sms: int | None,
                  pipe: multiprocessing.connection.Connection, step_group: Group) -> None:
         self.runner, self.group, self.step_group = runner, group, step_group
-        self.parallel: TensorParallel = parallel
+        self.parallel = cast(TensorParallel, runner.model.parallel)
         self.pipe, self.lane_sms = pipe, lane_sms
         self._jobs: queue.Queue[tuple[Any, Any] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="detserve-tp-lane",
@@ -125,10 +125,10 @@ def serve(pipe: multiprocessing.connection.Connection, runner: ModelRunner,
           group: Group, lanes: LaneThread) -> None:
     """Run rank 0's steps in order (lane passes on ``lanes``); return when told to stop or
     when rank 0 is gone."""
-    parallel: TensorParallel = runner.model.parallel  # type: ignore[assignment]
     # this rank's heads of a whole-head K/V row (made once: an upload from pageable memory
     # would wait for the steps queued before it)
-    kv_index = torch.tensor(parallel.layout.kv_heads, dtype=torch.long, device=runner.device)
+    kv_index = torch.tensor(lanes.parallel.layout.kv_heads, dtype=torch.long,
+                            device=runner.device)
     while True:
         try:
             msg = pipe.recv()
@@ -171,24 +171,26 @@ def move_kv(pool: KVPool, group: Group, msg: WriteKV | ReadKV, kv_index: torch.T
     join the all-gather with its own."""
     slots = pool.slots_of(msg.spans)
     if isinstance(msg, WriteKV):
-        d = pool.data
-        rows = torch.empty((d.shape[0], 2, len(slots), msg.kv_heads, d.shape[5]),
-                           dtype=d.dtype, device=d.device)
+        rows = pool.empty_rows(len(slots), msg.kv_heads)
         group.follow(group.broadcast(rows, 0))
         pool.write_rows(slots, rows.index_select(3, kv_index))
     else:
-        rows = pad_heads(pool.read_rows(slots), msg.width)
-        group.follow(group.all_gather([torch.empty_like(rows) for _ in range(group.size)],
-                                      rows))
+        gather_heads(pool, group, slots, msg.width)
 
 
-def pad_heads(rows: torch.Tensor, width: int) -> torch.Tensor:
-    """``rows`` with zero heads appended up to ``width`` (ranks may hold different counts)."""
+def gather_heads(pool: KVPool, group: Group, slots: torch.Tensor, width: int
+                 ) -> list[torch.Tensor]:
+    """Every rank's K/V rows at ``slots`` (each rank's own), in rank order: an all-gather
+    of this rank's heads with zero heads appended up to ``width`` (ranks may hold
+    different counts)."""
+    rows = pool.read_rows(slots)
     extra = width - rows.shape[3]
-    if not extra:
-        return rows.contiguous()
-    pad = rows.new_zeros((*rows.shape[:3], extra, rows.shape[4]))
-    return torch.cat([rows, pad], dim=3)
+    if extra:
+        rows = torch.cat([rows, rows.new_zeros((*rows.shape[:3], extra, rows.shape[4]))],
+                         dim=3)
+    parts = [torch.empty_like(rows) for _ in range(group.size)]
+    group.follow(group.all_gather(parts, rows.contiguous()))
+    return parts
 
 
 def _report(pipe: multiprocessing.connection.Connection, text: str) -> None:
