@@ -431,8 +431,8 @@ class LLMEngine:
         }
         if "tp_invariant_lane" not in prof:  # the lane's bits depend on the TP size
             prof["tp_size"] = self.config.tensor_parallel_size
-        else:  # (the one-call verdicts name this rank's shapes, which follow the TP size)
-            prof["kernels"] = f"{self.runner.kernel_family}/torch-{torch.__version__}"
+        else:
+            prof["kernels"] = f"{self.runner.lane_kernels}/torch-{torch.__version__}"
         if dev.startswith("cuda"):
             prof["cuda_graphs"] = self.config.cuda_graphs  # the lane's GEMMs replayed or eager
         blob = json.dumps(prof, sort_keys=True).encode()

@@ -337,6 +337,13 @@ class ModelRunner:
                                         self.lane_sizes(), max_blocks, lane_cfg=self.lane_attn,
                                         reduce=self.tp_reduce("lane"))
 
+    @property
+    def lane_kernels(self) -> str:
+        """The kernels a lane row's bits depend on: the set, or with the TP-invariant lane
+        its family, since the one-call verdicts name this rank's product shapes (which
+        follow the TP size) and never change bits."""
+        return self.kernel_family if self.numerics.tp_invariant_lane else self.kernel_set
+
     def lane_sizes(self) -> list[int]:
         """Row counts a lane pass runs at (``LaneNumerics.lane_sizes``)."""
         return list(self.numerics.lane_sizes)

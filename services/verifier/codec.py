@@ -28,10 +28,9 @@ def kernels_profile(runner: ModelRunner) -> str:
     """What lane bits depend on besides weights, dtype and ``LaneNumerics``: the runner's
     kernel set (with its probes' verdicts), torch and the device kind. A verifier serves a
     decoder only if both runners report the same string (CPU GEMMs may split work by
-    thread, so the thread count is part of it). With the TP-invariant lane the kernel family stands for
-    the set: the one-call probe's verdicts name each rank's product shapes, which follow
-    the TP size, and never change bits (a TP decoder and its TP=1 verifier)."""
-    kernels = runner.kernel_family if runner.numerics.tp_invariant_lane else runner.kernel_set
+    thread, so the thread count is part of it). ``ModelRunner.lane_kernels``: with the
+    TP-invariant lane a TP decoder and its TP=1 verifier agree."""
+    kernels = runner.lane_kernels
     if runner.device.type == "cuda":
         kind = torch.cuda.get_device_name(runner.device)
     else:
