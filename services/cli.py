@@ -146,7 +146,14 @@ def _ensure_free(host: str, port: int) -> None:
 
 
 def _start_mps(stack: ExitStack, device: str) -> None:
-    """Start the CUDA MPS control daemon (``--mps``) unless one runs; ``stack`` stops it."""
+    """Start a CUDA MPS control daemon for this server (``--mps``) unless the one named by
+    ``CUDA_MPS_PIPE_DIRECTORY`` (or the default one) runs; ``stack`` stops it.
+
+    MPS clients number devices relative to the daemon's own ``CUDA_VISIBLE_DEVICES``, while
+    Ray hands each replica host-wide GPU ids; so the daemon sees every GPU, and a server
+    given GPUs 2 and 3 finds them as 2 and 3. Unless the user names a pipe directory, each
+    server gets one of its own, so servers beside each other on one host neither share a
+    daemon nor stop one another's."""
     from services.verifier.deployment import MPS_LOG_DEFAULT, MPS_PIPE_DEFAULT, mps_running
 
     if device != "cuda":
@@ -158,11 +165,13 @@ def _start_mps(stack: ExitStack, device: str) -> None:
     if exe is None:
         raise SystemExit("detserve serve: --mps needs nvidia-cuda-mps-control (the CUDA "
                          "driver's MPS binaries) on PATH")
-    pipe = os.environ.setdefault("CUDA_MPS_PIPE_DIRECTORY", MPS_PIPE_DEFAULT)
-    logs = os.environ.setdefault("CUDA_MPS_LOG_DIRECTORY", MPS_LOG_DEFAULT)
+    own = f"-{os.getpid()}" if "CUDA_MPS_PIPE_DIRECTORY" not in os.environ else ""
+    pipe = os.environ.setdefault("CUDA_MPS_PIPE_DIRECTORY", MPS_PIPE_DEFAULT + own)
+    logs = os.environ.setdefault("CUDA_MPS_LOG_DIRECTORY", MPS_LOG_DEFAULT + own)
     for d in (pipe, logs):
         os.makedirs(d, exist_ok=True)
-    done = subprocess.run([exe, "-d"], capture_output=True, text=True, timeout=30)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    done = subprocess.run([exe, "-d"], capture_output=True, text=True, timeout=30, env=env)
     if done.returncode != 0:
         shutil.rmtree(pipe, ignore_errors=True)
         raise SystemExit(f"detserve serve: the MPS daemon did not start: "
@@ -170,7 +179,8 @@ def _start_mps(stack: ExitStack, device: str) -> None:
     print(f"detserve: MPS daemon started (pipe directory {pipe})", flush=True)
 
     def stop() -> None:
-        subprocess.run([exe], input="quit\n", text=True, capture_output=True, timeout=30)
+        subprocess.run([exe], input="quit\n", text=True, capture_output=True, timeout=30,
+                       env=env)
         shutil.rmtree(pipe, ignore_errors=True)
 
     stack.callback(stop)

@@ -784,6 +784,42 @@ def test_serve_mps_flag_starts_a_daemon_only_where_it_can(monkeypatch: pytest.Mo
         assert "already running" in capsys.readouterr().out
 
 
+def test_serve_mps_daemon_sees_every_gpu_and_has_a_pipe_of_its_own(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """The daemon ``--mps`` starts: launched without the server's ``CUDA_VISIBLE_DEVICES``
+    (MPS clients number GPUs relative to the daemon's, Ray gives replicas host-wide ids),
+    in a pipe directory of this server's own unless the user names one, and told to quit
+    when the server stops. The daemon here is a script that records how it was run."""
+    from contextlib import ExitStack
+
+    from services.cli import _start_mps
+    from services.verifier.deployment import MPS_PIPE_DEFAULT
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "nvidia-cuda-mps-control"
+    fake.write_text(f'#!/bin/sh\necho "$* gpus=${{CUDA_VISIBLE_DEVICES-unset}} '
+                    f'pipe=$CUDA_MPS_PIPE_DIRECTORY" >> {calls}\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.delenv("CUDA_MPS_LOG_DIRECTORY", raising=False)
+    with ExitStack() as stack:
+        _start_mps(stack, "cuda")
+        pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+        assert pipe != MPS_PIPE_DEFAULT and str(os.getpid()) in pipe and os.path.isdir(pipe)
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"  # the server's own is kept
+    assert calls.read_text().splitlines() == [f"-d gpus=unset pipe={pipe}",
+                                              f" gpus=unset pipe={pipe}"]
+    assert not os.path.exists(pipe)
+    # a pipe directory the user names is used as it is
+    named = tmp_path / "named"
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(named))
+    with ExitStack() as stack:
+        _start_mps(stack, "cuda")
+        assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(named) and named.is_dir()
+
+
 def test_echo_prepares_prompt_logprobs_and_the_prompt_text(ctx: ModelContext) -> None:
     """``echo``: each choice's prompt text to send first (the string as given, or token ids
     decoded), and with ``logprobs`` the prompt's logprobs asked of the engine."""
