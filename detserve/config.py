@@ -203,7 +203,8 @@ class EngineConfig:
              "lane must catch every one")
     batch_invariant_rows: int = opt(32, "batch_invariant mode's fixed row chunk (CPU "
                                         "reference)")
-    lane_threaded: bool = opt(False, "run lane passes on a worker thread (always on CUDA)")
+    lane_threaded: bool = opt(False, "run lane passes on a worker thread (always on CUDA at TP=1; at\n"
+                                     "TP>1 on CUDA the lane runs in the engine's thread)")
     lane_sms: int | None = opt(
         None, "CUDA: the lane runs in a green context of this many SMs (the verifier on "
               "dedicated SMs of the decoder's GPU); default: shared")
@@ -311,6 +312,12 @@ class EngineConfig:
                              f"got tensor_parallel_size {tp}")
         if self.tp_timeout_s <= 0:
             raise ValueError("tp_timeout_s must be positive")
+        if tp > 1 and self.device.startswith("cuda") and (self.lane_threaded or self.lane_sms):
+            # two NCCL communicators driven from two threads of each rank stalled the ranks
+            # (docs/tensor-parallel.md): at TP>1 on CUDA each rank runs its lane passes in
+            # its steps' thread and stream, in rank 0's order
+            raise ValueError("at tensor_parallel_size > 1 on CUDA the lane runs in the "
+                             "engine's thread: lane_threaded and lane_sms are not available")
 
     def check_outside_lane(self) -> None:
         """Raise ValueError when this engine cannot hand its lane passes to a verifier in

@@ -155,10 +155,13 @@ class LLMEngine:
     @staticmethod
     def _default_verifier_factory(config: EngineConfig) -> Callable[[ModelRunner], Verifier]:
         """Lane on its own thread/stream (green context of ``lane_sms`` SMs) when asked or on
-        CUDA; on CPU the in-process verifier keeps runs reproducible step by step. (At TP>1
-        every rank runs its lane passes in a group of their own, in rank 0's order, either
-        way.)"""
-        if config.lane_threaded or config.device.startswith("cuda"):
+        CUDA at TP=1; on CPU the in-process verifier keeps runs reproducible step by step.
+        At TP>1 every rank runs its lane passes in a group of their own, in rank 0's order:
+        on CUDA in the steps' thread (two threads driving NCCL stalled the ranks)."""
+        cuda = config.device.startswith("cuda")
+        if cuda and config.tensor_parallel_size > 1:
+            return InProcessVerifier
+        if config.lane_threaded or cuda:
             return partial(ThreadedVerifier, lane_sms=config.lane_sms)
         return InProcessVerifier
 

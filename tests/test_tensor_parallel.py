@@ -85,6 +85,17 @@ def test_bad_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match="dividing 4"):
         EngineConfig.create("m", dtype="float32", tensor_parallel_size=8, tp_invariant_lane=True,
                             max_model_len=64)
+    # on CUDA at TP>1 the lane runs in the engine's thread (threads stalled NCCL's ranks)
+    for kw in ({"lane_threaded": True}, {"lane_sms": 16}):
+        with pytest.raises(ValueError, match="engine's thread"):
+            EngineConfig.create("m", dtype="bfloat16", device="cuda", tensor_parallel_size=2,
+                                max_model_len=64, **kw)
+        EngineConfig.create("m", dtype="bfloat16", device="cuda", max_model_len=64, **kw)
+    from detserve.engine import LLMEngine
+    from detserve.verifier import InProcessVerifier
+    cuda_tp = EngineConfig.create("m", dtype="bfloat16", device="cuda", tensor_parallel_size=2,
+                                  max_model_len=64)
+    assert LLMEngine._default_verifier_factory(cuda_tp) is InProcessVerifier
 
 
 def test_tp_engine_refuses_an_outside_verifier() -> None:

@@ -11,10 +11,10 @@ the same on every rank) but never read a step back: their hosts run ahead of the
 devices as rank 0's does. A step fed tokens that rank 0 has not read
 back (asynchronous scheduling) gets them by a broadcast in stream order, and CUDA graphs
 are captured on every rank at once (``EnableGraphs``): the captures hold the collectives.
-Lane passes meet in a group of their own (``lane_group``): on every rank they run on a lane
-thread (rank 0's is the engine's verifier's: ``ThreadedVerifier`` on CUDA), in the order
-rank 0 sent them, so the lane's collectives and the fast path's are each issued in one
-order on every rank and the lane does not stop the fast path.
+Lane passes meet in a group of their own (``lane_group``), in the order rank 0 sent them:
+on CUDA in every rank's steps' thread (two threads driving NCCL stalled the ranks), on CPU
+on lane threads (``worker.LaneThread``; rank 0's verifier thread with ``lane_threaded``),
+so that there the lane does not stop the fast path.
 
 A worker that dies or stalls makes rank 0's next collective raise ``PeerLost`` within the
 deadline; the step then raises ``TensorParallelError`` and the engine is done (its group is

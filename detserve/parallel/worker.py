@@ -1,7 +1,7 @@
 """A tensor-parallel worker process (rank >= 1): loads and shards the checkpoint, builds
 its runner and KV pool (its own K/V heads only), then runs whatever rank 0 sends, in order,
 until told to stop or until rank 0 is gone (``executor`` describes the protocol): steps on
-its main thread, lane passes on a lane thread of their own, in the lane's group."""
+its main thread, lane passes in the lane's group (``LaneThread``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import multiprocessing.connection
 import queue
 import threading
 import traceback
-from contextlib import nullcontext
 from typing import Any, cast
 
 import torch
@@ -31,7 +30,6 @@ from detserve.parallel.messages import (
     WriteKV,
 )
 from detserve.parallel.shard import TensorParallel, shard_model
-from detserve.verifier import lane_stream
 
 
 def worker_main(pipe: multiprocessing.connection.Connection, spec: WorkerSpec) -> None:
@@ -64,7 +62,7 @@ def worker_main(pipe: multiprocessing.connection.Connection, spec: WorkerSpec) -
     except Exception:  # reported to rank 0, which fails the engine's start
         _report(pipe, traceback.format_exc())
         return
-    lanes = LaneThread(runner, lane_group, c.lane_sms, pipe, group)
+    lanes = LaneThread(runner, lane_group, pipe, group)
     try:
         serve(pipe, runner, group, lanes)
     finally:
@@ -72,53 +70,52 @@ def worker_main(pipe: multiprocessing.connection.Connection, spec: WorkerSpec) -
 
 
 class LaneThread:
-    """This rank's lane passes, in the order rank 0 sent them, in the lane's group and (CUDA)
-    on a stream of their own; a pass waits for the steps queued before it (the fast path's
-    K/V of its windows). A failed pass is reported and ends both groups, so that rank 0's
-    next collective fails within its deadline."""
+    """This rank's lane passes, in the order rank 0 sent them, in the lane's group. On CUDA
+    they run in the steps' thread and stream, as rank 0's do (two threads driving NCCL
+    stalled the ranks: docs/tensor-parallel.md); on CPU on a thread of their own, so that
+    the lane does not stop the fast path (gloo's collectives of the two groups are
+    independent). A failed pass on the thread is reported and ends both groups, so that
+    rank 0's next collective fails within its deadline."""
 
-    def __init__(self, runner: ModelRunner, group: Group, lane_sms: int | None,
+    def __init__(self, runner: ModelRunner, group: Group,
                  pipe: multiprocessing.connection.Connection, step_group: Group) -> None:
         self.runner, self.group, self.step_group = runner, group, step_group
         self.parallel = cast(TensorParallel, runner.model.parallel)
-        self.pipe, self.lane_sms = pipe, lane_sms
-        self._jobs: queue.Queue[tuple[Any, Any] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._work, name="detserve-tp-lane",
-                                        daemon=True)
-        self._thread.start()
+        self.pipe = pipe
+        self._jobs: queue.Queue[Any] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        if not runner.cuda:
+            self._thread = threading.Thread(target=self._work, name="detserve-tp-lane",
+                                            daemon=True)
+            self._thread.start()
 
     def submit(self, lane_pass: Any) -> None:
-        event = None
-        if self.runner.cuda:
-            event = torch.cuda.Event()
-            event.record()  # the steps queued so far
-        self._jobs.put((lane_pass, event))
+        if self._thread is None:
+            self._launch(lane_pass)
+        else:
+            self._jobs.put(lane_pass)
+
+    def _launch(self, lane_pass: Any) -> None:
+        with self.parallel.on(self.group):
+            self.runner.launch_lane(lane_pass)  # never read back, as steps
 
     def _work(self) -> None:
-        stream = ctx = None
-        if self.runner.cuda:
-            stream, ctx, _ = lane_stream(self.runner.device, self.lane_sms)
-        while (job := self._jobs.get()) is not None:
-            lane_pass, event = job
+        while (lane_pass := self._jobs.get()) is not None:
             try:
-                with self.parallel.on(self.group), (
-                        torch.cuda.stream(stream) if stream is not None else nullcontext()):
-                    if stream is not None:
-                        stream.wait_event(event)
-                    self.runner.launch_lane(lane_pass)  # never read back, as steps
+                self._launch(lane_pass)
             except PeerLost:
                 break
             except Exception:
                 _report(self.pipe, traceback.format_exc())
                 break
-        del ctx
         for g in (self.group, self.step_group):
-            if g.alive and job is not None:
+            if g.alive and lane_pass is not None:
                 g.abort()
 
     def stop(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout=5.0)
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=5.0)
 
 
 def serve(pipe: multiprocessing.connection.Connection, runner: ModelRunner,
