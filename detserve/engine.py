@@ -35,7 +35,7 @@ from detserve.lane import LanePass, LaneResult, LaneSegment
 from detserve.model.llama import LlamaModel
 from detserve.model.loader import ModelInfo, load_model
 from detserve.model.tokenizer import Tokenizer
-from detserve.numerics import LaneNumerics
+from detserve.numerics import LaneNumerics, device_kind
 from detserve.output_processor import OutputProcessor
 from detserve.outputs import RequestOutput
 from detserve.parallel.executor import make_runner, tensor_parallel_model
@@ -420,7 +420,13 @@ class LLMEngine:
         """What two deterministic responses must share to be comparable bit for bit."""
         dev = self.config.device
         if dev.startswith("cuda"):
-            kind = torch.cuda.get_device_name(torch.device(dev))
+            import triton
+
+            d = torch.device(dev)
+            props = torch.cuda.get_device_properties(d)
+            kind = device_kind(self.config.mode, torch.cuda.get_device_name(d),
+                               (props.major, props.minor), props.multi_processor_count,
+                               triton.__version__)
         else:
             kind = f"cpu-{platform.machine()}-{torch.get_num_threads()}threads"
         prof: dict[str, object] = {

@@ -153,6 +153,24 @@ class LaneNumerics:
         return out
 
 
+def device_kind(mode: str, name: str, capability: tuple[int, int], sms: int,
+                triton: str) -> str:
+    """The device entry of a CUDA determinism profile: the compatibility class whose cards
+    give a deterministic request the same bits.
+
+    batch_invariant runs every product and attention in this project's Triton kernels, whose
+    configs are fixed or derived from the SM count: the bits then depend only on the
+    architecture, the SM count and the Triton that compiled them, so cards that share those
+    form one class (measured: an H100 SXM and an H200, both sm_90 with 132 SMs, gave the 8B
+    shape's deterministic requests the same tokens and logprobs). The lane's products are
+    cuBLAS's, whose kernel choice per shape differs between such cards (the same
+    measurement: the 8B shape's lane logprobs differed from the first token), so
+    llm42 and lane_only name the card itself."""
+    if mode == "batch_invariant":
+        return f"sm_{capability[0]}{capability[1]}/{sms}sm/triton-{triton}"
+    return name
+
+
 def lane_run_rows(sizes: Sequence[int], used: int) -> int:
     """Rows a lane pass with ``used`` rows runs: the smallest of ``sizes`` (ascending, a
     ``LaneNumerics.lane_sizes``) that holds them."""

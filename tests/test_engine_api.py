@@ -91,6 +91,29 @@ def test_unknown_mode_and_bad_engine_config(model: str) -> None:
         LLM("/nonexistent/model")
 
 
+def test_device_kind_is_a_compatibility_class_only_where_the_kernels_are_ours() -> None:
+    """The CUDA profile's device entry. batch_invariant (this project's Triton kernels
+    throughout) names a class: architecture, SM count and Triton, so an H100 SXM and an H200
+    (sm_90, 132 SMs each; measured to give the same bits) share it, while a card of another
+    SM count or architecture, or another Triton, does not. The lane's products are
+    cuBLAS's, picked per card (measured to differ between those two): llm42 and lane_only
+    name the card."""
+    from detserve.numerics import device_kind
+
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    cls = device_kind("batch_invariant", h100, (9, 0), 132, "3.6.0")
+    assert cls == device_kind("batch_invariant", h200, (9, 0), 132, "3.6.0")
+    assert cls == "sm_90/132sm/triton-3.6.0"
+    for other in (("batch_invariant", h100, (9, 0), 114, "3.6.0"),   # H100 PCIe
+                  ("batch_invariant", h100, (10, 0), 132, "3.6.0"),
+                  ("batch_invariant", h200, (9, 0), 132, "3.7.0")):
+        assert device_kind(*other) != cls
+    for mode in ("llm42", "lane_only"):
+        assert device_kind(mode, h100, (9, 0), 132, "3.6.0") == h100
+        assert device_kind(mode, h100, (9, 0), 132, "3.6.0") != device_kind(
+            mode, h200, (9, 0), 132, "3.6.0")
+
+
 def test_kernel_tags_and_fingerprint_entries_come_from_the_lane_numerics() -> None:
     """The kernel set's tags are derived from ``LaneNumerics`` (a tag for each setting of
     other bits, nested sampler config included, in field order), and so are the
