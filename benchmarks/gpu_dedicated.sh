@@ -69,6 +69,8 @@ case "${1:-}" in
       --series nondeterministic@0,llm42@0.5,llm42-dedicated@0.5 \
       --fractions "${FRACTIONS:-0.6}" --budget-s "${BUDGET_S:-420}" --out "$out/served" \
       > "$out/served.log" 2>&1
+    # Ray Serve's logs of the last server (the dedicated one): a verifier's stall or failover
+    cp -r /tmp/ray/session_latest/logs/serve "$out/served/ray-serve-logs" 2>/dev/null
     tail -30 "$out/served.log"; cp "$out/served/report.md" "$out/served-report.md" 2>/dev/null ;;
   *) sed -n 2,27p "$0"; exit 2 ;;
 esac
