@@ -260,14 +260,24 @@ def make_client(url: str, procs: int, **http_args: Any) -> Target:
     return OpenAIHTTPTarget(url, **http_args)
 
 
+# warm-up: requests of each dataset sent at once, and the output cap of the
+# non-deterministic and the deterministic ones (several windows each, so that lane passes
+# of every size run before the first measured request: a pass size's first run, or a
+# transfer's, would otherwise land in a run's tail)
+WARM_REQUESTS, WARM_TOKENS, WARM_DET_TOKENS = 32, 16, 256
+
+
 async def warm_up(c: Campaign, target: Target, cells: list[CellPlan]) -> None:
-    """A few short requests of each dataset (half of them deterministic), then the
-    capacity probe of every dataset that needs one and has none yet. (Probes stay within
-    the router's admission bound, 2 x max_num_seqs outstanding, or they would meet 429s.)"""
+    """Short requests of each dataset (half of them deterministic and longer, where a run
+    has deterministic traffic), then the capacity probe of every dataset that needs one
+    and has none yet. (Probes stay within the router's admission bound, 2 x max_num_seqs
+    outstanding, or they would meet 429s.)"""
+    det = any(x.series.ratio > 0 for x in cells)
     for d in dict.fromkeys(x.dataset for x in cells):
-        base = c.bases[d].requests[:16]
-        warm = [r.with_(id=f"warm-{r.id}", output_len=min(r.output_len, 16),
-                        is_deterministic=i % 2 == 1 and any(x.series.ratio > 0 for x in cells))
+        base = c.bases[d].requests[:WARM_REQUESTS]
+        warm = [r.with_(id=f"warm-{r.id}", is_deterministic=det and i % 2 == 1,
+                        output_len=min(r.output_len, WARM_DET_TOKENS if det and i % 2 == 1
+                                       else WARM_TOKENS))
                 for i, r in enumerate(base)]
         await run_benchmark(target, Trace(tuple(warm)), RunConfig(progress=False,
                             keep_texts=False, request_timeout_s=120.0))

@@ -134,6 +134,15 @@ class Group:
         else:
             self.wait(work)
 
+    def connect(self) -> None:
+        """NCCL: make the communicator now (and a pair's point-to-point one), not inside a
+        step or a lane pass; every member calls it, in the same order of groups. gloo
+        connected when the group was made."""
+        if self.backend == "nccl":
+            self.barrier()
+            if self.size == 2:
+                self._warm_p2p()
+
     def _warm_p2p(self) -> None:
         """NCCL makes a pair's point-to-point communicator at the pair's first send/recv,
         blocking both hosts until both are there. A sender that waits there before telling
@@ -176,9 +185,12 @@ class Group:
 
 
 def new_group(store: dist.Store, name: str, rank: int, size: int, device: torch.device | str,
-              timeout_s: float = 30.0) -> Group:
+              timeout_s: float = 30.0, connect: bool = True) -> Group:
     """Join group ``name`` (its members all call this with the same name, size and store);
-    returns once all of them have (gloo) or lazily at the first operation (NCCL).
+    returns once all of them have. NCCL makes its communicator here too (``Group.connect``)
+    unless ``connect`` is False: NCCL forbids issuing operations on communicators of one
+    device from several threads at once, so a process whose NCCL work runs on one thread
+    has that thread connect a group formed elsewhere.
 
     Raises ``PeerLost`` if the members do not all arrive within ``timeout_s``."""
     device = torch.device(device)
@@ -199,8 +211,6 @@ def new_group(store: dist.Store, name: str, rank: int, size: int, device: torch.
     except RuntimeError as e:
         raise PeerLost(f"group {name!r}: {e}") from e
     group = Group(backend, rank, size, pg, timeout_s, device)
-    if backend == "nccl":
-        group.barrier()  # make the communicator now, not inside a lane pass
-        if size == 2:
-            group._warm_p2p()
+    if connect:
+        group.connect()
     return group

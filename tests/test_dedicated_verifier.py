@@ -102,10 +102,22 @@ def pool(model: str, redis_url: str) -> Iterator[tuple[str, list[VerifierProc]]]
 
 def test_transfer_lane_equals_oracle(model: str, redis_url: str, oracle: list[tuple],
                                      prefix_oracle: list[tuple],
-                                     pool: tuple[str, list[VerifierProc]]) -> None:
+                                     pool: tuple[str, list[VerifierProc]],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
     prefix, procs = pool
     before = health(procs[0].address)
+    # the groups are formed on the search thread but connected where the engine's other
+    # NCCL work is issued (NCCL forbids two threads issuing on one device's communicators)
+    connected_on: list[str] = []
+    plain_connect = DecoderTransfer.connect
+
+    def connect(self: DecoderTransfer) -> None:
+        connected_on.append(threading.current_thread().name)
+        plain_connect(self)
+
+    monkeypatch.setattr(DecoderTransfer, "connect", connect)
     engine, exporter = make_engine(model, redis_url, prefix, "dec-xfer")
+    assert connected_on == [threading.current_thread().name]
     remote = engine.verifier
     assert isinstance(remote, RemoteVerifier) and remote.verifier is not None
     assert remote.verifier.address == procs[0].address

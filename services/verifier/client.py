@@ -291,6 +291,11 @@ class RemoteVerifier:
         self._stream, self._xfer, self._sent = found.stream, found.xfer, {}
         if found.xfer is not None:
             self._xfer_gens.add(found.stream.generation)
+            try:  # here, not on the search thread: the engine's own NCCL work runs here
+                found.xfer.connect()
+            except PeerLost as e:
+                self._failover(f"K/V transfer groups: {e}")
+                return
         log.info("decoder %s verified by %s (%s), %d passes re-sent", self.record.decoder_id,
                  found.stream.verifier.address, "K/V transfer" if found.xfer else "mapped",
                  len(self._pending))

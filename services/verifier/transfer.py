@@ -90,9 +90,10 @@ class _Pair:
 
     def __init__(self, store: Any, name: str, rank: int, device: torch.device | str,
                  timeout_s: float) -> None:
-        # the verifier is rank 0 in both; "push" carries decoder -> verifier
-        self.push = new_group(store, f"{name}/push", rank, 2, device, timeout_s)
-        self.pull = new_group(store, f"{name}/pull", rank, 2, device, timeout_s)
+        # the verifier is rank 0 in both; "push" carries decoder -> verifier. Formed here
+        # (any thread); ``connect`` runs on the thread of the process's other NCCL work.
+        self.push = new_group(store, f"{name}/push", rank, 2, device, timeout_s, connect=False)
+        self.pull = new_group(store, f"{name}/pull", rank, 2, device, timeout_s, connect=False)
         self.stats = TransferStats()
         self._sends: list[tuple[Group, Any, torch.Tensor]] = []
         # CUDA: receives are issued from a stream of their own. NCCL orders an operation
@@ -101,6 +102,12 @@ class _Pair:
         # and its host with it, though the rows land in a buffer that step never reads.
         dev = torch.device(device)
         self._recv_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+
+    def connect(self) -> None:
+        """Both groups' communicators (NCCL), push first, as the peer does; raises
+        ``PeerLost`` if the peer does not join in time."""
+        self.push.connect()
+        self.pull.connect()
 
     def send_rows(self, group: Group, pool: RowStore, slots: Any, dst: int) -> None:
         """Send the K/V of ``slots`` (nothing if there are none); does not wait."""
@@ -160,6 +167,11 @@ class DecoderTransfer:
         # request id -> positions 0 .. n-1 the verifier holds (or will, once the passes
         # sent so far have run)
         self.held: dict[str, int] = {}
+
+    def connect(self) -> None:
+        """The groups' communicators: on the thread that issues this process's other NCCL
+        work (``_Pair.connect``)."""
+        self.pair.connect()
 
     @property
     def stats(self) -> TransferStats:
@@ -223,6 +235,11 @@ class VerifierTransfer:
         self.kv = kv
         self.pair = _Pair(store, name, VERIFIER_RANK, kv.pool.data.device, timeout_s)
         self.tables: dict[str, list[int]] = {}
+
+    def connect(self) -> None:
+        """The groups' communicators: on the thread that issues this process's other NCCL
+        work (``_Pair.connect``)."""
+        self.pair.connect()
 
     @property
     def stats(self) -> TransferStats:
