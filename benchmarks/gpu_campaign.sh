@@ -2,7 +2,10 @@
 # Issue 37 on a lent GPU, one part per device call (each inside ~10 minutes):
 #   campaign  the 8B-shape online matrix through `detserve serve` (ShareGPT; Figure 11,
 #             Table 5, saturation, both latency targets), inside BUDGET_S (default 480 s,
-#             server starts included): benchmarks/online_campaign.py run --profile 8b
+#             server starts included): benchmarks/online_campaign.py run --profile 8b.
+#             The whole matrix in one call leaves ~9 s windows (2026-11-28): split it over
+#             calls with the same absolute rates, e.g. EXTRA="--series nondeterministic@0,
+#             llm42@0.1 --rates sharegpt=8,14,18,22" then the other series
 #   arxiv     the ArXiv-like trace, nondeterministic and llm42 at 10 % (BUDGET_S, 480)
 #   audit     the served determinism audit on SmolLM2 (real weights), RUNS rounds (default
 #             1000) under load, with the non-deterministic control; no round starts after
