@@ -295,3 +295,27 @@ def test_a_vanished_decoder_frees_its_blocks_and_hangs_nothing(
     finally:
         after.verifier.close()
         exporter2.close()
+
+
+def test_the_verifier_connects_only_once_the_decoder_announced() -> None:
+    """The verifier connects a stream's groups on its lane thread (NCCL: one thread issues
+    all of a device's work), so first it waits, on the stream's own thread, for the
+    decoder's announcement: a decoder lost between Ready and its connect ends that stream
+    with ``PeerLost`` after the deadline instead of holding the lane."""
+    from detserve.distributed import PeerLost, open_store
+    from services.verifier.transfer import JoinSignal
+
+    server = open_store("127.0.0.1", 0, server=True, timeout_s=5.0)
+    client = open_store("127.0.0.1", server.port, server=False, timeout_s=5.0)
+    verifier_side = JoinSignal(server, "dec/1/2/ab", timeout_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(PeerLost, match="did not connect"):
+        verifier_side.wait()  # nobody announced: the deadline, not a hang
+    assert 0.9 < time.monotonic() - t0 < 5.0
+    JoinSignal(client, "dec/1/2/other", 1.0).announce()  # another stream's word
+    with pytest.raises(PeerLost):
+        verifier_side.wait()
+    JoinSignal(client, "dec/1/2/ab", 1.0).announce()
+    t0 = time.monotonic()
+    verifier_side.wait()
+    assert time.monotonic() - t0 < 0.5

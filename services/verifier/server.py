@@ -146,7 +146,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 try:  # the decoder joins as soon as it reads Ready
                     transfer = VerifierTransfer(self.store, hello.transfer.group, self._own,
                                                 self.transfer_timeout_s)
-                    # on the lane thread, which issues every other stream's transfers
+                    # on the lane thread, which issues every other stream's transfers, once
+                    # the decoder said it connects too (so a lost one cannot hold the lane)
+                    transfer.await_decoder()
                     self._lane.submit(transfer.connect).result()
                 except PeerLost as e:
                     context.abort(grpc.StatusCode.UNAVAILABLE, f"transfer groups: {e}")

@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -84,6 +85,26 @@ class TransferStats:
     wait_s: float = 0.0     # host time spent waiting for transfers
 
 
+class JoinSignal:
+    """The decoder's word, in the stream's store, that it connects its groups now. The
+    verifier connects on its lane thread only once it has it, so that a decoder lost
+    between Ready and its connect cannot hold the lane (and every other stream) in NCCL's
+    set-up."""
+
+    def __init__(self, store: Any, name: str, timeout_s: float) -> None:
+        self.store, self.key, self.timeout_s = store, f"detserve/{name}/joining", timeout_s
+
+    def announce(self) -> None:
+        self.store.set(self.key, "1")
+
+    def wait(self) -> None:
+        """Until announced, or raise ``PeerLost`` after ``timeout_s``."""
+        try:
+            self.store.wait([self.key], timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:  # (DistStoreError is one)
+            raise PeerLost(f"the decoder did not connect: {e}") from e
+
+
 class _Pair:
     """The two groups of one stream, and the sends not yet known to be complete (their
     buffers stay alive until then)."""
@@ -94,6 +115,7 @@ class _Pair:
         # (any thread); ``connect`` runs on the thread of the process's other NCCL work.
         self.push = new_group(store, f"{name}/push", rank, 2, device, timeout_s, connect=False)
         self.pull = new_group(store, f"{name}/pull", rank, 2, device, timeout_s, connect=False)
+        self.joining = JoinSignal(store, name, timeout_s)
         self.stats = TransferStats()
         self._sends: list[tuple[Group, Any, torch.Tensor]] = []
         # CUDA: receives are issued from a stream of their own. NCCL orders an operation
@@ -108,6 +130,7 @@ class _Pair:
         ``PeerLost`` if the peer does not join in time."""
         self.push.connect()
         self.pull.connect()
+
 
     def send_rows(self, group: Group, pool: RowStore, slots: Any, dst: int) -> None:
         """Send the K/V of ``slots`` (nothing if there are none); does not wait."""
@@ -170,7 +193,8 @@ class DecoderTransfer:
 
     def connect(self) -> None:
         """The groups' communicators: on the thread that issues this process's other NCCL
-        work (``_Pair.connect``)."""
+        work (``_Pair.connect``), announced first (``JoinSignal``)."""
+        self.pair.joining.announce()
         self.pair.connect()
 
     @property
@@ -238,8 +262,12 @@ class VerifierTransfer:
 
     def connect(self) -> None:
         """The groups' communicators: on the thread that issues this process's other NCCL
-        work (``_Pair.connect``)."""
+        work (``_Pair.connect``), after ``await_decoder``."""
         self.pair.connect()
+
+    def await_decoder(self) -> None:
+        """Until the decoder announced its connect (any thread; ``JoinSignal``)."""
+        self.pair.joining.wait()
 
     @property
     def stats(self) -> TransferStats:
