@@ -19,6 +19,7 @@ kill the process (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``), set before the first g
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
@@ -39,6 +40,29 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel rank was lost (died, stalled past ``tp_timeout_s``, or failed);
     the engine cannot go on (``parallel.executor`` raises it; here so that the verifiers
     can tell it apart without importing the executor)."""
+
+
+# group aborts still running (``in_background``), joined for a while at exit
+_BACKGROUND: list[threading.Thread] = []
+EXIT_JOIN_S = 10.0
+
+
+def in_background(fn: Callable[[], None]) -> threading.Thread:
+    """Run ``fn`` on a daemon thread that the interpreter's exit waits for, up to
+    ``EXIT_JOIN_S`` in all: a thread cut off inside NCCL when the interpreter finalizes
+    ends the process with ``std::terminate`` (exit status 134) after its work is done."""
+    _BACKGROUND[:] = [t for t in _BACKGROUND if t.is_alive()]
+    thread = threading.Thread(target=fn, daemon=True, name="detserve-group-abort")
+    _BACKGROUND.append(thread)
+    thread.start()
+    return thread
+
+
+@atexit.register
+def join_background(timeout_s: float = EXIT_JOIN_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    for thread in list(_BACKGROUND):
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def backend_for(device: torch.device | str) -> str:
@@ -166,7 +190,7 @@ class Group:
                 pass
 
         if self.backend == "nccl":
-            threading.Thread(target=drop, daemon=True, name="detserve-group-abort").start()
+            in_background(drop)
         else:
             drop()
 

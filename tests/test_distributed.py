@@ -4,7 +4,11 @@ they form, move tensors, and a peer that dies or goes silent costs a deadline, n
 from __future__ import annotations
 
 import multiprocessing as mp
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,3 +86,26 @@ def test_members_that_never_arrive_raise() -> None:
     with pytest.raises(PeerLost):
         new_group(store, "alone", 0, 2, "cpu", timeout_s=1.5)
     assert time.monotonic() - t0 < 10
+
+
+def test_background_aborts_finish_before_the_interpreter_exits(tmp_path: Path) -> None:
+    """An NCCL abort runs on a daemon thread (it may wait on a lost peer); the interpreter's
+    exit waits for it, within a bound, instead of cutting it off inside NCCL (which ends
+    the process with std::terminate)."""
+    done = tmp_path / "done"
+    code = ("import time\nfrom detserve.distributed import in_background\n"
+            f"in_background(lambda: (time.sleep(0.5), open({str(done)!r}, 'w').close()))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert done.exists(), "the exit waited for the background abort"
+    # the wait is bounded
+    from detserve.distributed import in_background, join_background
+
+    release = threading.Event()
+    thread = in_background(lambda: release.wait(30))
+    t0 = time.monotonic()
+    join_background(timeout_s=0.2)
+    assert time.monotonic() - t0 < 2.0 and thread.is_alive()
+    release.set()
+    thread.join(5)
