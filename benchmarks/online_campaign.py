@@ -274,11 +274,12 @@ async def warm_up(c: Campaign, target: Target, cells: list[CellPlan]) -> None:
     outstanding, or they would meet 429s.)"""
     det = any(x.series.ratio > 0 for x in cells)
     for d in dict.fromkeys(x.dataset for x in cells):
-        base = c.bases[d].requests[:WARM_REQUESTS]
-        warm = [r.with_(id=f"warm-{r.id}", is_deterministic=det and i % 2 == 1,
-                        output_len=min(r.output_len, WARM_DET_TOKENS if det and i % 2 == 1
-                                       else WARM_TOKENS))
-                for i, r in enumerate(base)]
+        warm = []
+        for i, r in enumerate(c.bases[d].requests[:WARM_REQUESTS]):
+            is_det = det and i % 2 == 1
+            warm.append(r.with_(id=f"warm-{r.id}", is_deterministic=is_det,
+                                output_len=min(r.output_len,
+                                               WARM_DET_TOKENS if is_det else WARM_TOKENS)))
         await run_benchmark(target, Trace(tuple(warm)), RunConfig(progress=False,
                             keep_texts=False, request_timeout_s=120.0))
         if c.plan.needs_probe(d) and d not in c.capacity:

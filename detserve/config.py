@@ -203,8 +203,9 @@ class EngineConfig:
              "lane must catch every one")
     batch_invariant_rows: int = opt(32, "batch_invariant mode's fixed row chunk (CPU "
                                         "reference)")
-    lane_threaded: bool = opt(False, "run lane passes on a worker thread (always on CUDA at TP=1; at\n"
-                                     "TP>1 on CUDA the lane runs in the engine's thread)")
+    lane_threaded: bool = opt(False, "run lane passes on a worker thread (always on CUDA at "
+                                     "TP=1; at TP>1 on CUDA the lane runs in the engine's "
+                                     "thread)")
     lane_sms: int | None = opt(
         None, "CUDA: the lane runs in a green context of this many SMs (the verifier on "
               "dedicated SMs of the decoder's GPU); default: shared")

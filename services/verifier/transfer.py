@@ -131,7 +131,6 @@ class _Pair:
         self.push.connect()
         self.pull.connect()
 
-
     def send_rows(self, group: Group, pool: RowStore, slots: Any, dst: int) -> None:
         """Send the K/V of ``slots`` (nothing if there are none); does not wait."""
         if not len(slots):
