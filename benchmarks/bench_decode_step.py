@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     add_flags(p, {k: opts[k] for k in ("cuda_graphs", "align_fast_path", "lane_full_tiles",
                                        "aligned_decode_lane", "fused_silu_mul",
                                        "fused_add_rmsnorm", "plain_decode_graphs",
-                                       "async_scheduling", "tensor_parallel_size")},
+                                       "async_scheduling", "tensor_parallel_size", "tp_peer_sums")},
               defaults={"plain_decode_graphs": False})
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile the steps: GPU kernel time per step and the "

@@ -30,6 +30,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from detserve.flags import add_flags, engine_kwargs, engine_options
+
 
 def environment(device: str) -> dict[str, Any]:
     """The machine a record was made on: what could change a kernel's bits."""
@@ -63,13 +65,13 @@ def _signature(o: Any) -> dict[str, Any]:
 
 
 def run_mode(model: str, mode: str, device: str, dtype: str, max_tokens: int,
-             seed: int) -> dict[str, Any]:
+             seed: int, **options: Any) -> dict[str, Any]:
     from detserve.config import EngineConfig
     from detserve.engine import LLMEngine
     from detserve.params import SamplingParams
 
     cfg = EngineConfig.create(model, mode, device=device, dtype=dtype, max_num_seqs=128,
-                              max_model_len=4096, num_blocks=8192, seed=seed)
+                              max_model_len=4096, num_blocks=8192, seed=seed, **options)
     engine = LLMEngine(cfg)
     vocab = engine.model.config.vocab_size
     rng = random.Random(seed)
@@ -196,15 +198,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare", nargs=2, metavar=("A", "B"),
                    help="compare two saved files instead of running")
     p.add_argument("--report", help="with --compare: write the verdict JSON here")
+    # the options a cross-GPU comparison pins (the lane's product chunk)
+    add_flags(p, {k: engine_options()[k] for k in ("lane_gemm_rows",)})
     a = p.parse_args(argv)
+    pinned = engine_kwargs(a, skip=("model", "mode", "device", "dtype", "seed"))
     if a.compare:
         return compare(a.compare[0], a.compare[1], report=a.report)
     modes = a.modes.split(",")
     if a.models:
-        result = {f"{model}|{m}": run_mode(model, m, a.device, a.dtype, a.max_tokens, a.seed)
+        result = {f"{model}|{m}": run_mode(model, m, a.device, a.dtype, a.max_tokens, a.seed, **pinned)
                   for model in a.models.split(",") for m in modes}
     else:
-        result = {m: run_mode(a.model, m, a.device, a.dtype, a.max_tokens, a.seed)
+        result = {m: run_mode(a.model, m, a.device, a.dtype, a.max_tokens, a.seed, **pinned)
                   for m in modes}
     for m, r in result.items():
         print(f"{m}: digest {r['digest']} fingerprint {r['profile'].get('fingerprint')}")

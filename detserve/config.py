@@ -263,6 +263,11 @@ class EngineConfig:
                "tree whose top levels are the TP split, so deterministic requests get the "
                f"same bits at every TP size dividing {INVARIANT_LEAVES} (the fingerprint then "
                "omits the TP size); the fast path keeps the plain all-reduce")
+    tp_peer_sums: bool = opt(
+        True, "CUDA, TP>1: row-parallel sums of up to 4 MB (decode steps, lane passes) by "
+              "peer loads over symmetric memory instead of NCCL's all-reduce (same bits at "
+              "TP=2; at more ranks only the fast path's plain sums); off where it cannot be "
+              "set up")
     tp_timeout_s: float = opt(
         30.0, "a collective between TP ranks that does not finish within this many seconds "
               "fails the engine (a lost or stalled worker)")

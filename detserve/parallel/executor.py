@@ -55,6 +55,7 @@ from detserve.executor.runner import (
 )
 from detserve.lane import LanePass
 from detserve.model.llama import LlamaModel
+from detserve.model.loader import resolve_dtype
 from detserve.numerics import LaneNumerics
 from detserve.parallel.layout import TPLayout
 from detserve.parallel.messages import (
@@ -70,6 +71,7 @@ from detserve.parallel.messages import (
     WorkerSpec,
     WriteKV,
 )
+from detserve.parallel.peer_sum import PeerSum, open_peer_sums
 from detserve.parallel.shard import TensorParallel, shard_model
 from detserve.parallel.worker import worker_main
 from detserve.sampler import SamplingSpec
@@ -162,22 +164,27 @@ class Workers:
             self.pipes.append(ours)
         self.failed: str | None = None
         self._sending = threading.Lock()  # the engine's and the lane's threads both send
-        self.group, self.lane_group = self._join(name, config.device)
+        self.group, self.lane_group, self.peer_sums = self._join(name, config)
 
-    def _join(self, name: str, device: str) -> tuple[Group, Group]:
+    def _join(self, name: str, config: EngineConfig) -> tuple[Group, Group, list[PeerSum]]:
         """Rank 0's end of the groups (the steps', then the lane's: the workers make them in
         that order). Once every worker has said it is joining (its imports done), the groups
-        are made with the steps' deadline, which gloo applies to every operation; in a
-        thread, while the workers are watched: one that exits fails the start at once."""
+        are made with the steps' deadline, which gloo applies to every operation, with
+        their peer-load sums (CUDA); in a thread, while the workers are watched: one that
+        exits fails the start at once."""
         for rank, pipe in enumerate(self.pipes, start=1):
             if self._receive(rank, pipe) != "joining":
                 raise AssertionError("unreachable: _receive raises on anything else")
-        joined: list[tuple[Group, Group] | BaseException] = []
+        joined: list[tuple[Group, Group, list[PeerSum]] | BaseException] = []
+        device = config.device
 
-        def join() -> tuple[Group, Group]:
-            return (new_group(self.store, name, 0, self.size, device, timeout_s=self.timeout_s),
-                    new_group(self.store, f"{name}/lane", 0, self.size, device,
-                              timeout_s=self.timeout_s))
+        def join() -> tuple[Group, Group, list[PeerSum]]:
+            group = new_group(self.store, name, 0, self.size, device, timeout_s=self.timeout_s)
+            lane = new_group(self.store, f"{name}/lane", 0, self.size, device,
+                             timeout_s=self.timeout_s)
+            sums = open_peer_sums(self.store, {name: group, f"{name}/lane": lane},
+                                  resolve_dtype(config.dtype)) if config.tp_peer_sums else []
+            return group, lane, sums
 
         thread = threading.Thread(target=lambda: joined.append(_try(join)), daemon=True,
                                   name="detserve-tp-join")
@@ -324,7 +331,8 @@ def tensor_parallel_model(config: EngineConfig, model: LlamaModel
     try:
         layout = TPLayout(model.config, size, 0)
         local = shard_model(model, layout, workers.group if workers else None,
-                            tree=config.tp_invariant_lane)
+                            tree=config.tp_invariant_lane,
+                            peer_sums=workers.peer_sums if workers else ())
     except BaseException:
         if workers is not None:
             workers.close()

@@ -11,7 +11,7 @@ row is gathered, so no sum touches it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -20,6 +20,7 @@ from torch import Tensor
 from detserve.distributed import Group
 from detserve.model.llama import LlamaModel, Ops, RowReduce
 from detserve.parallel.layout import TPLayout
+from detserve.parallel.peer_sum import PeerSum
 
 
 def tree_sum(parts: list[Tensor]) -> Tensor:
@@ -46,6 +47,7 @@ class TensorParallel:
         # on the model's device: a CUDA graph's capture copies nothing from the host
         self._vocab_starts = torch.tensor(starts[1:], dtype=torch.long, device=device)
         self._leaves: dict[int, list[tuple[int, int, Tensor]]] = {}  # id(weight) -> leaves
+        self._peer_sums: dict[int, PeerSum] = {}  # id(group) -> its peer-load sum
 
     @property
     def group(self) -> Group | None:
@@ -68,6 +70,19 @@ class TensorParallel:
         finally:
             self._thread.group = before
 
+    def add_peer_sums(self, sums: list[PeerSum]) -> None:
+        """Sum small row-parallel partials by peer loads in these sums' groups."""
+        self._peer_sums.update({id(p.group): p for p in sums})
+
+    def _peer_sum(self, y: Tensor, reduce: RowReduce) -> Tensor | None:
+        """``y`` summed over the ranks by peer loads, or None (NCCL then): where the group
+        has them, ``y`` fits, and the sum's order cannot matter (the fast path's plain
+        all-reduce) or is every order's (two ranks: ``peer_sum``'s docstring)."""
+        peer = self._peer_sums.get(id(self.group))
+        if peer is None or (reduce != "all_reduce" and self.layout.size != 2):
+            return None
+        return peer(y)
+
     def add_leaves(self, weight: Tensor, ranges: list[tuple[int, int]]) -> None:
         """Keep ``weight`` (a row-parallel product's, [N, K_local]) cut into the tree's
         leaves, K column ranges in tree order."""
@@ -88,6 +103,8 @@ class TensorParallel:
             y = ops.linear(x, weight).contiguous()
             if self.group is None:
                 return y
+            if (summed := self._peer_sum(y, reduce)) is not None:
+                return summed
             if reduce == "ordered":
                 return tree_sum(self._gather(y))
             self.group.follow(self.group.all_reduce(y))
@@ -99,6 +116,8 @@ class TensorParallel:
         local = tree_sum([ops.linear(x[:, a:b].contiguous(), w) for a, b, w in leaves])
         if self.group is None:
             return local
+        if (summed := self._peer_sum(local, reduce)) is not None:
+            return summed
         return tree_sum(self._gather(local.contiguous()))
 
     def silu_mul(self, ops: Ops, gate_up: Tensor, reduce: RowReduce) -> Tensor:
@@ -128,9 +147,10 @@ class TensorParallel:
 
 @torch.inference_mode()
 def shard_model(model: LlamaModel, layout: TPLayout, group: Group | None,
-                tree: bool) -> LlamaModel:
+                tree: bool, peer_sums: Sequence[PeerSum] = ()) -> LlamaModel:
     """This rank's shard of ``model`` (the whole one, left unchanged), joined by a
-    ``TensorParallel`` over ``group``; ``tree``: ready for the TP-invariant lane."""
+    ``TensorParallel`` over ``group``; ``tree``: ready for the TP-invariant lane;
+    ``peer_sums``: the groups' small sums by peer loads (``PeerSum``)."""
     c = model.config
     if c != layout.config:
         raise ValueError("the layout is another model's")
@@ -163,6 +183,7 @@ def shard_model(model: LlamaModel, layout: TPLayout, group: Group | None,
             mine.post_norm.copy_(whole.post_norm)
         local.eval()
     parallel = TensorParallel(layout, group, local.embed_tokens.device)
+    parallel.add_peer_sums(list(peer_sums))
     if tree:
         heads = [(a * d, b * d) for a, b in layout.leaves(c.num_heads)]
         columns = layout.leaves(c.intermediate_size)

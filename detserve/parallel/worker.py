@@ -16,7 +16,7 @@ import torch
 from detserve.distributed import Group, PeerLost, new_group, open_store
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import ModelRunner
-from detserve.model.loader import load_model
+from detserve.model.loader import load_model, resolve_dtype
 from detserve.parallel.layout import TPLayout
 from detserve.parallel.messages import (
     STARTUP_TIMEOUT_S,
@@ -29,6 +29,7 @@ from detserve.parallel.messages import (
     WorkerSpec,
     WriteKV,
 )
+from detserve.parallel.peer_sum import open_peer_sums
 from detserve.parallel.shard import TensorParallel, shard_model
 
 
@@ -45,9 +46,11 @@ def worker_main(pipe: multiprocessing.connection.Connection, spec: WorkerSpec) -
                           timeout_s=c.tp_timeout_s)
         lane_group = new_group(store, f"{spec.group}/lane", spec.rank, c.tensor_parallel_size,
                                device, timeout_s=c.tp_timeout_s)
+        sums = open_peer_sums(store, {spec.group: group, f"{spec.group}/lane": lane_group},
+                              resolve_dtype(c.dtype)) if c.tp_peer_sums else []
         whole, _, _ = load_model(c.model, dtype=c.dtype, device=device)
         layout = TPLayout(whole.config, c.tensor_parallel_size, spec.rank)
-        model = shard_model(whole, layout, group, tree=c.tp_invariant_lane)
+        model = shard_model(whole, layout, group, tree=c.tp_invariant_lane, peer_sums=sums)
         del whole
         mc, cc = model.config, c.cache
         pool = KVPool(mc.num_layers, cc.num_blocks, cc.block_size, mc.num_kv_heads,

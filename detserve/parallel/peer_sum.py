@@ -1,0 +1,115 @@
+"""The TP group's all-reduce for small tensors on CUDA: each rank's partial goes into a
+buffer that every rank maps (torch's symmetric memory), and one kernel on each rank loads
+all ranks' partials and adds them in rank order. A decode step's row-parallel sums (64 a
+step for an 8B model, each a few hundred KB) are latency-bound; NCCL's all-reduce spends
+tens of microseconds on each inside a CUDA graph, a peer-load kernel a few.
+
+Bits: the kernel adds ``((p0 + p1) + p2) + ...`` in the tensor's dtype, the same on every
+rank. At two ranks that is ``p0 + p1``: the bits of every other way of summing two partials
+(NCCL's all-reduce, the lane's gathered sum, the invariant tree's top), so it stands in
+for all of them. At more ranks it is used only where no bits are promised (the fast
+path's plain sums).
+
+Where symmetric memory cannot be set up (no peer access, a torch without it, an
+unsupported dtype), ``PeerSum.open`` returns None and the group's NCCL collectives stay.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from detserve.distributed import Group
+
+log = logging.getLogger(__name__)
+
+# the largest tensor summed by peer loads: a 512-row pass of an 8B model's hidden size in
+# bf16 (decode steps and lane passes); larger ones (prefill chunks) go to NCCL, whose ring
+# moves less data per rank at more than two ranks
+PEER_SUM_BYTES = 4 << 20
+DTYPES = (torch.bfloat16, torch.float32)  # what the kernel adds
+
+
+class PeerSum:
+    """Sums a TP group's partials by peer loads (see the module's docstring)."""
+
+    def __init__(self, group: Group, name: str, buffer: Tensor) -> None:
+        self.group, self.name, self.buffer = group, name, buffer
+
+    @classmethod
+    def open(cls, group: Group, store: dist.Store, name: str,
+             dtype: torch.dtype) -> PeerSum | None:
+        """Every member calls this after the group is connected, on the thread of its
+        NCCL work, in the same order of groups. None: the group keeps NCCL (the reason is
+        logged); every member then gets None, since the check is a collective."""
+        if group.backend != "nccl" or dtype not in DTYPES or group.size < 2:
+            return None
+        try:
+            made: PeerSum | None = cls._make(group, store, name, dtype)
+        except (RuntimeError, AttributeError, ImportError, ValueError) as e:
+            log.warning("peer-load sums unavailable for %s (%s): NCCL all-reduce", name, e)
+            made = None
+        ok = torch.tensor([1.0 if made is not None else 0.0], device=group.device)
+        group.wait(group.all_reduce(ok))  # every member uses it, or none does
+        if int(ok.item()) != group.size:
+            return None
+        return made
+
+    @classmethod
+    def _make(cls, group: Group, store: dist.Store, name: str, dtype: torch.dtype) -> PeerSum:
+        import torch.distributed._symmetric_memory as symm
+        from torch._C._distributed_c10d import _SymmetricMemory
+
+        ops: Any = torch.ops.symm_mem
+        if not hasattr(ops, "one_shot_all_reduce_out"):
+            raise AttributeError("torch has no one_shot_all_reduce_out")
+        key = f"detserve-peer-sum/{name}"
+        _SymmetricMemory.set_group_info(key, group.rank, group.size,
+                                        dist.PrefixStore(key + "/", store))
+        numel = PEER_SUM_BYTES // torch.finfo(dtype).bits * 8
+        buffer = symm.empty(numel, dtype=dtype, device=group.device)
+        symm.rendezvous(buffer, cast(Any, key))
+        made = cls(group, key, buffer)
+        made._check()
+        return made
+
+    def _check(self) -> None:
+        """One sum against NCCL's before it is trusted: each rank contributes rank + 1."""
+        t = torch.full((4096,), float(self.group.rank + 1), dtype=self.buffer.dtype,
+                       device=self.group.device)
+        got = self(t)
+        want = float(self.group.size * (self.group.size + 1) // 2)
+        torch.cuda.synchronize(self.group.device)
+        if got is None or not bool((got == want).all()):
+            raise RuntimeError("the peer-load sum gave a wrong result")
+
+    def fits(self, t: Tensor) -> bool:
+        return t.dtype == self.buffer.dtype and t.numel() <= self.buffer.numel()
+
+    def __call__(self, t: Tensor) -> Tensor | None:
+        """The sum of every rank's ``t`` (same shape on each), or None: too large or of
+        another dtype (the caller uses NCCL)."""
+        if not self.fits(t):
+            return None
+        t = t.contiguous()
+        out = torch.empty_like(t)
+        shared = self.buffer[:t.numel()].view(t.shape)
+        ops: Any = torch.ops.symm_mem
+        if hasattr(ops, "one_shot_all_reduce_copy_out"):  # the copy in, inside the kernel
+            ops.one_shot_all_reduce_copy_out(shared, t, "sum", self.name, out)
+        else:
+            shared.copy_(t)
+            ops.one_shot_all_reduce_out(shared, "sum", self.name, out)
+        return out
+
+
+def open_peer_sums(store: dist.Store, groups: dict[str, Group],
+                   dtype: torch.dtype) -> list[PeerSum]:
+    """``PeerSum.open`` for each of ``groups`` (name -> group, in the same order on every
+    member), those that opened."""
+    return [p for name, g in groups.items()
+            if (p := PeerSum.open(g, store, name, dtype)) is not None]
