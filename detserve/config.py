@@ -16,6 +16,11 @@ from detserve.kernels.config import TABLE, lane_variant  # (no triton: table and
 from detserve.parallel.layout import INVARIANT_LEAVES  # (no torch)
 
 MODES = ("llm42", "nondeterministic", "batch_invariant", "lane_only")
+# lane_max_wait_steps by device. On a GPU with the wait at 0, the 8B shape's deterministic
+# requests got their first token as fast as the others at 10 % of the traffic (P99 TTFT
+# 0.67-0.84x of the non-deterministic requests' at 9, 13 and 18.5 req/s; 1.58-2.41x with 16):
+# docs/benchmarks/gpu/2026-11-28-c-h100-h200x4
+LANE_WAIT_STEPS = {"cuda": 0, "cpu": 16}
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto", *DTYPES)  # what callers may ask for; ``EngineConfig.create`` resolves
 # max_model_len when none is given: the model's positions, but no more than this. The KV
@@ -96,9 +101,10 @@ class SchedulerConfig:
     max_model_len: int = opt(2048, "longest sequence (prompt and output) in tokens")
     verify_window: int = opt(64, "W: rows of a verification window", short="-W")
     verify_group: int = opt(8, "G: windows per lane pass (a pass has W*G rows)", short="-G")
-    lane_max_wait_steps: int = opt(
-        16, "steps a lane pass waits to fill once work is ready for it (a deterministic "
-            "prompt's first token waits as long)")
+    lane_max_wait_steps: int | None = opt(
+        None, "steps a lane pass waits to fill once work is ready for it (a deterministic "
+              "prompt's first token waits as long); default: 0 on CUDA, where a pass runs "
+              "only the row multiples it needs, 16 on CPU, where it runs its whole shape")
     overlap_windows: bool = opt(
         True, "while a window is in the lane, its sequence decodes the next window on the "
               "fast path (kept if the lane commits the whole window and agrees on its next "
@@ -151,7 +157,7 @@ class SchedulerConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name in ("lane_max_wait_steps", "prefill_max_wait_steps"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.prefill_batch_tokens is not None and self.prefill_batch_tokens < 0:
             raise ValueError("prefill_batch_tokens must be >= 0 (None: chosen by device)")

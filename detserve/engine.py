@@ -25,7 +25,7 @@ from functools import partial
 import torch
 
 from detserve.block_manager import BlockManager
-from detserve.config import EngineConfig
+from detserve.config import LANE_WAIT_STEPS, EngineConfig
 from detserve.executor.attention import RowSegment
 from detserve.executor.gemm_classes import Alignment, auto_alignment
 from detserve.executor.kv_pool import KVPool
@@ -95,12 +95,15 @@ class LLMEngine:
         cuda = config.device.startswith("cuda")
         if sc.prefill_batch_tokens is None:
             sc = replace(sc, prefill_batch_tokens=sc.max_num_batched_tokens // 4 if cuda else 0)
+        if sc.lane_max_wait_steps is None:
+            sc = replace(sc, lane_max_wait_steps=LANE_WAIT_STEPS["cuda" if cuda else "cpu"])
         self.alignment = self._alignment() if cuda and sc.uses_lane else None
         # the lane's GEMM chunk, resolved: the probed one on CUDA (nondeterministic mode has
         # no lane to align with: its decode rows take split-KV attention, the faster kernel)
         self.numerics = LaneNumerics.from_config(
             config, self.alignment.chunk if self.alignment else
-            config.lane_gemm_rows if sc.uses_lane else 0)
+            config.lane_gemm_rows if sc.uses_lane else 0,
+            portable_products=self.alignment.portable if self.alignment else False)
         self.runner = make_runner(self.model, self.pool, self.numerics, self.alignment,
                                   self._workers)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -426,7 +429,7 @@ class LLMEngine:
             props = torch.cuda.get_device_properties(d)
             kind = device_kind(self.config.mode, torch.cuda.get_device_name(d),
                                (props.major, props.minor), props.multi_processor_count,
-                               triton.__version__)
+                               triton.__version__, self.numerics.portable_products)
         else:
             kind = f"cpu-{platform.machine()}-{torch.get_num_threads()}threads"
         prof: dict[str, object] = {
@@ -440,7 +443,7 @@ class LLMEngine:
         }
         if "tp_invariant_lane" not in prof:  # the lane's bits depend on the TP size
             prof["tp_size"] = self.config.tensor_parallel_size
-        else:
+        if "tp_invariant_lane" in prof or "lane_products" in prof:
             prof["kernels"] = f"{self.runner.lane_kernels}/torch-{torch.__version__}"
         if dev.startswith("cuda"):
             prof["cuda_graphs"] = self.config.cuda_graphs  # the lane's GEMMs replayed or eager

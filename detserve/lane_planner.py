@@ -168,7 +168,7 @@ class LanePlanner:
         queued = self._ahead_queue(rows_left - wanted)
         wanted += sum(s.num_committed for s in queued)
         if wanted < rows_left and still_decoding and (
-                host.step_count - oldest < cfg.lane_max_wait_steps
+                host.step_count - oldest < (cfg.lane_max_wait_steps or 0)
                 or (not prefills and all(self.decodes_past_window(s) for s in windows))):
             return []  # wait for more windows to fill the fixed-size pass
         items: list[LaneItem] = []

@@ -37,6 +37,10 @@ class LaneNumerics:
     batch_invariant_rows: int = 32
     # the lane's product row chunk, resolved (the probed one on CUDA); 0: the whole pass
     lane_gemm_rows: int = 0
+    # CUDA: the lane's products at that chunk gave the Triton batch-invariant kernel's bits
+    # (``gemm_classes.equals_portable_kernel``): the chunk then changes no bit, and the
+    # lane's bits are those of every card in the device's class
+    portable_products: bool = False
     # CUDA: probe which lane sizes may run a product as one call over several chunks with
     # the chunk's bits (the probe's verdicts join the kernel set tag)
     lane_one_calls: bool = True
@@ -72,13 +76,16 @@ class LaneNumerics:
             raise ValueError(f"aligned_decode_lane: {e}") from None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, lane_gemm_rows: int) -> LaneNumerics:
-        """``config``'s numerics with the lane's resolved GEMM chunk (0: the whole pass)."""
+    def from_config(cls, config: EngineConfig, lane_gemm_rows: int,
+                    portable_products: bool = False) -> LaneNumerics:
+        """``config``'s numerics with the lane's resolved GEMM chunk (0: the whole pass)
+        and whether its products are the portable kernel's."""
         sc = config.scheduler
         return cls(verify_window=sc.verify_window, verify_group=sc.verify_group,
                    block_size=config.cache.block_size,
                    batch_invariant_rows=config.batch_invariant_rows,
-                   lane_gemm_rows=lane_gemm_rows, lane_one_calls=config.lane_one_calls,
+                   lane_gemm_rows=lane_gemm_rows, portable_products=portable_products,
+                   lane_one_calls=config.lane_one_calls,
                    lane_dot_sums=config.lane_dot_sums, lane_full_tiles=config.lane_full_tiles,
                    aligned_decode_lane=config.aligned_decode_lane,
                    fused_silu_mul=config.fused_silu_mul,
@@ -146,7 +153,9 @@ class LaneNumerics:
                                   "block_size": self.block_size}
         if mode == "batch_invariant":
             out["batch_invariant_rows"] = self.batch_invariant_rows
-        if self.lane_gemm_rows:
+        if self.portable_products and mode in ("llm42", "lane_only"):
+            out["lane_products"] = "portable"  # (whatever the chunk: the same bits)
+        elif self.lane_gemm_rows:
             out["lane_gemm_rows"] = self.lane_gemm_rows
         if self.tp_invariant_lane and mode in ("llm42", "lane_only"):
             out["tp_invariant_lane"] = True  # the same bits at every TP size dividing 4
@@ -154,7 +163,7 @@ class LaneNumerics:
 
 
 def device_kind(mode: str, name: str, capability: tuple[int, int], sms: int,
-                triton: str) -> str:
+                triton: str, portable_products: bool = False) -> str:
     """The device entry of a CUDA determinism profile: the compatibility class whose cards
     give a deterministic request the same bits.
 
@@ -165,8 +174,11 @@ def device_kind(mode: str, name: str, capability: tuple[int, int], sms: int,
     shape's deterministic requests the same tokens and logprobs). The lane's products are
     cuBLAS's, whose kernel choice per shape differs between such cards (the same
     measurement: the 8B shape's lane logprobs differed from the first token), so
-    llm42 and lane_only name the card itself."""
-    if mode == "batch_invariant":
+    llm42 and lane_only name the card itself, unless the start-up probe found that the
+    lane's products give the Triton kernel's bits (``portable_products``): then the class
+    (measured: the 8B shape with the lane chunk at 512 rows gave an H100 and an H200 the
+    same outputs, batch_invariant's)."""
+    if mode == "batch_invariant" or (portable_products and mode in ("llm42", "lane_only")):
         return f"sm_{capability[0]}{capability[1]}/{sms}sm/triton-{triton}"
     return name
 

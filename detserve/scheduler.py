@@ -19,10 +19,10 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from detserve.block_manager import BlockManager
-from detserve.config import SchedulerConfig
+from detserve.config import LANE_WAIT_STEPS, SchedulerConfig
 from detserve.lane_planner import LaneItem, LanePlanner
 from detserve.numerics import lane_run_rows
 from detserve.outputs import TokenLogprob
@@ -72,6 +72,8 @@ class Scheduler:
         ``stop_string_end(seq)``: the position of the first token whose committed text
         holds one of its stop strings, or None (the output processor's check; None: stop
         strings are not checked)."""
+        if cfg.lane_max_wait_steps is None:  # (made without an engine: the CPU default)
+            cfg = replace(cfg, lane_max_wait_steps=LANE_WAIT_STEPS["cpu"])
         self.cfg = cfg
         self.blocks = blocks
         self.eos_token_ids = frozenset(eos_token_ids)

@@ -112,6 +112,24 @@ def test_device_kind_is_a_compatibility_class_only_where_the_kernels_are_ours() 
         assert device_kind(mode, h100, (9, 0), 132, "3.6.0") == h100
         assert device_kind(mode, h100, (9, 0), 132, "3.6.0") != device_kind(
             mode, h200, (9, 0), 132, "3.6.0")
+        # where the start-up probe found the lane's products to give the Triton kernel's
+        # bits, the lane names the class too (measured: the lane chunk at 512 on both)
+        assert device_kind(mode, h100, (9, 0), 132, "3.6.0", portable_products=True) == cls
+        assert device_kind(mode, h200, (9, 0), 132, "3.6.0", portable_products=True) == cls
+    assert device_kind("nondeterministic", h100, (9, 0), 132, "3.6.0", True) == h100
+
+
+def test_portable_products_replace_the_chunk_in_the_fingerprint() -> None:
+    """With portable lane products the chunk changes no bit: the profile says so instead
+    of naming the chunk (an H100 at its probed 256 and an H200 pinned to 512 then share the
+    entry); without them the chunk stays."""
+    from detserve.numerics import LaneNumerics
+
+    plain = LaneNumerics(lane_gemm_rows=256).profile("llm42")
+    assert plain["lane_gemm_rows"] == 256 and "lane_products" not in plain
+    a = LaneNumerics(lane_gemm_rows=256, portable_products=True).profile("llm42")
+    b = LaneNumerics(lane_gemm_rows=512, portable_products=True).profile("llm42")
+    assert a == b and a["lane_products"] == "portable" and "lane_gemm_rows" not in a
 
 
 def test_kernel_tags_and_fingerprint_entries_come_from_the_lane_numerics() -> None:

@@ -22,7 +22,8 @@ from torch import Tensor
 
 from detserve.executor.ops import run_in_row_chunks
 
-__all__ = ["Alignment", "auto_alignment", "decode_buckets", "joint_classes", "lane_call_sizes",
+__all__ = ["Alignment", "auto_alignment", "decode_buckets", "equals_portable_kernel",
+           "joint_classes", "lane_call_sizes",
            "probe_lane_one_calls", "plan_alignment", "plan_product_pads", "probe_sizes",
            "row_classes", "single_call_sizes",
            "smallest_at_least"]
@@ -177,9 +178,31 @@ class Alignment:
     # to more rows, the smallest member of its own class of the chunk that holds them, while
     # the other products run the bucket as it is (``plan_product_pads``)
     pads: Mapping[tuple[int, int], Mapping[int, int]] = field(default_factory=dict)
+    # every product over ``chunk`` rows gave the bits of the Triton batch-invariant kernel
+    # (``equals_portable_kernel``): the lane's bits then do not depend on cuBLAS's choices
+    portable: bool = False
 
     def bucket(self, n: int) -> int | None:
         return smallest_at_least(self.buckets, n)
+
+
+def equals_portable_kernel(weights: Sequence[Tensor], biases: Sequence[Tensor | None],
+                           chunk: int, seed: int = 0) -> bool:
+    """Whether cuBLAS's product over ``chunk`` rows gives every one of ``weights`` the bits
+    of this project's Triton batch-invariant kernel, whose bits depend only on the
+    architecture, the SM count and Triton (``numerics.device_kind``). cuBLAS picks its
+    kernel per card: at the 8B shape's down_proj an H100 gave the Triton bits from 192
+    rows, an H200 from 320 (``benchmarks/probe_gemm_classes``). Where it holds, the lane's
+    products give the same bits on every card of the class. Two reduction orders agree on
+    a random product's every output only by being the same order, so one probe tells."""
+    from detserve.kernels.batch_invariant import matmul_bi
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for w, b in zip(weights, biases, strict=True):
+        x = torch.randn(chunk, w.shape[1], generator=gen).to(w.device, w.dtype)
+        if not torch.equal(_linear(x, w, b), matmul_bi(x, w, b)):
+            return False
+    return True
 
 
 def plan_alignment(classes: Sequence[Sequence[int]], full_batch: int, lane_rows: int,
@@ -279,4 +302,5 @@ def auto_alignment(weights: Sequence[Tensor], full_batch: int, lane_rows: int,
         if rows > 0:
             got = single_call_sizes(w, plan.chunk, rows, bias=b, head_rows=plan.buckets[-1])
             single[key] = single[key] & got if key in single else got
-    return Alignment(plan.chunk, plan.buckets, single, plan.pads)
+    return Alignment(plan.chunk, plan.buckets, single, plan.pads,
+                     portable=equals_portable_kernel(weights, bias, plan.chunk))

@@ -339,10 +339,12 @@ class ModelRunner:
 
     @property
     def lane_kernels(self) -> str:
-        """The kernels a lane row's bits depend on: the set, or with the TP-invariant lane
-        its family, since the one-call verdicts name this rank's product shapes (which
-        follow the TP size) and never change bits."""
-        return self.kernel_family if self.numerics.tp_invariant_lane else self.kernel_set
+        """The kernels a lane row's bits depend on: the set, or its family with the
+        TP-invariant lane or portable products, since the one-call verdicts name this
+        rank's product shapes (which follow the TP size) and the card's cuBLAS choices, and
+        never change bits."""
+        n = self.numerics
+        return self.kernel_family if n.tp_invariant_lane or n.portable_products else self.kernel_set
 
     def lane_sizes(self) -> list[int]:
         """Row counts a lane pass runs at (``LaneNumerics.lane_sizes``)."""

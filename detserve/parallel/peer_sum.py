@@ -12,6 +12,9 @@ path's plain sums).
 
 Where symmetric memory cannot be set up (no peer access, a torch without it, an
 unsupported dtype), ``PeerSum.open`` returns None and the group's NCCL collectives stay.
+So it does where any member already made peer sums for an earlier engine: a second TP
+engine in one process, whose workers were new processes, hung at its first steps with
+them (torch 2.11, 2 x H200, 2026-11-28), while the first engine of each process ran.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ log = logging.getLogger(__name__)
 # moves less data per rank at more than two ranks
 PEER_SUM_BYTES = 4 << 20
 DTYPES = (torch.bfloat16, torch.float32)  # what the kernel adds
+# every buffer ever made, kept for the process's life: symmetric memory remembers a
+# buffer's peers by its address, and a new group's buffer at a freed one's address would
+# be taken for the old one (whose peers may be gone); 4 MB a group
+_KEPT: list[Tensor] = []
+_OPENED = False  # this process made peer sums already (for an earlier engine)
 
 
 class PeerSum:
@@ -41,23 +49,24 @@ class PeerSum:
         self.group, self.name, self.buffer = group, name, buffer
 
     @classmethod
-    def open(cls, group: Group, store: dist.Store, name: str,
-             dtype: torch.dtype) -> PeerSum | None:
+    def open(cls, group: Group, store: dist.Store, name: str, dtype: torch.dtype,
+             fresh: bool = True) -> PeerSum | None:
         """Every member calls this after the group is connected, on the thread of its
-        NCCL work, in the same order of groups. None: the group keeps NCCL (the reason is
-        logged); every member then gets None, since the check is a collective."""
+        NCCL work, in the same order of groups; ``fresh``: no earlier engine of this
+        process made peer sums. None: the group keeps NCCL (the reason is logged); every
+        member then gets None, since the checks are collectives."""
         if group.backend != "nccl" or dtype not in DTYPES or group.size < 2:
+            return None
+        if not _all(group, fresh):
+            log.info("peer-load sums off for %s: a member's process made them for an "
+                     "earlier engine (NCCL all-reduce)", name)
             return None
         try:
             made: PeerSum | None = cls._make(group, store, name, dtype)
         except (RuntimeError, AttributeError, ImportError, ValueError) as e:
             log.warning("peer-load sums unavailable for %s (%s): NCCL all-reduce", name, e)
             made = None
-        ok = torch.tensor([1.0 if made is not None else 0.0], device=group.device)
-        group.wait(group.all_reduce(ok))  # every member uses it, or none does
-        if int(ok.item()) != group.size:
-            return None
-        return made
+        return made if _all(group, made is not None) else None  # all members, or none
 
     @classmethod
     def _make(cls, group: Group, store: dist.Store, name: str, dtype: torch.dtype) -> PeerSum:
@@ -67,11 +76,22 @@ class PeerSum:
         ops: Any = torch.ops.symm_mem
         if not hasattr(ops, "one_shot_all_reduce_out"):
             raise AttributeError("torch has no one_shot_all_reduce_out")
+        from torch._C._distributed_c10d import ProcessGroup, _register_process_group
+
         key = f"detserve-peer-sum/{name}"
-        _SymmetricMemory.set_group_info(key, group.rank, group.size,
-                                        dist.PrefixStore(key + "/", store))
+        prefixed = dist.PrefixStore(key + "/", store)
+        # symmetric memory finds its group by name: the group, wrapped and registered
+        # under that name (never as a default group)
+        wrapper = ProcessGroup(prefixed, group.rank, group.size)
+        wrapper._register_backend(group.device, ProcessGroup.BackendType.NCCL, group.pg)
+        wrapper._set_default_backend(ProcessGroup.BackendType.NCCL)
+        wrapper._set_group_name(cast(Any, key))
+        _register_process_group(cast(Any, key), wrapper)
+        if hasattr(_SymmetricMemory, "set_group_info"):  # (torch versions that ask for it)
+            _SymmetricMemory.set_group_info(key, group.rank, group.size, prefixed)
         numel = PEER_SUM_BYTES // torch.finfo(dtype).bits * 8
         buffer = symm.empty(numel, dtype=dtype, device=group.device)
+        _KEPT.append(buffer)
         symm.rendezvous(buffer, cast(Any, key))
         made = cls(group, key, buffer)
         made._check()
@@ -107,9 +127,18 @@ class PeerSum:
         return out
 
 
+def _all(group: Group, mine: bool) -> bool:
+    """Whether ``mine`` holds on every member of ``group`` (a collective)."""
+    flag = torch.tensor([1.0 if mine else 0.0], device=group.device)
+    group.wait(group.all_reduce(flag))
+    return int(flag.item()) == group.size
+
+
 def open_peer_sums(store: dist.Store, groups: dict[str, Group],
                    dtype: torch.dtype) -> list[PeerSum]:
-    """``PeerSum.open`` for each of ``groups`` (name -> group, in the same order on every
-    member), those that opened."""
+    """``PeerSum.open`` for each of one engine's ``groups`` (name -> group, in the same
+    order on every member), those that opened."""
+    global _OPENED
+    fresh, _OPENED = not _OPENED, True
     return [p for name, g in groups.items()
-            if (p := PeerSum.open(g, store, name, dtype)) is not None]
+            if (p := PeerSum.open(g, store, name, dtype, fresh)) is not None]

@@ -18,7 +18,7 @@ class SamplerConfig(_message.Message):
     def __init__(self, gumbel_chunk_rows: _Optional[int] = ..., gumbel_kernel: _Optional[bool] = ..., logprob_kernel: _Optional[bool] = ...) -> None: ...
 
 class LaneNumerics(_message.Message):
-    __slots__ = ("verify_window", "verify_group", "block_size", "batch_invariant_rows", "lane_gemm_rows", "lane_one_calls", "lane_dot_sums", "lane_full_tiles", "aligned_decode_lane", "fused_silu_mul", "fused_add_rmsnorm", "sampling", "tensor_parallel_size", "tp_invariant_lane")
+    __slots__ = ("verify_window", "verify_group", "block_size", "batch_invariant_rows", "lane_gemm_rows", "lane_one_calls", "lane_dot_sums", "lane_full_tiles", "aligned_decode_lane", "fused_silu_mul", "fused_add_rmsnorm", "sampling", "tensor_parallel_size", "tp_invariant_lane", "portable_products")
     VERIFY_WINDOW_FIELD_NUMBER: _ClassVar[int]
     VERIFY_GROUP_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class LaneNumerics(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     TP_INVARIANT_LANE_FIELD_NUMBER: _ClassVar[int]
+    PORTABLE_PRODUCTS_FIELD_NUMBER: _ClassVar[int]
     verify_window: int
     verify_group: int
     block_size: int
@@ -47,7 +48,8 @@ class LaneNumerics(_message.Message):
     sampling: SamplerConfig
     tensor_parallel_size: int
     tp_invariant_lane: bool
-    def __init__(self, verify_window: _Optional[int] = ..., verify_group: _Optional[int] = ..., block_size: _Optional[int] = ..., batch_invariant_rows: _Optional[int] = ..., lane_gemm_rows: _Optional[int] = ..., lane_one_calls: _Optional[bool] = ..., lane_dot_sums: _Optional[bool] = ..., lane_full_tiles: _Optional[bool] = ..., aligned_decode_lane: _Optional[str] = ..., fused_silu_mul: _Optional[bool] = ..., fused_add_rmsnorm: _Optional[bool] = ..., sampling: _Optional[_Union[SamplerConfig, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., tp_invariant_lane: _Optional[bool] = ...) -> None: ...
+    portable_products: bool
+    def __init__(self, verify_window: _Optional[int] = ..., verify_group: _Optional[int] = ..., block_size: _Optional[int] = ..., batch_invariant_rows: _Optional[int] = ..., lane_gemm_rows: _Optional[int] = ..., lane_one_calls: _Optional[bool] = ..., lane_dot_sums: _Optional[bool] = ..., lane_full_tiles: _Optional[bool] = ..., aligned_decode_lane: _Optional[str] = ..., fused_silu_mul: _Optional[bool] = ..., fused_add_rmsnorm: _Optional[bool] = ..., sampling: _Optional[_Union[SamplerConfig, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., tp_invariant_lane: _Optional[bool] = ..., portable_products: _Optional[bool] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("decoder_id", "epoch", "kv_handle", "weights_hash", "dtype", "numerics", "kernels", "transfer")
