@@ -8,7 +8,7 @@ the same weights run on the fast path, in the fixed-shape lane and in batch-inva
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, Protocol, cast
 
 import torch
@@ -70,6 +70,11 @@ class Parallel(Protocol):
 
     def vocab_logits(self, local: Tensor) -> Tensor:
         """The logits of every token from this rank's vocabulary shard's (all-gathered)."""
+        ...
+
+    def leaf_weights(self, weights: Sequence[Tensor]) -> list[Tensor]:
+        """One weight of each product shape the "tree" sums run for ``weights`` (the K
+        leaves of row-parallel ones) that ``weights`` do not already have."""
         ...
 
 
@@ -174,14 +179,18 @@ class LlamaModel(nn.Module):
         return x
 
     def gemm_weights(self) -> list[Tensor]:
-        """One weight of every matrix-product shape the forward uses, then the lm_head's."""
+        """One weight of every matrix-product shape the forward uses, then the lm_head's:
+        with the TP-invariant tree, also its leaves' (the lane and the fast path's aligned
+        rows multiply those)."""
         first = self.layer_list[0]
-        return [first.qkv_proj, first.o_proj, first.gate_up_proj, first.down_proj,
-                self.lm_head_weight]
+        layer: list[Tensor] = [first.qkv_proj, first.o_proj, first.gate_up_proj, first.down_proj]
+        leaves = self.parallel.leaf_weights(layer) if self.parallel is not None else []
+        return [*layer, *leaves, self.lm_head_weight]
 
     def gemm_biases(self) -> list[Tensor | None]:
         """The biases the forward adds to ``gemm_weights``' products (qkv's, if any)."""
-        return [self.layer_list[0].qkv_bias, None, None, None, None]
+        bias: Tensor | None = self.layer_list[0].qkv_bias
+        return [bias] + [None] * (len(self.gemm_weights()) - 1)
 
     @torch.inference_mode()
     def logits(self, hidden: Tensor, ops: Ops) -> Tensor:

@@ -129,6 +129,16 @@ class TensorParallel:
                           for a, b in self.layout.leaves(self.layout.config.intermediate_size)],
                          dim=-1)
 
+    def leaf_weights(self, weights: Sequence[Tensor]) -> list[Tensor]:
+        shapes = {tuple(w.shape) for w in weights}
+        out = []
+        for w in weights:
+            for _, _, leaf in self._leaves.get(id(w), []):
+                if tuple(leaf.shape) not in shapes:
+                    shapes.add(tuple(leaf.shape))
+                    out.append(leaf)
+        return out
+
     def vocab_logits(self, local: Tensor) -> Tensor:
         if self.group is None:
             return local
