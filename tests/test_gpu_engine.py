@@ -496,3 +496,36 @@ def test_decode_bucket_products_get_the_lane_chunks_bits(chunk: int) -> None:
             assert torch.equal(ops.linear(x[:b], w), ref[:b]), (tuple(w.shape), b)
         for b in al.pads.get((w.shape[0], w.shape[1]), {}):
             assert not torch.equal(torch.nn.functional.linear(x[:b], w), ref[:b])
+
+
+def test_portable_products_verdict_and_the_profiles_device(model: str) -> None:
+    """The start-up probe's portability verdict is exactly "every product over the lane
+    chunk's rows gives the Triton batch-invariant kernel's bits" (checked here on fresh
+    inputs), and the profile names the device class where it holds, the card otherwise.
+    Control: a product with one weight element nudged by an ulp-scale amount on cuBLAS's
+    side only (the Triton side keeps the original) is not called portable."""
+    import torch
+    import triton
+
+    from detserve.kernels.batch_invariant import matmul_bi
+    from detserve.numerics import device_kind
+
+    _, _, eng = run_engine(model, _reqs(det=True)[:2], **CUDA)
+    al = eng.alignment
+    assert al is not None
+    weights, biases = eng.model.gemm_weights(), eng.model.gemm_biases()
+    gen = torch.Generator(device="cpu").manual_seed(11)
+    fresh = []
+    for w, b in zip(weights, biases, strict=True):
+        x = torch.randn(al.chunk, w.shape[1], generator=gen).to(w.device, w.dtype) * 2
+        ours = torch.nn.functional.linear(x, w) if b is None else torch.nn.functional.linear(x, w, b)
+        fresh.append(bool(torch.equal(ours, matmul_bi(x, w, b))))
+    assert al.portable == all(fresh)
+    assert eng.numerics.portable_products == al.portable
+    prof = eng.determinism_profile()
+    props = torch.cuda.get_device_properties(0)
+    cls = device_kind("batch_invariant", "", (props.major, props.minor),
+                      props.multi_processor_count, triton.__version__)
+    assert prof["device"] == (cls if al.portable else torch.cuda.get_device_name(0))
+    assert ("lane_products" in prof) == al.portable
+    eng.close()

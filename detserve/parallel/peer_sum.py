@@ -1,8 +1,8 @@
 """The TP group's all-reduce for small tensors on CUDA: each rank's partial goes into a
 buffer that every rank maps (torch's symmetric memory), and one kernel on each rank loads
 all ranks' partials and adds them in rank order. A decode step's row-parallel sums (64 a
-step for an 8B model, each a few hundred KB) are latency-bound; NCCL's all-reduce spends
-tens of microseconds on each inside a CUDA graph, a peer-load kernel a few.
+step for an 8B model, each a few hundred KB) are latency-bound, and one kernel without a
+protocol finishes sooner than NCCL's all-reduce (docs/tensor-parallel.md, "On CUDA").
 
 Bits: the kernel adds ``((p0 + p1) + p2) + ...`` in the tensor's dtype, the same on every
 rank. At two ranks that is ``p0 + p1``: the bits of every other way of summing two partials
@@ -14,7 +14,10 @@ Where symmetric memory cannot be set up (no peer access, a torch without it, an
 unsupported dtype), ``PeerSum.open`` returns None and the group's NCCL collectives stay.
 So it does where any member already made peer sums for an earlier engine: a second TP
 engine in one process, whose workers were new processes, hung at its first steps with
-them (torch 2.11, 2 x H200, 2026-11-28), while the first engine of each process ran.
+them, while the first engine of each process ran (measured on two H200s).
+
+A dead peer leaves the kernel waiting for its signal (it has no abort, unlike NCCL's):
+the step's read-back deadline still fails the engine (``executor.Workers``).
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ class PeerSum:
         return made
 
     def _check(self) -> None:
-        """One sum against NCCL's before it is trusted: each rank contributes rank + 1."""
+        """One sum checked before it is trusted: each rank contributes rank + 1."""
         t = torch.full((4096,), float(self.group.rank + 1), dtype=self.buffer.dtype,
                        device=self.group.device)
         got = self(t)
