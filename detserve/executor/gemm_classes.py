@@ -195,6 +195,8 @@ def equals_portable_kernel(weights: Sequence[Tensor], biases: Sequence[Tensor | 
     rows, an H200 from 320 (``benchmarks/probe_gemm_classes``). Where it holds, the lane's
     products give the same bits on every card of the class. Two reduction orders agree on
     a random product's every output only by being the same order, so one probe tells."""
+    if not all(w.is_cuda for w in weights):
+        return False  # (the Triton kernel runs on GPUs only)
     from detserve.kernels.batch_invariant import matmul_bi
 
     gen = torch.Generator(device="cpu").manual_seed(seed)
