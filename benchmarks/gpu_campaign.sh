@@ -28,6 +28,9 @@ cd "$(dirname "$0")/.."
 part=${1:-}
 final=${OUT:-results/gpu-campaign}; mkdir -p "$final"
 out=/tmp/gpu-campaign; mkdir -p "$out"
+# a fresh work folder: a part run again on a warm machine must not pick up the last run's
+# files (2026-11-28: a second campaign call packed the first one's runs and server log)
+[ -n "$part" ] && rm -rf "${out:?}/$part"
 pack() {  # the part's folder as one tarball (with Ray Serve's own logs, which say why a
           # deployment failed), its report and log beside it
   [ -d "$out/$part" ] && cp -r /tmp/ray/session_latest/logs/serve "$out/$part/ray-serve-logs" 2>/dev/null
