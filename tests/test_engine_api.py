@@ -354,3 +354,19 @@ def test_generate_command_takes_penalties_and_logit_bias(capsys: pytest.CaptureF
     assert "frequency_penalty must be in [-2, 2]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*args, "--logit-bias", "seven=1"])
+
+
+def test_lane_wait_default_follows_the_device(model: str) -> None:
+    """``lane_max_wait_steps`` left unset: 16 steps on CPU, where a lane pass runs its whole
+    shape (0 on CUDA, where a pass runs only the row multiples it needs: a deterministic
+    prompt's first token then never waits for a pass to fill); a value given is kept."""
+    from detserve.config import LANE_WAIT_STEPS
+
+    assert LANE_WAIT_STEPS == {"cuda": 0, "cpu": 16}
+    eng = LLMEngine.from_args(model, "llm42", verify_window=8, verify_group=4)
+    assert eng.scheduler.cfg.lane_max_wait_steps == 16
+    eng.close()
+    eng = LLMEngine.from_args(model, "llm42", verify_window=8, verify_group=4,
+                              lane_max_wait_steps=0)
+    assert eng.scheduler.cfg.lane_max_wait_steps == 0
+    eng.close()

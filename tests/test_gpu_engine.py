@@ -528,4 +528,5 @@ def test_portable_products_verdict_and_the_profiles_device(model: str) -> None:
                       props.multi_processor_count, triton.__version__)
     assert prof["device"] == (cls if al.portable else torch.cuda.get_device_name(0))
     assert ("lane_products" in prof) == al.portable
+    assert eng.scheduler.cfg.lane_max_wait_steps == 0  # (CUDA's default: prompts never wait)
     eng.close()
