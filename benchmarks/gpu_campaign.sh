@@ -14,6 +14,8 @@
 #             weights, and SmolLM2), with the device and the determinism profile, into
 #             $OUT/bits-<gpu>.json; compare two GPUs' files with
 #             python benchmarks/det_outputs.py --compare A.json B.json --report cross.json
+#             (EXTRA="--lane-gemm-rows 512": the lane chunk at which an H100 and an H200
+#             agree, 2026-11-28)
 # Needs (docs/benchmarks/online-campaign.md): the bundles unstaged in /tmp/stage and
 # /tmp/site (wheels: ray[serve] 2.60.0, redis, fastapi, uvicorn, sse-starlette, gguf,
 # protobuf 7.36.2; files: redis-bookworm-*.tar.gz, SmolLM2-135M-Instruct.Q4_1.gguf), and
@@ -66,7 +68,7 @@ case "$part" in
     models=random:llama3-8b
     [ -f "$smol" ] && models="$models,$smol" || echo "no $smol: the 8B shape only"
     timeout -k 20 500 python3 benchmarks/det_outputs.py --models "$models" --device cuda \
-      --dtype bfloat16 --modes "${MODES:-llm42}" --max-tokens 32 --out "$final/bits-$gpu.json" \
+      --dtype bfloat16 --modes "${MODES:-llm42}" --max-tokens 32 ${EXTRA:-} --out "$final/bits-$gpu.json" \
       2>&1 | tee "$out/bits.log" | tail -10 ;;
   *) trap - EXIT; sed -n 2,22p "$0"; exit 2 ;;
 esac
