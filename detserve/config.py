@@ -229,6 +229,12 @@ class EngineConfig:
         0, "the lane's product row chunk (a row's bits depend on it, not on the pass's "
            "other rows). CUDA, 0: chosen by probing cuBLAS (gemm_classes.plan_alignment); "
            "CPU: also the lane attention's chunk, 0: the whole W*G pass")
+    portable_lane: bool = opt(
+        False, "CUDA, align_fast_path: pick a lane chunk whose cuBLAS products give the "
+               "Triton batch-invariant kernel's bits, so deterministic outputs are the same on "
+               "every card of the device class (architecture, SM count, Triton), which the "
+               "fingerprint then names; the fast path's decode rows or the lane's passes may "
+               "be padded further; refused where no chunk qualifies")
     probe_single_calls: bool = opt(
         True, "CUDA, align_fast_path: probe at start-up which eager step sizes give the "
               "leading decode rows the lane chunk's bits in one call over all rows; those "
@@ -302,6 +308,9 @@ class EngineConfig:
             raise ValueError("cuda_graph_step_rows must be >= 0 (0: eager steps)")
         if self.lane_gemm_rows < 0:
             raise ValueError("lane_gemm_rows must be >= 0 (0: chosen automatically)")
+        if self.portable_lane and not (self.device.startswith("cuda") and self.align_fast_path):
+            raise ValueError("portable_lane needs a CUDA device and align_fast_path (the "
+                             "portable kernel and the chunk probe run on GPUs)")
         try:
             lane_variant(TABLE.lane, self.aligned_decode_lane)
         except (TypeError, ValueError) as e:

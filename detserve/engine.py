@@ -153,7 +153,7 @@ class LLMEngine:
         step_rows = [sc.max_num_batched_tokens] * (len(weights) - 1) + [sc.max_num_seqs]
         return auto_alignment(weights, full, sc.lane_rows, c.lane_gemm_rows,
                               step_rows if c.probe_single_calls else (),
-                              self.model.gemm_biases())
+                              self.model.gemm_biases(), portable=c.portable_lane)
 
     @staticmethod
     def _default_verifier_factory(config: EngineConfig) -> Callable[[ModelRunner], Verifier]:

@@ -571,3 +571,25 @@ def test_lane_sizes_are_the_chunks_multiples() -> None:
     assert n.lane_sizes == (176, 352, 528)
     assert [lane_run_rows(n.lane_sizes, u) for u in (1, 176, 177, 512)] == [176, 176, 352, 528]
     assert LaneNumerics().lane_sizes == (512,)
+
+
+def test_a_portable_lane_chooses_only_chunks_with_the_portable_kernels_bits() -> None:
+    """``portable``: only chunks that give the Triton kernel's bits are chosen from, and
+    the classes that hold one. Shaped as the 8B shape's on an H200: the near class (the
+    probed 256) has none; the portable chunk 512 lies in a class starting above twice the
+    decode batch, and the fast path's buckets pad into it. None qualifying: refused."""
+    classes = [[64, 128, 256], [320, 512]]
+    plain = plan_alignment(classes, 128, 512, [8, 64, 128])
+    assert plain.chunk == 256 and plain.buckets == (64, 128)
+    portable = plan_alignment(classes, 128, 512, [8, 64, 128], portable=lambda c: c >= 320)
+    assert portable.chunk == 512 and portable.buckets == (320,)
+    assert plan_alignment(classes, 128, 512, [8], portable=lambda c: c in (128, 512)).chunk == 128
+    with pytest.raises(ValueError, match="portable"):
+        plan_alignment(classes, 128, 512, [8], portable=lambda c: False)
+    # on CPU no chunk can be checked against the Triton kernel: the engine refuses at once
+    with pytest.raises(ValueError, match="portable"):
+        auto_alignment([torch.randn(16, 8)], 32, 64, portable=True)
+    from detserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="portable_lane needs a CUDA device"):
+        EngineConfig.create("random:tiny", portable_lane=True, dtype="float32")

@@ -530,3 +530,23 @@ def test_portable_products_verdict_and_the_profiles_device(model: str) -> None:
     assert ("lane_products" in prof) == al.portable
     assert eng.scheduler.cfg.lane_max_wait_steps == 0  # (CUDA's default: prompts never wait)
     eng.close()
+
+
+def test_portable_lane_gives_a_portable_chunk_or_refuses(model: str) -> None:
+    """``portable_lane``: the engine starts only with a chunk whose products give the
+    Triton kernel's bits (its profile then names the device class), and its deterministic
+    outputs still equal ``lane_only``'s with the same option; where no chunk qualifies it
+    refuses to start, naming why."""
+    reqs = _reqs(det=True)
+    try:
+        dvr, _, eng = run_engine(model, reqs, perturbation=0.2, portable_lane=True, **CUDA)
+    except ValueError as e:
+        assert "portable" in str(e)
+        return
+    assert eng.alignment is not None and eng.alignment.portable
+    assert eng.determinism_profile()["lane_products"] == "portable"
+    eng.close()
+    oracle, _, ref = run_engine(model, reqs, mode="lane_only", portable_lane=True, **CUDA)
+    ref.close()
+    for a, b in zip(oracle, dvr, strict=True):
+        assert signature(a) == signature(b)

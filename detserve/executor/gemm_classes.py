@@ -12,7 +12,7 @@ still runs a fixed shape, and the chunk is part of the determinism profile.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -208,7 +208,8 @@ def equals_portable_kernel(weights: Sequence[Tensor], biases: Sequence[Tensor | 
 
 
 def plan_alignment(classes: Sequence[Sequence[int]], full_batch: int, lane_rows: int,
-                   base_buckets: Sequence[int], chunk: int = 0) -> Alignment:
+                   base_buckets: Sequence[int], chunk: int = 0,
+                   portable: Callable[[int], bool] | None = None) -> Alignment:
     """Choose the class (and in it the lane chunk) from the joint ``classes``.
 
     A class must hold a size >= ``full_batch`` so every decode batch can be padded into it.
@@ -223,6 +224,8 @@ def plan_alignment(classes: Sequence[Sequence[int]], full_batch: int, lane_rows:
     half full runs half the rows; the lane runs a pass's multiple as one call where
     ``lane_call_sizes`` confirms it); else the member that covers ``lane_rows`` in the
     fewest calls, then with the least padding. A given ``chunk`` fixes the class instead.
+    ``portable(c)``: whether chunk ``c`` gives the portable kernel's bits; given, only such
+    chunks (and the classes holding one) are chosen from (ValueError: none is).
     Buckets: each of ``base_buckets`` (the plain captured sizes) rounded up to a member of
     the class, or kept where the class has none that large.
     """
@@ -236,18 +239,22 @@ def plan_alignment(classes: Sequence[Sequence[int]], full_batch: int, lane_rows:
     if chunk:
         cls = next((list(c) for c in classes if chunk in c), [chunk])
     else:
-        feasible = [list(c) for c in classes if max(c) >= full_batch]
+        allowed = {m for c in classes for m in c if portable is None or portable(m)}
+        if not allowed:
+            raise ValueError("no lane chunk on this GPU gives the portable kernel's bits")
+        candidates = [list(c) for c in classes if allowed & set(c)]
+        feasible = [c for c in candidates if max(c) >= full_batch]
         near = [c for c in feasible if min(c) <= 2 * full_batch]
         if near:
             cls = min(near, key=lambda c: (reads(c), min(c)))
         else:
-            pool = feasible or [list(c) for c in classes]
+            pool = feasible or candidates
             cls = min(pool, key=lambda c: (min(c) if feasible else -len(c), calls(max(c))))
         held = set(cls)
-        chains = [c for c in cls
-                  if all(k * c in held for k in range(1, calls(c)[0] + 1))]
+        chains = [c for c in cls if c in allowed
+                  and all(k * c in held for k in range(1, calls(c)[0] + 1))]
         chunk = (min(chains, key=lambda c: (calls(c)[1], abs(2 * c - lane_rows)))
-                 if chains else min(cls, key=calls))
+                 if chains else min((c for c in cls if c in allowed), key=calls))
     members = sorted(cls)
     buckets = sorted({smallest_at_least(members, b) or b for b in base_buckets})
     return Alignment(chunk, tuple(buckets))
@@ -284,20 +291,31 @@ def plan_product_pads(per_weight: Sequence[Sequence[Sequence[int]]],
 
 def auto_alignment(weights: Sequence[Tensor], full_batch: int, lane_rows: int,
                    chunk: int = 0, step_rows: Sequence[int] = (),
-                   biases: Sequence[Tensor | None] = ()) -> Alignment:
+                   biases: Sequence[Tensor | None] = (), portable: bool = False) -> Alignment:
     """Probe the model's products on this GPU and plan the alignment for a fast path that
     decodes up to ``full_batch`` sequences next to a lane of ``lane_rows`` rows.
     ``biases[i]``: ``weights[i]``'s bias as the model adds it (default none).
     ``step_rows[i]`` (optional): the most rows an eager step sends through ``weights[i]``;
-    the sizes up to it that may run as one call are probed too (``single_call_sizes``)."""
+    the sizes up to it that may run as one call are probed too (``single_call_sizes``).
+    ``portable``: the chunk must give the portable kernel's bits (``equals_portable_kernel``;
+    ValueError where none does, or where the given ``chunk`` does not)."""
     bias = list(biases) + [None] * (len(weights) - len(biases))
+    verdicts: dict[int, bool] = {}
+
+    def gives_portable_bits(c: int) -> bool:
+        if c not in verdicts:
+            verdicts[c] = equals_portable_kernel(weights, bias, c)
+        return verdicts[c]
     sizes = probe_sizes(full_batch, lane_rows)
     if chunk:
         sizes = sorted({*sizes, chunk})
     per_weight = [row_classes(w, sizes, bias=b) for w, b in zip(weights, bias, strict=True)]
     keys = [(int(w.shape[0]), int(w.shape[1])) for w in weights]
     base = decode_buckets(full_batch)
-    plan = plan_alignment(joint_classes(per_weight), full_batch, lane_rows, base, chunk)
+    if portable and chunk and not gives_portable_bits(chunk):
+        raise ValueError(f"lane chunk {chunk} does not give the portable kernel's bits here")
+    plan = plan_alignment(joint_classes(per_weight), full_batch, lane_rows, base, chunk,
+                          gives_portable_bits if portable else None)
     plan = plan_product_pads(per_weight, keys, plan, base)
     single: dict[tuple[int, int], frozenset[int]] = {}
     for w, b, rows, key in zip(weights, bias, step_rows, keys, strict=False):
@@ -305,4 +323,4 @@ def auto_alignment(weights: Sequence[Tensor], full_batch: int, lane_rows: int,
             got = single_call_sizes(w, plan.chunk, rows, bias=b, head_rows=plan.buckets[-1])
             single[key] = single[key] & got if key in single else got
     return Alignment(plan.chunk, plan.buckets, single, plan.pads,
-                     portable=equals_portable_kernel(weights, bias, plan.chunk))
+                     portable=gives_portable_bits(plan.chunk))
