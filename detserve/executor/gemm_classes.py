@@ -191,10 +191,11 @@ def equals_portable_kernel(weights: Sequence[Tensor], biases: Sequence[Tensor | 
     """Whether cuBLAS's product over ``chunk`` rows gives every one of ``weights`` the bits
     of this project's Triton batch-invariant kernel, whose bits depend only on the
     architecture, the SM count and Triton (``numerics.device_kind``). cuBLAS picks its
-    kernel per card: at the 8B shape's down_proj an H100 gave the Triton bits from 192
-    rows, an H200 from 320 (``benchmarks/probe_gemm_classes``). Where it holds, the lane's
-    products give the same bits on every card of the class. Two reduction orders agree on
-    a random product's every output only by being the same order, so one probe tells."""
+    kernel per card, so the chunks where this holds differ between cards of one class
+    (``benchmarks/probe_gemm_classes``; figures in docs/benchmarks/gpu). Where it holds,
+    the lane's products give the same bits on every card of the class. Two reduction
+    orders agree on a random product's every output only by being the same order, so one
+    probe tells."""
     if not all(w.is_cuda for w in weights):
         return False  # (the Triton kernel runs on GPUs only)
     from detserve.kernels.batch_invariant import matmul_bi
