@@ -28,12 +28,12 @@ import torch
 from benchmarks.bench_offline import hardware
 from detserve.executor.gemm_classes import (
     decode_buckets,
+    equals_portable_kernel,
     joint_classes,
     plan_alignment,
     probe_sizes,
     row_classes,
 )
-from detserve.kernels.batch_invariant import matmul_bi
 from detserve.model.loader import load_model, resolve_dtype
 from detserve.model.random_init import random_model
 
@@ -48,18 +48,16 @@ def _digest(t: torch.Tensor) -> str:
 
 def chunk_bits(w: torch.Tensor, chunks: tuple[int, ...] = CHUNKS, seed: int = 0
                ) -> dict[str, dict[str, object]]:
-    """For each chunk size M: the digest of cuBLAS's ``x[:M] @ w.T`` over all M rows, and
-    whether it equals the Triton batch-invariant kernel's (x from a seeded CPU generator,
-    so every GPU multiplies the same numbers)."""
+    """For each chunk size M: the digest of cuBLAS's ``x[:M] @ w.T`` over all M rows (x
+    from a seeded CPU generator, so every GPU multiplies the same numbers), and the
+    engine's own verdict on whether M gives the Triton batch-invariant kernel's bits
+    (``equals_portable_kernel``; None on CPU, where that kernel does not run)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(max(chunks), w.shape[1], generator=gen).to(w.device, w.dtype)
-    out: dict[str, dict[str, object]] = {}
-    for m in chunks:
-        ours = torch.nn.functional.linear(x[:m], w)
-        triton = (bool(torch.equal(ours, matmul_bi(x[:m], w))) if w.is_cuda
-                  else None)  # (the Triton kernel needs a GPU)
-        out[str(m)] = {"digest": _digest(ours), "equals_triton": triton}
-    return out
+    return {str(m): {"digest": _digest(torch.nn.functional.linear(x[:m], w)),
+                     "equals_triton": equals_portable_kernel([w], [None], m, seed)
+                     if w.is_cuda else None}
+            for m in chunks}
 
 
 def compare(a: dict, b: dict) -> dict[str, object]:
@@ -100,14 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     names = ["qkv", "o", "gate_up", "down", "lm_head"]
     shapes: dict[str, object] = {}
     per_weight = []
-    for name, w in zip(names, model.gemm_weights(), strict=True):
+    products = dict(zip(names, model.gemm_weights(), strict=True))
+    for name, w in products.items():
         classes = row_classes(w, sizes)
         per_weight.append(classes)
         shapes[name] = {"n_k": list(w.shape), "classes": classes}
         print(f"{name:>8} {tuple(w.shape)}: {len(classes)} classes: "
               + "  ".join(f"[{c[0]}..{c[-1]}]({len(c)})" for c in classes), flush=True)
-    bits = {name: chunk_bits(w) for name, w in zip(names, model.gemm_weights(), strict=True)}
-    weights = {name: _digest(w) for name, w in zip(names, model.gemm_weights(), strict=True)}
+    bits = {name: chunk_bits(w) for name, w in products.items()}
+    weights = {name: _digest(w) for name, w in products.items()}
     for name, per in bits.items():
         print(f"{name:>8} chunk -> equals Triton: "
               + " ".join(f"{m}:{r['equals_triton']}" for m, r in per.items()))

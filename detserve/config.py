@@ -16,10 +16,8 @@ from detserve.kernels.config import TABLE, lane_variant  # (no triton: table and
 from detserve.parallel.layout import INVARIANT_LEAVES  # (no torch)
 
 MODES = ("llm42", "nondeterministic", "batch_invariant", "lane_only")
-# lane_max_wait_steps by device. On a GPU with the wait at 0, the 8B shape's deterministic
-# requests got their first token as fast as the others at 10 % of the traffic (P99 TTFT
-# 0.67-0.84x of the non-deterministic requests' at 9, 13 and 18.5 req/s; 1.58-2.41x with 16):
-# docs/benchmarks/gpu/2026-11-28-c-h100-h200x4
+# lane_max_wait_steps by device: on a GPU a deterministic prompt does not wait for a pass
+# to fill (measured: docs/benchmarks/gpu/2026-11-28-c-h100-h200x4, the campaign's TTFT)
 LANE_WAIT_STEPS = {"cuda": 0, "cpu": 16}
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto", *DTYPES)  # what callers may ask for; ``EngineConfig.create`` resolves

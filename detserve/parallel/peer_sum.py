@@ -38,10 +38,6 @@ log = logging.getLogger(__name__)
 # moves less data per rank at more than two ranks
 PEER_SUM_BYTES = 4 << 20
 DTYPES = (torch.bfloat16, torch.float32)  # what the kernel adds
-# every buffer ever made, kept for the process's life: symmetric memory remembers a
-# buffer's peers by its address, and a new group's buffer at a freed one's address would
-# be taken for the old one (whose peers may be gone); 4 MB a group
-_KEPT: list[Tensor] = []
 _OPENED = False  # this process made peer sums already (for an earlier engine)
 
 
@@ -94,7 +90,6 @@ class PeerSum:
             _SymmetricMemory.set_group_info(key, group.rank, group.size, prefixed)
         numel = PEER_SUM_BYTES // torch.finfo(dtype).bits * 8
         buffer = symm.empty(numel, dtype=dtype, device=group.device)
-        _KEPT.append(buffer)
         symm.rendezvous(buffer, cast(Any, key))
         made = cls(group, key, buffer)
         made._check()
