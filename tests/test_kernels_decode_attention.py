@@ -80,29 +80,25 @@ def test_matches_reference_gpu(h: int, hkv: int, d: int, lens: list[int],
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("num_splits", [1, 6])
-def test_aligned_fast_decode_gives_short_rows_the_lane_bits(num_splits: int) -> None:
-    """The aligned fast path: rows with contexts up to the aligned split floor get the lane
-    kernel's exact bits (what the lane recomputes), longer rows split-KV's; padding rows 0."""
+@pytest.mark.parametrize("spans", [4, 9])
+def test_aligned_fast_decode_gives_every_row_the_lane_bits(spans: int) -> None:
+    """The aligned fast path: every row, long contexts included, gets the lane kernel's
+    exact bits (what the lane recomputes) whatever the spans launched; padding rows 0."""
     from detserve.executor.gpu import fast_decode_attention
     from detserve.kernels.config import TABLE
     from detserve.kernels.lane_attention import lane_attention
 
-    floor = TABLE.decode.aligned_min_tokens_per_split
-    lens = [1, 300, floor, floor + 700, 0, 64, floor + 1]
+    span = TABLE.lane.span
+    lens = [1, 300, span, span + 700, 0, 64, span + 1, 3 * span + 5]
     h, hkv, d = 32, 8, 128
     kv = kt.make_paged_kv(lens, hkv, d, 16, dtype=torch.bfloat16, device="cuda", seed=3)
     q = kt.randn(len(lens), h, d, dtype=torch.bfloat16, device="cuda", seed=4)
     rows = torch.arange(len(lens), dtype=torch.int32, device="cuda")
     pos = kv.context_lens - 1  # -1 for the padding row
     out = fast_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens,
-                                rows, pos, num_splits, aligned=True)
+                                rows, pos, spans, aligned=True)
     lane = lane_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, rows, pos)
-    split = decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens,
-                             num_splits=num_splits)
-    for i, n in enumerate(lens):
-        want = lane[i] if num_splits == 1 or n <= floor else split[i]
-        assert torch.equal(out[i], want), f"row {i} (context {n})"
+    assert torch.equal(out, lane)
     assert not out[4].any()
     ref = decode_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

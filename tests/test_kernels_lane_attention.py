@@ -22,6 +22,7 @@ from detserve.kernels.lane_attention import (  # noqa: E402
     lane_attention,
     lane_attention_ref,
     lane_rows,
+    lane_spans,
 )
 
 CPU = ("cpu", torch.float32)
@@ -71,16 +72,21 @@ def check_row_invariance(device: str, dtype: torch.dtype, h: int, hkv: int, d: i
     pos_all = torch.tensor(pos_l[: 3 * m], dtype=torch.int32, device=device)
     rows = lane_rows(h // hkv, cfg)
 
-    def run(idx: torch.Tensor, cache: kt.PagedKV = kv, rpp: int | None = None) -> torch.Tensor:
+    def run(idx: torch.Tensor, cache: kt.PagedKV = kv, rpp: int | None = None,
+            spans: int | None = None) -> torch.Tensor:
         idx = idx.to(device)
         return lane_attention(q_all[idx], cache.k_cache, cache.v_cache, cache.block_tables,
-                              seq_all[idx], pos_all[idx], cfg=cfg, rows_per_program=rpp)
+                              seq_all[idx], pos_all[idx], cfg=cfg, rows_per_program=rpp,
+                              max_spans=spans)
 
     base_idx = torch.arange(m)
     base = run(base_idx, rpp=rows)
-    # 0. however many rows a program takes (the default follows M)
+    # 0. however many rows a program takes (the default follows M), however many spans run
     for rpp in sorted({1, 2, max(1, rows // 2), rows}):
         assert kt.bitwise_equal(run(base_idx, rpp=rpp), base), f"rows_per_program={rpp}"
+    need = lane_spans(max(lens), cfg)
+    for spans in sorted({need, need + 1, 2 * need + 3}):
+        assert kt.bitwise_equal(run(base_idx, spans=spans), base), f"max_spans={spans}"
     # 1. the same rows permuted, among different neighbours, in passes of other sizes
     perm = torch.randperm(m, generator=g)
     assert kt.bitwise_equal(run(base_idx[perm]), base[perm.to(device)])
@@ -127,6 +133,52 @@ def test_matches_reference_interp(h: int, hkv: int, d: int, page: int, tile: int
 def test_row_invariance_interp(page: int, tile: int, block_m: int) -> None:
     check_row_invariance(*CPU, 6, 2, 32, page, [40, 9, 73], 12,
                          LaneConfig(tile=tile, block_m=block_m))
+
+
+def check_spans(device: str, dtype: torch.dtype, h: int, hkv: int, d: int, page: int,
+                cfg: LaneConfig, atol: float) -> None:
+    """``LaneConfig.span``: contexts past the first span reduce span by span and merge in
+    order. Such rows match the reference; windows that straddle a span's end get the
+    same bits from the one-row kernel and the windowed one; rows inside the first span keep
+    the bits of a lane without spans; and the long rows' bits are other than those of a
+    lane without spans (so the span is part of the numerics: the control)."""
+    s = cfg.span
+    lens = [3 * s + 5, s, s + 1, s // 2, 2 * s + cfg.tile]
+    kv = kt.make_paged_kv(lens, hkv, d, page, dtype=dtype, device=device, seed=51)
+    rows = [(i, p) for i, n in enumerate(lens) for p in range(max(0, n - 9), n)]  # windows
+    rows += [(0, p) for p in range(s - 4, s + 4)] + [(0, 0), (0, -1)]  # across a span's end
+    seq, pos = _i32([r[0] for r in rows], device), _i32([r[1] for r in rows], device)
+    q = kt.randn(len(rows), h, d, dtype=dtype, device=device, seed=52)
+
+    def call(c: LaneConfig, rpp: int | None = None) -> torch.Tensor:
+        return lane_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, seq, pos, cfg=c,
+                              rows_per_program=rpp)
+
+    out = call(cfg)
+    torch.testing.assert_close(out.float(), lane_attention_ref(
+        q, kv.k_cache, kv.v_cache, kv.block_tables, seq, pos).float(), atol=atol, rtol=atol)
+    assert torch.all(out[-1] == 0)  # the padding row
+    if cfg.dot_sums:
+        assert kt.bitwise_equal(call(cfg, 1), out)  # the one-row kernel, span by span
+    whole = call(dataclasses.replace(cfg, span=4 * cfg.span * 4))  # one span holds all
+    short = pos < s
+    assert kt.bitwise_equal(out[short], whole[short])
+    assert not kt.bitwise_equal(out[~short], whole[~short])
+
+
+@interp
+def test_spans_interp() -> None:
+    for dot_sums in (True, False):
+        cfg = LaneConfig(tile=16, block_m=16, span=32, dot_sums=dot_sums)
+        check_spans(*CPU, 6, 2, 32, 8, cfg, 1e-5)
+        check_row_invariance(*CPU, 6, 2, 32, 8, [40, 9, 73, 100], 12, cfg)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_spans_gpu() -> None:
+    check_spans(*GPU, 32, 8, 128, 16, LaneConfig(), 2e-2)
+    check_spans(*GPU, 32, 8, 128, 16, LaneConfig(span=256), 2e-2)
 
 
 def check_full_tiles_keep_the_bits(device: str, dtype: torch.dtype, h: int, hkv: int, d: int,

@@ -3,8 +3,8 @@
 Same contracts as the plain-torch paths in ``attention.py`` and ``ops.py``:
 - fast path: split-KV paged decode attention and varlen paged prefill attention (whatever
   split the context length suggests: shape-dependent reductions are allowed here);
-- lane and batch-invariant mode: ``lane_attention`` (tiles aligned to absolute positions,
-  no split), and for batch-invariant mode a persistent no-split-K matmul and one-row-per-
+- lane and batch-invariant mode: ``lane_attention`` (tiles and spans aligned to absolute
+  positions, no split by length or batch), and for batch-invariant mode a persistent no-split-K matmul and one-row-per-
   program RMSNorm, so every row's bits are independent of the batch.
 Every path rotates q/k and writes the K/V with one fused kernel (``rope_kv_write``, bitwise
 equal to the model's RoPE), and normalises with the one-row-per-program RMSNorm.
@@ -28,12 +28,12 @@ from detserve.kernels.batch_invariant import add_rmsnorm_bi, matmul_bi, rmsnorm_
 from detserve.kernels.config import KERNEL_VERSION, TABLE, LaneConfig
 from detserve.kernels.decode_attention import choose_num_splits, decode_attention
 from detserve.kernels.kv_write import rope_kv_write
-from detserve.kernels.lane_attention import lane_attention
+from detserve.kernels.lane_attention import lane_attention, lane_spans
 from detserve.kernels.prefill_attention import prefill_attention
 from detserve.kernels.silu_mul import silu_mul_fused
 
 __all__ = ["KERNEL_VERSION", "DecodeInputs", "GpuFastOps", "GpuLaneOps", "GpuMeta", "Rope",
-           "TritonBatchInvariantOps", "aligned_split_masks", "fast_attention_gpu",
+           "TritonBatchInvariantOps", "fast_attention_gpu",
            "fast_decode_attention",
            "lane_attention_gpu", "rope_write"]
 
@@ -109,8 +109,7 @@ class DecodeInputs:
     context_lens: Tensor    # int32
     row_seq: Tensor         # int32: row of ``tables`` of each decode row
     row_pos: Tensor         # int32: position of each decode row
-    num_splits: int
-    masks: tuple[Tensor, Tensor, Tensor] | None  # aligned split-KV: ``aligned_split_masks``
+    num_splits: int         # split-KV's splits; aligned: the lane kernel's spans
 
 
 @dataclass
@@ -169,24 +168,26 @@ class GpuMeta:
                    all_decode=len(dec_rows) == batch.num_rows == len(segs),
                    decode_span=_span(dec_rows), prefill_span=_span(pre_rows))
 
-    def decode_inputs(self, num_kv_heads: int, device: torch.device,
-                      aligned: bool) -> DecodeInputs:
+    def decode_inputs(self, num_kv_heads: int, device: torch.device, aligned: bool,
+                      lane_cfg: LaneConfig = TABLE.lane) -> DecodeInputs:
         """The decode rows' kernel inputs (the same for every layer of the step)."""
         key = (num_kv_heads, aligned)
         got = self._decode.get(key)
         if got is not None:
             return got
         rows, segs = self.decode_rows, self.decode_segs
-        splits = choose_num_splits(len(rows), num_kv_heads, self.max_decode_ctx,
-                                   num_sms(device), aligned=aligned)
+        if aligned:
+            splits = lane_spans(self.max_decode_ctx, lane_cfg)
+        else:
+            splits = choose_num_splits(len(rows), num_kv_heads, self.max_decode_ctx,
+                                       num_sms(device))
         if self.all_decode:  # the common case: the step's own tables and rows
             tables, ctx, row_seq, row_pos = (self.seg_tables, self.context_lens, self.row_seg,
                                              self.lane_pos)
         else:
             tables, ctx, row_pos = self.seg_tables[segs], self.context_lens[segs], self.lane_pos[rows]
             row_seq = torch.arange(len(rows), dtype=torch.int32, device=device)
-        masks = aligned_split_masks(ctx, row_pos) if aligned and splits > 1 else None
-        got = self._decode[key] = DecodeInputs(tables, ctx, row_seq, row_pos, splits, masks)
+        got = self._decode[key] = DecodeInputs(tables, ctx, row_seq, row_pos, splits)
         return got
 
     def prefill_inputs(self) -> tuple[Tensor, Tensor]:
@@ -211,45 +212,26 @@ def rope_write(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor, positi
                          slots)
 
 
-def aligned_split_masks(context_lens: Tensor, row_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """For aligned decode with split-KV: (row_pos for the lane kernel, -1 where the context
-    is too long for it; context_lens for split-KV, 0 where the lane kernel takes the row;
-    the rows the lane kernel takes, as [B, 1, 1] for ``torch.where``)."""
-    short = context_lens <= TABLE.decode.aligned_min_tokens_per_split
-    return (torch.where(short, row_pos, -1), torch.where(short, 0, context_lens),
-            short[:, None, None])
-
-
 def fast_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor,
                           context_lens: Tensor, row_seq: Tensor, row_pos: Tensor,
-                          num_splits: int, aligned: bool,
-                          masks: tuple[Tensor, Tensor, Tensor] | None = None,
-                          out: Tensor | None = None,
+                          num_splits: int, aligned: bool, out: Tensor | None = None,
                           lane_cfg: LaneConfig = TABLE.lane) -> Tensor:
     """Fast-path decode attention, one token per row (row i: sequence ``row_seq[i]`` at
     position ``row_pos[i]`` = context length - 1, or -1 for a padding row).
 
-    With ``aligned``, every row whose context is at most ``aligned_min_tokens_per_split``
-    goes through the lane's own kernel (one row per program). The lane kernel's bits do not
-    depend on the rows around a row, so the token gets exactly the attention the lane will
-    recompute for it, and its window can verify. Longer rows in batches too small to fill
-    the GPU take split-KV (``num_splits`` > 1) instead (``masks``: ``aligned_split_masks``
-    of these rows, when already built). Writes ``out`` when given. Graph-safe: no host sync.
-    ``lane_cfg``: the lane kernel's config, the lane's own.
+    With ``aligned``, every row goes through the lane's own kernel (one row per program,
+    ``num_splits`` spans launched: enough for the longest context). The lane kernel's bits
+    do not depend on the rows around a row, nor on the spans launched, so the token gets
+    exactly the attention the lane will recompute for it, and its window can verify; a long
+    context still runs in parallel, span by span. Else split-KV with ``num_splits``.
+    Writes ``out`` when given. Graph-safe: no host sync. ``lane_cfg``: the lane kernel's
+    config, the lane's own.
     """
     if not aligned:
         return decode_attention(q, k_cache, v_cache, tables, context_lens,
                                 num_splits=num_splits, out=out)
-    if num_splits == 1:
-        return lane_attention(q, k_cache, v_cache, tables, row_seq, row_pos,
-                              rows_per_program=1, out=out, cfg=lane_cfg)
-    near_pos, far_ctx, short = masks or aligned_split_masks(context_lens, row_pos)
-    near = lane_attention(q, k_cache, v_cache, tables, row_seq, near_pos, rows_per_program=1,
-                          cfg=lane_cfg)
-    far = decode_attention(q, k_cache, v_cache, tables, far_ctx, num_splits=num_splits)
-    if out is None:
-        return torch.where(short, near, far)
-    return torch.where(short, near, far, out=out)
+    return lane_attention(q, k_cache, v_cache, tables, row_seq, row_pos, rows_per_program=1,
+                          max_spans=num_splits, out=out, cfg=lane_cfg)
 
 
 def fast_attention_gpu(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor,
@@ -257,13 +239,13 @@ def fast_attention_gpu(pool: KVPool, layer: int, q: Tensor, k: Tensor, v: Tensor
                        lane_cfg: LaneConfig = TABLE.lane) -> Tensor:
     q = rope_write(pool, layer, q, k, v, batch.positions, batch.slots, rope)
     kc, vc = pool.k(layer), pool.v(layer)
-    dec = meta.decode_inputs(kc.shape[2], q.device, aligned) if meta.decode_rows.numel() else None
+    dec = meta.decode_inputs(kc.shape[2], q.device, aligned, lane_cfg) \
+        if meta.decode_rows.numel() else None
 
     def decode(qd: Tensor, out: Tensor | None = None) -> Tensor:
         assert dec is not None
         return fast_decode_attention(qd, kc, vc, dec.tables, dec.context_lens, dec.row_seq,
-                                     dec.row_pos, dec.num_splits, aligned, dec.masks, out,
-                                     lane_cfg)
+                                     dec.row_pos, dec.num_splits, aligned, out, lane_cfg)
 
     if dec is not None and meta.all_decode:  # the common case: no gather/scatter of q
         return decode(q)

@@ -39,7 +39,7 @@ from detserve.executor.kv_pool import KVPool
 from detserve.kernels._utils import num_sms
 from detserve.kernels.config import TABLE, LaneConfig
 from detserve.kernels.decode_attention import choose_num_splits
-from detserve.kernels.lane_attention import lane_attention
+from detserve.kernels.lane_attention import lane_attention, lane_spans
 from detserve.model.llama import LlamaModel, Ops, RowReduce
 
 __all__ = ["DecodeGraphs", "GraphCaptureError", "LaneGraph", "StepGraphs", "capture_graph",
@@ -100,9 +100,8 @@ def _feed_prev(prev: Tensor, feed: tuple[Tensor, list[tuple[int, int]]] | None
 class DecodeGraphs:
     """Graphs of single-token decode forwards (plus the lm_head) at ``decode_buckets`` sizes.
 
-    ``kind``: "fast" (``fast_decode_attention``: the lane's kernel where one split suffices
-    if ``aligned``, else split-KV) or "bi" (batch-invariant ops and position-aligned lane
-    attention).
+    ``kind``: "fast" (``fast_decode_attention``: the lane's kernel if ``aligned``, else
+    split-KV) or "bi" (batch-invariant ops and position-aligned lane attention).
     """
 
     def __init__(self, model: LlamaModel, pool: KVPool, ops: Ops, kind: str, max_batch: int,
@@ -143,13 +142,17 @@ class DecodeGraphs:
         # replays not yet added (with asynchronous scheduling several may be in flight)
         self._timing: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self._mempool = torch.cuda.graph_pool_handle()
-        # (bucket, splits) -> graph. A fast bucket whose longest context needs split-KV also
-        # gets a one-split graph, replayed while every context is short enough for one.
+        # (bucket, splits) -> graph. A bucket whose longest context needs several splits
+        # (or spans) also gets a graph of one, replayed while every context fits one.
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.last: torch.cuda.CUDAGraph | None = None  # the graph replayed last (benchmarks)
         self._hkv, self._sms = model.config.num_kv_heads, num_sms(dev)
         max_ctx = max_blocks * self.block_size
-        self._splits = {b: choose_num_splits(b, self._hkv, max_ctx, self._sms)
+        # the most splits (split-KV) or spans (the lane kernel: aligned or bi rows) a
+        # bucket needs; with more than one, the bucket also gets a graph of one
+        self._lane = kind == "bi" or aligned
+        self._splits = {b: lane_spans(max_ctx, lane_cfg) if self._lane
+                        else choose_num_splits(b, self._hkv, max_ctx, self._sms)
                         for b in self.buckets}
 
     def _forward(self, b: int, splits: int) -> Tensor:
@@ -166,7 +169,7 @@ class DecodeGraphs:
                 return fast_decode_attention(q, kc, vc, tables, ctx, row_seq, lane_pos, splits,
                                              self.aligned, lane_cfg=self.lane_cfg)
             return lane_attention(q.contiguous(), kc, vc, tables, row_seq, lane_pos,
-                                  cfg=self.lane_cfg)
+                                  max_spans=splits, cfg=self.lane_cfg)
 
         hidden = self.model(ids, pos, attn, self.ops, rope_in_attention=True,
                             tp_reduce=self.reduce)
@@ -179,7 +182,7 @@ class DecodeGraphs:
         self.ints[0].zero_()     # ... and attend to nothing
         self.ints[1].fill_(-1)
         for b in reversed(self.buckets):
-            variants = {self._splits[b], 1} if self.kind == "fast" else {1}
+            variants = {self._splits[b], 1}
             for splits in sorted(variants, reverse=True):
                 self._graphs[(b, splits)] = capture_graph(partial(self._forward, b, splits),
                                                      self._mempool)
@@ -228,9 +231,10 @@ class DecodeGraphs:
                 src[i] = j
         b = self._fill(segments, src)
         splits = 1
-        if self.kind == "fast" and self._splits[b] > 1:
+        if self._splits[b] > 1:
             max_ctx = max(s.start for s in segments) + 1
-            need = choose_num_splits(b, self._hkv, max_ctx, self._sms, aligned=self.aligned)
+            need = lane_spans(max_ctx, self.lane_cfg) if self._lane \
+                else choose_num_splits(b, self._hkv, max_ctx, self._sms)
             splits = 1 if need == 1 else self._splits[b]
         graph, logits = self._graphs[(b, splits)]
         self.settle_timing()

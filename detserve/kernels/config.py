@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, replace
 
 # Bump whenever a *bits* constant or the arithmetic of lane_attention / batch_invariant changes.
 # kernels-3: the lane's tile sums as matrix products (LaneConfig.dot_sums on by default)
-KERNEL_VERSION = "kernels-3"
+# kernels-4: contexts past LaneConfig.span reduce in spans merged in order
+KERNEL_VERSION = "kernels-4"
 
 
 def _check_pow2(owner: object, **values: int) -> None:
@@ -58,9 +59,6 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     min_tokens_per_split: int = 256  # never split finer than this
-    # With an aligned fast path (EngineConfig.align_fast_path) rows whose context is at most
-    # this long take no split, so their attention has the lane's bits and windows verify.
-    aligned_min_tokens_per_split: int = 2048
     max_splits: int = 32
     programs_per_sm: int = 2  # stop splitting once batch * kv_heads * splits reaches this * SMs
     reduce_num_warps: int = 4
@@ -109,11 +107,19 @@ class LaneConfig:
     # ``EngineConfig.aligned_decode_lane``) as fast as split-KV, with the lane's bits.
     # False: ``tl.sum``, whose bits hold only for tiles whose warps own whole rows
     dot_sums: bool = True
+    # Positions [k*span, (k+1)*span) of a row's context reduce in a program of their own,
+    # the spans' states then merged in order: *bits* for rows past the first span. Fixed by
+    # absolute position, so a long context runs in parallel with the same bits in the lane
+    # and on the aligned fast path (where split-KV would split by batch and length)
+    span: int = 2048
 
     def __post_init__(self) -> None:
-        _check_pow2(self, tile=self.tile, block_m=self.block_m, num_warps=self.num_warps)
+        _check_pow2(self, tile=self.tile, block_m=self.block_m, num_warps=self.num_warps,
+                    span=self.span)
         if min(self.tile, self.block_m) < 16:
             raise ValueError("lane tile and block_m must be >= 16 (tl.dot)")
+        if self.span < self.tile:
+            raise ValueError(f"lane span {self.span} must hold whole tiles of {self.tile}")
 
 
 # the decode rows' query tile and launch with dot sums ("auto"): the fastest one-row tile

@@ -125,11 +125,9 @@ def _decode_reduce_kernel(
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, sms: int,
-                      cfg: DecodeConfig = TABLE.decode, aligned: bool = False) -> int:
-    """Fewest splits that fill the GPU, never below ``min_tokens_per_split`` tokens a split
-    (``aligned_min_tokens_per_split`` for an aligned fast path, which prefers no split)."""
-    floor = cfg.aligned_min_tokens_per_split if aligned else cfg.min_tokens_per_split
-    by_length = max(1, cdiv(max_context_len, floor))
+                      cfg: DecodeConfig = TABLE.decode) -> int:
+    """Fewest splits that fill the GPU, never below ``min_tokens_per_split`` tokens a split."""
+    by_length = max(1, cdiv(max_context_len, cfg.min_tokens_per_split))
     by_occupancy = max(1, cdiv(cfg.programs_per_sm * sms, max(1, batch * num_kv_heads)))
     return max(1, min(cfg.max_splits, by_length, by_occupancy))
 

@@ -3,7 +3,12 @@
 Each of the pass's M rows is one query token: (sequence -> block-table row, absolute
 position p). The row reduces over KV tiles aligned to absolute positions, tile t covering
 positions [t*TILE, (t+1)*TILE), strictly in increasing t with an online softmax, masking
-positions > p; no split-KV.
+positions > p. Spans of ``cfg.span`` absolute positions ([k*SPAN, (k+1)*SPAN)) run in
+programs of their own, each from an empty state; a row whose context reaches past the
+first span gets its spans' states merged in increasing k by ``_lane_merge_kernel``. The
+spans are fixed by absolute position, not by the batch or the context length, so a long
+context runs in parallel with the same bits wherever it runs (the fast path's aligned
+decode rows included); a row inside the first span never merges.
 
 A program owns (a block of ``rows_per_program`` consecutive rows, a kv head). Its rows that
 share a sequence are processed together, so a verify window or a prompt chunk reads each KV
@@ -14,9 +19,10 @@ last tile the positions past p get probability 0, so what the other slots hold c
 its bits: matrix-multiply rows are computed independently of one another.
 
 Invariant (tested bitwise): a row's output is a function of its q, the cached K/V at
-positions 0..p, p and the compile-time constants (TILE, block_m, head sizes, dtype,
+positions 0..p, p and the compile-time constants (TILE, SPAN, block_m, head sizes, dtype,
 num_warps) alone -- not of the other rows, the row's index in the pass, M,
-``rows_per_program``, how the sequence was chunked, or anything cached beyond p. The pass
+``rows_per_program``, the number of spans launched, how the sequence was chunked, or
+anything cached beyond p. The pass
 must have written its own K/V to the cache before this kernel runs.
 """
 
@@ -126,10 +132,29 @@ def _lane_full_tile(
     return m_new, l_new, acc_new
 
 
-@triton.jit(do_not_specialize=["M", "rows_per_program"])
+@triton.jit
+def _lane_span_end(o_ptrs, mid_o_ptr, mid_ml_ptr, row_i, head_i, span, num_heads, num_spans,
+                   m_i, l_i, acc, live_i, pos_i, offs_d, d_mask,
+                   HEAD_DIM: tl.constexpr, SPAN: tl.constexpr):
+    """The end of a span for the live slots: a row inside the first span (p < SPAN) has
+    its output, stored; a longer row leaves its state (running max, sum and unnormalised
+    accumulator) in its span's place for ``_lane_merge_kernel``."""
+    short_i = live_i & (pos_i < SPAN)
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(o_ptrs, o.to(o_ptrs.dtype.element_ty), mask=short_i[:, None] & d_mask[None, :])
+    long_i = live_i & (pos_i >= SPAN)
+    at = (row_i.to(tl.int64) * num_heads + head_i) * num_spans + span
+    tl.store(mid_o_ptr + at[:, None] * HEAD_DIM + offs_d[None, :], acc,
+             mask=long_i[:, None] & d_mask[None, :])
+    tl.store(mid_ml_ptr + at * 2, m_i, mask=long_i)
+    tl.store(mid_ml_ptr + at * 2 + 1, l_i, mask=long_i)
+
+
+@triton.jit(do_not_specialize=["M", "rows_per_program", "num_spans"])
 def _lane_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, row_seq_ptr, row_pos_ptr, out_ptr,
-    qk_scale, M, rows_per_program,
+    mid_o_ptr, mid_ml_ptr,
+    qk_scale, M, rows_per_program, num_heads, num_spans,
     stride_qm, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -137,10 +162,12 @@ def _lane_kernel(
     stride_om, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, TILE: tl.constexpr, SPAN: tl.constexpr, PRECISION: tl.constexpr,
     FULL_TILES: tl.constexpr, DOT_SUMS: tl.constexpr,
 ):
     kvh = tl.program_id(1)
+    span = tl.program_id(2)
+    lo = span * SPAN
     row0 = tl.program_id(0) * rows_per_program
     row_end = tl.minimum(row0 + rows_per_program, M)
 
@@ -155,52 +182,57 @@ def _lane_kernel(
     d_mask = offs_d < HEAD_DIM
     head_i = kvh * GROUP + g_i
     q_off = row_i.to(tl.int64) * stride_qm + head_i * stride_qh
-    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=in_i[:, None] & d_mask[None, :],
-                other=0.0)
     o_ptrs = out_ptr + (row_i.to(tl.int64) * stride_om + head_i * stride_oh)[:, None] \
         + offs_d[None, :]
-    pad_i = in_i & (pos_i < 0)  # padding rows (p < 0) produce zeros
-    tl.store(o_ptrs, tl.zeros([ROWS * BLOCK_G, BLOCK_D], dtype=out_ptr.dtype.element_ty),
-             mask=pad_i[:, None] & d_mask[None, :])
+    if span == 0:  # padding rows (p < 0) produce zeros
+        pad_i = in_i & (pos_i < 0)
+        tl.store(o_ptrs, tl.zeros([ROWS * BLOCK_G, BLOCK_D], dtype=out_ptr.dtype.element_ty),
+                 mask=pad_i[:, None] & d_mask[None, :])
 
-    # One pass per distinct sequence, led by its first row in the block.
-    for row in range(row0, row_end):
-        seq = tl.load(row_seq_ptr + row)
-        p = tl.load(row_pos_ptr + row)
-        first = tl.sum(((row_i < row) & (seq_i == seq) & (pos_i >= 0)).to(tl.int32), 0) == 0
-        if (p >= 0) & first:
-            live_i = in_i & (seq_i == seq) & (pos_i >= 0)
-            last = tl.max(tl.where(live_i, pos_i, -1), 0)
-            m_i = tl.full([ROWS * BLOCK_G], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([ROWS * BLOCK_G], dtype=tl.float32)
-            acc = tl.zeros([ROWS * BLOCK_G, BLOCK_D], dtype=tl.float32)
-            bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-            hi = last + 1
-            masked_lo = 0
-            if FULL_TILES:  # tiles every live slot sees whole, before the others, in order
-                least = tl.min(tl.where(live_i, pos_i, last), 0)
-                masked_lo = tl.minimum(hi, (least + 1) // TILE * TILE)
-                for start in range(0, masked_lo, TILE):
-                    m_i, l_i, acc = _lane_full_tile(
-                        q, m_i, l_i, acc, start, live_i,
+    if tl.max(pos_i, 0) >= lo:  # some row of the block reaches into this span
+        q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :],
+                    mask=in_i[:, None] & d_mask[None, :], other=0.0)
+        # One pass per distinct sequence, led by its first row in the block that reaches
+        # into the span.
+        for row in range(row0, row_end):
+            seq = tl.load(row_seq_ptr + row)
+            p = tl.load(row_pos_ptr + row)
+            first = tl.sum(((row_i < row) & (seq_i == seq) & (pos_i >= lo)).to(tl.int32),
+                           0) == 0
+            if (p >= lo) & first:
+                live_i = in_i & (seq_i == seq) & (pos_i >= lo)
+                last = tl.max(tl.where(live_i, pos_i, -1), 0)
+                m_i = tl.full([ROWS * BLOCK_G], float("-inf"), dtype=tl.float32)
+                l_i = tl.zeros([ROWS * BLOCK_G], dtype=tl.float32)
+                acc = tl.zeros([ROWS * BLOCK_G, BLOCK_D], dtype=tl.float32)
+                bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+                hi = tl.minimum(last + 1, lo + SPAN)
+                masked_lo = lo
+                if FULL_TILES:  # tiles every live slot sees whole, before the others
+                    least = tl.min(tl.where(live_i, pos_i, last), 0)
+                    masked_lo = tl.minimum(hi, (least + 1) // TILE * TILE)
+                    for start in range(lo, masked_lo, TILE):
+                        m_i, l_i, acc = _lane_full_tile(
+                            q, m_i, l_i, acc, start, live_i,
+                            bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
+                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                            offs_d, d_mask, PAGE, TILE, PRECISION, DOT_SUMS)
+                for start in range(masked_lo, hi, TILE):  # the other tiles, in order
+                    m_i, l_i, acc = _lane_tile(
+                        q, m_i, l_i, acc, start, pos_i, live_i, last,
                         bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                         offs_d, d_mask, PAGE, TILE, PRECISION, DOT_SUMS)
-            for start in range(masked_lo, hi, TILE):  # the other tiles, in order
-                m_i, l_i, acc = _lane_tile(
-                    q, m_i, l_i, acc, start, pos_i, live_i, last,
-                    bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
-                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    offs_d, d_mask, PAGE, TILE, PRECISION, DOT_SUMS)
-            o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty),
-                     mask=live_i[:, None] & d_mask[None, :])
+                _lane_span_end(o_ptrs, mid_o_ptr, mid_ml_ptr, row_i, head_i, span, num_heads,
+                               num_spans, m_i, l_i, acc, live_i, pos_i, offs_d, d_mask,
+                               HEAD_DIM, SPAN)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_spans"])
 def _lane_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, row_seq_ptr, row_pos_ptr, out_ptr,
-    qk_scale,
+    mid_o_ptr, mid_ml_ptr,
+    qk_scale, num_heads, num_spans,
     stride_qm, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -208,15 +240,17 @@ def _lane_decode_kernel(
     stride_om, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, TILE: tl.constexpr, SPAN: tl.constexpr, PRECISION: tl.constexpr,
     FULL_TILES: tl.constexpr,
 ):
-    """``_lane_kernel`` for one row per program and no split (the fast path's decode rows):
-    one program per (row, kv head), its query tile the row's GROUP heads padded to
-    BLOCK_M slots, its tile loop at the top level. The same tile steps with dot sums, whose
-    bits do not depend on the query tile, so a slot gets the generic kernel's bits."""
+    """``_lane_kernel`` for one row per program (the fast path's decode rows): one program
+    per (row, kv head, span), its query tile the row's GROUP heads padded to BLOCK_M slots,
+    its tile loop at the top level. The same tile steps with dot sums, whose bits do not
+    depend on the query tile, so a slot gets the generic kernel's bits."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
+    span = tl.program_id(2)
+    lo = span * SPAN
     p = tl.load(row_pos_ptr + row)
     offs_g = tl.arange(0, BLOCK_M)
     live_i = offs_g < GROUP
@@ -227,9 +261,10 @@ def _lane_decode_kernel(
         + offs_d[None, :]
     o_mask = live_i[:, None] & d_mask[None, :]
     if p < 0:  # a padding row: zeros, as the generic kernel gives it
-        tl.store(o_ptrs, tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty),
-                 mask=o_mask)
-    else:
+        if span == 0:
+            tl.store(o_ptrs, tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty),
+                     mask=o_mask)
+    elif p >= lo:
         seq = tl.load(row_seq_ptr + row)
         q = tl.load(q_ptr + (row.to(tl.int64) * stride_qm + head_i * stride_qh)[:, None]
                     + offs_d[None, :], mask=o_mask, other=0.0)
@@ -238,23 +273,60 @@ def _lane_decode_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        masked_lo = 0
+        hi = tl.minimum(p + 1, lo + SPAN)
+        masked_lo = lo
         if FULL_TILES:
-            masked_lo = (p + 1) // TILE * TILE
-            for start in range(0, masked_lo, TILE):
+            masked_lo = tl.minimum(hi, (p + 1) // TILE * TILE)
+            for start in range(lo, masked_lo, TILE):
                 m_i, l_i, acc = _lane_full_tile(
                     q, m_i, l_i, acc, start, live_i,
                     bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     offs_d, d_mask, PAGE, TILE, PRECISION, True)
-        for start in range(masked_lo, p + 1, TILE):
+        for start in range(masked_lo, hi, TILE):
             m_i, l_i, acc = _lane_tile(
                 q, m_i, l_i, acc, start, pos_i, live_i, p,
                 bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 offs_d, d_mask, PAGE, TILE, PRECISION, True)
-        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        row_i = tl.full([BLOCK_M], 0, dtype=tl.int32) + row
+        _lane_span_end(o_ptrs, mid_o_ptr, mid_ml_ptr, row_i, head_i, span, num_heads,
+                       num_spans, m_i, l_i, acc, live_i, pos_i, offs_d, d_mask,
+                       HEAD_DIM, SPAN)
+
+
+@triton.jit(do_not_specialize=["num_spans"])
+def _lane_merge_kernel(
+    row_pos_ptr, out_ptr, mid_o_ptr, mid_ml_ptr, num_heads, num_spans,
+    stride_om, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPAN: tl.constexpr,
+):
+    """One (row, head) whose context reaches past the first span: its spans' states merged
+    in increasing span order, from the first, whatever the launch (a fixed order: the
+    row's bits), then normalised."""
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.load(row_pos_ptr + row)
+    if p >= SPAN:
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        at = (row.to(tl.int64) * num_heads + h) * num_spans
+        m = tl.load(mid_ml_ptr + at * 2)
+        l_run = tl.load(mid_ml_ptr + at * 2 + 1)
+        acc = tl.load(mid_o_ptr + at * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
+        for k in range(1, p // SPAN + 1):
+            mk = tl.load(mid_ml_ptr + (at + k) * 2)
+            lk = tl.load(mid_ml_ptr + (at + k) * 2 + 1)
+            ak = tl.load(mid_o_ptr + (at + k) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
+            m_new = tl.maximum(m, mk)
+            a = tl.exp2(m - m_new)
+            b = tl.exp2(mk - m_new)
+            acc = acc * a + ak * b
+            l_run = l_run * a + lk * b
+            m = m_new
+        o = acc / l_run
+        tl.store(out_ptr + row.to(tl.int64) * stride_om + h * stride_oh + offs_d,
+                 o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def lane_rows(group: int, cfg: LaneConfig = TABLE.lane) -> int:
@@ -270,6 +342,11 @@ def default_rows_per_program(m: int, num_kv_heads: int, rows: int, sms: int) -> 
     return rpp
 
 
+def lane_spans(positions: int, cfg: LaneConfig = TABLE.lane) -> int:
+    """Spans that hold ``positions`` positions (at least one)."""
+    return max(1, cdiv(positions, cfg.span))
+
+
 def lane_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -280,10 +357,11 @@ def lane_attention(
     *,
     scale: float | None = None,
     rows_per_program: int | None = None,
+    max_spans: int | None = None,
     out: Tensor | None = None,
     cfg: LaneConfig = TABLE.lane,
 ) -> Tensor:
-    """Position-aligned, split-free attention for the M rows of a lane pass.
+    """Position-aligned attention for the M rows of a lane pass, in fixed spans.
 
     q: [M, H, D]; row_seq int32 [M]: row of ``block_tables`` of each row's sequence;
     row_pos int32 [M]: absolute position p of each row (p < 0: padding row, output zeros).
@@ -291,8 +369,10 @@ def lane_attention(
     its block-table row must cover them. ``rows_per_program`` (1..block_m // next_pow2(g))
     only moves speed, never bits: rows of one sequence that fall in one program share
     its KV reads, so put a window's or a chunk's rows next to each other. By default it is
-    chosen from M and the SM count. Returns ``out`` [M, H, D] in q's dtype. Needs no host
-    sync (CUDA-graph safe); does not modify the cache.
+    chosen from M and the SM count. ``max_spans``: spans launched, enough for every p
+    (p < max_spans * cfg.span); by default the block table's width's (every position a
+    table can hold). Launching more only costs idle programs, never bits. Returns ``out``
+    [M, H, D] in q's dtype. Needs no host sync (CUDA-graph safe); does not modify the cache.
     """
     _, page, hkv, d = expect_paged_cache(k_cache, v_cache)
     expect(q.dim() == 3 and q.shape[2] == d, f"q must be [M, H, {d}], got {tuple(q.shape)}")
@@ -311,34 +391,39 @@ def lane_attention(
     expect(out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "bad out")
     if m == 0:
         return out
+    if max_spans is None:
+        max_spans = lane_spans(block_tables.shape[1] * page, cfg)
+    expect(max_spans >= 1, "max_spans must be >= 1")
     group = h // hkv
     rows = lane_rows(group, cfg)
     if rows_per_program is None:
         rows_per_program = default_rows_per_program(m, hkv, rows, num_sms(q.device))
     expect(1 <= rows_per_program <= rows, f"rows_per_program must be in 1..{rows}")
+    # the states of rows past the first span, one place per (row, head, span)
+    places = (m, h, max_spans) if max_spans > 1 else (0, 0, 0)
+    mid_o = torch.empty((*places, d), dtype=torch.float32, device=q.device)
+    mid_ml = torch.empty((*places, 2), dtype=torch.float32, device=q.device)
+    common = dict(HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), PAGE=page, TILE=cfg.tile,
+                  SPAN=cfg.span, PRECISION=dot_precision(q.dtype), FULL_TILES=cfg.full_tiles,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    args = (q, k_cache, v_cache, block_tables, row_seq, row_pos, out, mid_o, mid_ml,
+            default_scale(d, scale) * LOG2E)
+    strides = paged_strides(q, k_cache, v_cache, block_tables, out)
     if rows_per_program == 1 and cfg.dot_sums:
         # decode rows: the one-row kernel (the same bits only where no sum depends on the
         # query tile, hence dot sums only)
-        _lane_decode_kernel[(m, hkv)](
-            q, k_cache, v_cache, block_tables, row_seq, row_pos, out,
-            default_scale(d, scale) * LOG2E,
-            *paged_strides(q, k_cache, v_cache, block_tables, out),
-            GROUP=group, BLOCK_M=max(cfg.block_m, next_pow2(group)),
-            HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
-            PAGE=page, TILE=cfg.tile, PRECISION=dot_precision(q.dtype),
-            FULL_TILES=cfg.full_tiles, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        return out
-    _lane_kernel[(cdiv(m, rows_per_program), hkv)](
-        q, k_cache, v_cache, block_tables, row_seq, row_pos, out,
-        default_scale(d, scale) * LOG2E, m, rows_per_program,
-        *paged_strides(q, k_cache, v_cache, block_tables, out),
-        GROUP=group, BLOCK_G=next_pow2(group), ROWS=rows,
-        HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
-        PAGE=page, TILE=cfg.tile, PRECISION=dot_precision(q.dtype),
-        FULL_TILES=cfg.full_tiles, DOT_SUMS=cfg.dot_sums, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        _lane_decode_kernel[(m, hkv, max_spans)](
+            *args, h, max_spans, *strides,
+            GROUP=group, BLOCK_M=max(cfg.block_m, next_pow2(group)), **common)
+    else:
+        _lane_kernel[(cdiv(m, rows_per_program), hkv, max_spans)](
+            *args, m, rows_per_program, h, max_spans, *strides,
+            GROUP=group, BLOCK_G=next_pow2(group), ROWS=rows, DOT_SUMS=cfg.dot_sums,
+            **common)
+    if max_spans > 1:
+        _lane_merge_kernel[(m, h)](
+            row_pos, out, mid_o, mid_ml, h, max_spans, out.stride(0), out.stride(1),
+            HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), SPAN=cfg.span)
     return out
 
 
