@@ -41,7 +41,7 @@ from detserve.kernels.config import (
     PrefillConfig,
 )
 from detserve.kernels.decode_attention import choose_num_splits, decode_attention
-from detserve.kernels.lane_attention import lane_attention
+from detserve.kernels.lane_attention import lane_attention, lane_spans
 from detserve.kernels.prefill_attention import prefill_attention
 
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
@@ -314,11 +314,21 @@ def decode_case(b: int, n: int, quick: bool) -> dict:
                                        kv.context_lens, max_context_len=n), quick)
     t_lane = bench(lambda: lane_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, seq, pos),
                    quick)
+    # the aligned fast path's call (one row a program, the spans the context needs), and
+    # the same with the spans of a 16,384-token table launched (idle programs: what a
+    # decode graph without a one-span variant would pay)
+    spans = lane_spans(n)
+    t_aligned = bench(lambda: lane_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, seq,
+                                             pos, rows_per_program=1, max_spans=spans), quick)
+    t_idle = bench(lambda: lane_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, seq, pos,
+                                          rows_per_program=1,
+                                          max_spans=max(spans, lane_spans(16384))), quick)
     t_sdpa = sdpa_ms([1] * b, [n] * b, quick)
     gbytes = 2.0 * b * n * HKV * D * 2 / 1e9
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return {"kernel": "decode", "case": f"B={b} ctx={n}",
-            "splits": choose_num_splits(b, HKV, n, sms), "ms": t, "ms_lane": t_lane,
+            "splits": choose_num_splits(b, HKV, n, sms), "spans": spans, "ms": t,
+            "ms_lane": t_lane, "ms_aligned": t_aligned, "ms_aligned_idle_spans": t_idle,
             "ms_sdpa": t_sdpa, "kv_GBps": gbytes / t * 1e3,
             "kv_GBps_lane": gbytes / t_lane * 1e3, "kv_GBps_sdpa": gbytes / t_sdpa * 1e3}
 
@@ -337,16 +347,21 @@ def prefill_case(name: str, chunks: list[tuple[int, int]], quick: bool) -> dict:
                                         kv.context_lens, max_q_len=max(q_lens)), quick)
     t_lane = bench(lambda: lane_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, seq, pos),
                    quick)
+    t_idle = bench(lambda: lane_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, seq, pos,
+                                          max_spans=max(lane_spans(max(lens)),
+                                                        lane_spans(16384))), quick)
     t_sdpa = sdpa_ms(q_lens, lens, quick)
     flop = 4.0 * H * D * float((pos.long() + 1).sum())
-    return {"kernel": "prefill", "case": name, "ms": t, "ms_lane": t_lane, "ms_sdpa": t_sdpa,
+    return {"kernel": "prefill", "case": name, "ms": t, "ms_lane": t_lane,
+            "ms_lane_idle_spans": t_idle, "ms_sdpa": t_sdpa,
             "tflops": flop / t / 1e9, "tflops_lane": flop / t_lane / 1e9,
             "tflops_sdpa": flop / t_sdpa / 1e9}
 
 
 def bench_attention(quick: bool) -> list[dict]:
     rows = [decode_case(b, n, quick) for b, n in
-            [(1, 1024), (1, 8192), (8, 2048), (32, 2048), (64, 4096), (128, 1024), (256, 512)]]
+            [(1, 1024), (1, 8192), (1, 15000), (8, 2048), (8, 12000), (32, 2048), (64, 4096),
+             (128, 1024), (256, 512)]]
     for name, chunks in [("prefill 1x4096", [(4096, 4096)]), ("prefill 8x1024", [(1024, 1024)] * 8),
                          ("extend 4x512 on 4096", [(4608, 512)] * 4),
                          ("verify 8x16 on 2048", [(2048, 16)] * 8),
@@ -368,7 +383,7 @@ def bench_rmsnorm(quick: bool) -> list[dict]:
 
 def print_tables(res: dict) -> None:
     print(f"\n{res['device']}  torch {res['torch']}  triton {res['triton']}  {res['date']}")
-    if "matmul" in res:  # (not with --sweep-only)
+    if "matmul" in res:
         print("\nmatmul bf16 TFLOP/s: matmul_bi / cuBLAS")
         shapes = list(LLAMA_8B)
         print(f"{'M':>6} " + " ".join(f"{s:>17}" for s in shapes))
@@ -378,13 +393,18 @@ def print_tables(res: dict) -> None:
             print(f"{m:>6} " + " ".join(cells))
         print("distinct values of row 0 over M (1 = batch-invariant):",
               {s: (v["distinct_row0_bi"], v["distinct_row0_cublas"]) for s, v in res["matmul_invariance"].items()})
+    if "attention" in res:
         print("\nattention (ms): ours / lane / SDPA")
         for r in res["attention"]:
             extra = (f"KV GB/s {r['kv_GBps']:.0f} / {r['kv_GBps_lane']:.0f} / {r['kv_GBps_sdpa']:.0f}"
-                     f"  splits={r['splits']}" if r["kernel"] == "decode" else
-                     f"TFLOP/s {r['tflops']:.0f} / {r['tflops_lane']:.0f} / {r['tflops_sdpa']:.0f}")
+                     f"  splits={r['splits']}  aligned {r['ms_aligned']:.3f} ms"
+                     f" ({r['spans']} spans; {r['ms_aligned_idle_spans']:.3f} with idle ones)"
+                     if r["kernel"] == "decode" else
+                     f"TFLOP/s {r['tflops']:.0f} / {r['tflops_lane']:.0f} / {r['tflops_sdpa']:.0f}"
+                     f"  lane with idle spans {r['ms_lane_idle_spans']:.3f} ms")
             print(f"{r['kernel']:>8} {r['case']:<22} {r['ms']:8.3f} / {r['ms_lane']:8.3f} / "
                   f"{r['ms_sdpa']:8.3f}   {extra}")
+    if "rmsnorm" in res:
         print("\nrmsnorm [M, 4096] bf16 (ms): rmsnorm_bi / F.rms_norm")
         for r in res["rmsnorm"]:
             print(f"{r['M']:>6} {r['ms_bi']:.4f} / {r['ms_torch']:.4f}")
@@ -407,6 +427,8 @@ def main() -> None:
                          "matmul,decode,prefill,lane")
     ap.add_argument("--sweep-only", action="store_true",
                     help="time only the --sweep configs, not the kernel comparisons")
+    ap.add_argument("--attention-only", action="store_true",
+                    help="time only the attention kernels")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA device")
@@ -417,7 +439,9 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "kernel_version": KERNEL_VERSION, "table": dataclasses.asdict(TABLE),
     }
-    if not args.sweep_only:
+    if args.attention_only:
+        res["attention"] = bench_attention(args.quick)
+    elif not args.sweep_only:
         res["matmul"], res["matmul_invariance"] = bench_matmul(args.quick, MS)
         res["attention"] = bench_attention(args.quick)
         res["rmsnorm"] = bench_rmsnorm(args.quick)

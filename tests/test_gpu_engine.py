@@ -247,15 +247,19 @@ def test_lane_graph_dvr_equals_lane_only_with_and_without_graphs(model: str) -> 
 
 
 @pytest.mark.parametrize("graphs", [True, False])
-def test_aligned_fast_path_alone_verifies_every_window(model: str, graphs: bool) -> None:
+@pytest.mark.parametrize("prompt_len", [40, 2100])
+def test_aligned_fast_path_alone_verifies_every_window(model: str, graphs: bool,
+                                                       prompt_len: int) -> None:
     """A deterministic request decoding alone: the fast path runs batch 1 with the lane's
     attention kernel, and the lane's GEMM chunk is in batch 1's cuBLAS class, so every
-    window matches bit for bit (no rollback) and equals lane_only. Control: perturbing the
-    fast path on the same engine configuration does roll windows back."""
-    req = [Req(random_prompts(1, [40], seed=9)[0],
+    window matches bit for bit (no rollback) and equals lane_only; past the lane's first
+    span (2,100 tokens of prompt) too, where the context reduces span by span on both
+    sides. Control: perturbing the fast path on the same engine configuration does roll
+    windows back."""
+    req = [Req(random_prompts(1, [prompt_len], seed=9)[0],
                SamplingParams(max_tokens=120, is_deterministic=True, logprobs=1,
                               ignore_eos=True))]
-    kw = {"max_num_seqs": 1, "cuda_graphs": graphs, **CUDA}
+    kw = {"max_num_seqs": 1, "cuda_graphs": graphs, "max_model_len": 4096, **CUDA}
     oracle, _, o = run_engine(model, req, mode="lane_only", window=16, group=1, **kw)
     dvr, stats, eng = run_engine(model, req, window=16, group=1, **kw)
     assert eng.lane_gemm_rows > 0 and eng.determinism_profile()["lane_gemm_rows"] == \

@@ -7,7 +7,8 @@ import pytest
 from detserve.config import EngineConfig
 from detserve.executor.attention import RowSegment
 from detserve.executor.gemm_classes import decode_buckets
-from detserve.executor.graphs import step_layout, step_sizes
+from detserve.executor.graphs import span_variants, spans_for, step_layout, step_sizes
+from detserve.kernels.config import LaneConfig
 
 
 @pytest.mark.parametrize("max_batch", [1, 3, 8, 64, 100, 256, 1000])
@@ -56,3 +57,17 @@ def test_step_layout_rows_and_padding() -> None:
     assert many == [-1, -1, 14, 15, 16, -1, -1, -1]
     with pytest.raises(ValueError, match="do not fit"):
         step_layout(segs, {}, 4, block_size=16)
+
+
+def test_span_variants_run_short_contexts_on_one_span() -> None:
+    """Graphs of the lane kernel: one span where every context fits the first, else the
+    most the table needs; never fewer spans than a segment's context needs."""
+    cfg = LaneConfig(span=2048)
+    assert span_variants(128, 16, cfg) == (1,)          # max_model_len 2,048: one span
+    assert span_variants(1024, 16, cfg) == (1, 8)       # 16,384
+    variants = span_variants(1024, 16, cfg)
+    short = [RowSegment((1,), 2046, (1,)), RowSegment((1, 2), 0, (2,))]
+    assert spans_for(short, variants, cfg) == 1         # contexts of 2,047 and 2 tokens
+    long = [*short, RowSegment((1,), 2048, (3,))]       # a context of 2,049
+    assert spans_for(long, variants, cfg) == 8
+    assert spans_for([RowSegment((1,) * 4, 2045, (1,))], variants, cfg) == 8  # 2,049 too

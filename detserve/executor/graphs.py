@@ -263,6 +263,21 @@ def step_sizes(max_rows: int) -> list[int]:
     return sorted({s for s in sizes if s < max_rows} | {max_rows})
 
 
+def span_variants(max_blocks: int, block_size: int, cfg: LaneConfig) -> tuple[int, ...]:
+    """The lane kernel's span counts graphs are captured at: one, and the most a table of
+    ``max_blocks`` needs (when more). A graph of one runs every step or pass whose contexts
+    fit the first span, so short contexts launch no idle span programs."""
+    most = lane_spans(max_blocks * block_size, cfg)
+    return (1,) if most == 1 else (1, most)
+
+
+def spans_for(segments: Sequence[RowSegment], variants: tuple[int, ...],
+              cfg: LaneConfig) -> int:
+    """The smallest of ``variants`` whose spans hold every segment's context."""
+    need = lane_spans(max((s.start + len(s.input_ids) for s in segments), default=1), cfg)
+    return next(v for v in variants if v >= need)
+
+
 def step_layout(segments: Sequence[RowSegment], src: Mapping[int, int], size: int,
                 block_size: int) -> tuple[list[list[int]], list[list[int]]]:
     """A step's rows as the graph's inputs, padded to ``size``: ``longs`` = [ids, positions,
@@ -332,11 +347,13 @@ class StepGraphs:
                                  device=dev)
         self._mempool = torch.cuda.graph_pool_handle()
         self._ops = {False: ops, True: head_ops}
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.spans = span_variants(max_blocks, pool.block_size, lane_cfg)
+        # (size, aligned, spans) -> graph
+        self._graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.replays = 0
         self.aligned_replays = 0  # of which the products split at ``head``
 
-    def _forward(self, n: int, ops: Ops) -> Tensor:
+    def _forward(self, n: int, ops: Ops, spans: int) -> Tensor:
         pos, slots, src = self.longs[1, :n], self.longs[2, :n], self.longs[3, :n]
         ids = torch.where(src >= 0, self.prev[src.clamp(min=0)], self.longs[0, :n])
         row_seg, one_pos, many_pos = self.ints[0, :n], self.ints[1, :n], self.ints[2, :n]
@@ -347,8 +364,9 @@ class StepGraphs:
             q = rope_write(pool, layer, q, k, v, pos, slots, rope).contiguous()
             kc, vc = pool.k(layer), pool.v(layer)
             one = lane_attention(q, kc, vc, tables, row_seg, one_pos, rows_per_program=1,
-                                 cfg=self.decode_cfg)
-            many = lane_attention(q, kc, vc, tables, row_seg, many_pos, cfg=self.lane_cfg)
+                                 max_spans=spans, cfg=self.decode_cfg)
+            many = lane_attention(q, kc, vc, tables, row_seg, many_pos, max_spans=spans,
+                                  cfg=self.lane_cfg)
             return torch.where(single, one, many)
 
         return self.model(ids, pos, attn, ops, rope_in_attention=True, tp_reduce=self.reduce)
@@ -363,8 +381,9 @@ class StepGraphs:
             for aligned in (True, False):
                 ops = self._ops[aligned]
                 if ops is not None and (not aligned or n > self.head):
-                    self._graphs[(n, aligned)] = capture_graph(partial(self._forward, n, ops),
-                                                          self._mempool)
+                    for spans in reversed(self.spans):
+                        self._graphs[(n, aligned, spans)] = capture_graph(
+                            partial(self._forward, n, ops, spans), self._mempool)
 
     def size_for(self, segments: Sequence[RowSegment], head: int | None) -> int | None:
         """The captured size that runs these segments, or None (they run eagerly).
@@ -378,7 +397,7 @@ class StepGraphs:
                 return None
             rows = max(rows, self.head + 1)
         n = smallest_at_least(self.sizes, rows)
-        return n if n is not None and (n, head is not None) in self._graphs else None
+        return n if n is not None and (n, head is not None, 1) in self._graphs else None
 
     def run(self, segments: Sequence[RowSegment], size: int, aligned: bool,
             feed: tuple[Tensor, list[tuple[int, int]]] | None = None) -> Tensor:
@@ -391,7 +410,8 @@ class StepGraphs:
         self.ints[:, :size].copy_(torch.tensor(ints, dtype=torch.int32, pin_memory=True),
                                   non_blocking=True)
         _upload_tables(self.tables, segments)
-        graph, hidden = self._graphs[(size, aligned)]
+        spans = spans_for(segments, self.spans, self.lane_cfg)
+        graph, hidden = self._graphs[(size, aligned, spans)]
         graph.replay()
         self.replays += 1
         self.aligned_replays += aligned
@@ -421,9 +441,10 @@ class LaneGraph:
         self.tables = torch.full((rows + 1, max_blocks), SCRATCH_BLOCK, dtype=torch.int32,
                                  device=dev)
         self._mempool = torch.cuda.graph_pool_handle()
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.spans = span_variants(max_blocks, pool.block_size, lane_cfg)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
 
-    def _forward(self, n: int) -> Tensor:
+    def _forward(self, n: int, spans: int) -> Tensor:
         ids, pos, slots = self.longs[0, :n], self.longs[1, :n], self.longs[2, :n]
         row_seg, lane_pos = self.ints[0, :n], self.ints[1, :n]
         pool, rope, tables = self.pool, self.rope, self.tables
@@ -431,7 +452,7 @@ class LaneGraph:
         def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             q = rope_write(pool, layer, q, k, v, pos, slots, rope)
             return lane_attention(q.contiguous(), pool.k(layer), pool.v(layer), tables,
-                                  row_seg, lane_pos, cfg=self.lane_cfg)
+                                  row_seg, lane_pos, max_spans=spans, cfg=self.lane_cfg)
 
         return self.model(ids, pos, attn, self.ops, rope_in_attention=True,
                           tp_reduce=self.reduce)
@@ -450,19 +471,23 @@ class LaneGraph:
             self.longs[2].fill_(-1)
             self.ints.zero_()
             for size in reversed(self.sizes):
-                self._capture(size)
+                for spans in reversed(self.spans):
+                    self._capture(size, spans)
         self.longs[0, :n].copy_(batch.input_ids)
         self.longs[1, :n].copy_(batch.positions)
         self.longs[2, :n].copy_(batch.slots)
         self.ints[0, :n].copy_(batch.row_seg)
         self.ints[1, :n].copy_(batch.lane_positions)
         self.tables[:segs, :width].copy_(batch.seg_tables)
-        graph, hidden = self._graphs[n]
+        spans = next(v for v in self.spans if v >= lane_spans(width * self.pool.block_size,
+                                                              self.lane_cfg))
+        graph, hidden = self._graphs[(n, spans)]
         graph.replay()
         return hidden
 
-    def _capture(self, n: int) -> None:
+    def _capture(self, n: int, spans: int) -> None:
         try:
-            self._graphs[n] = capture_graph(partial(self._forward, n), self._mempool)
+            self._graphs[(n, spans)] = capture_graph(partial(self._forward, n, spans),
+                                                     self._mempool)
         except RuntimeError as e:
             raise GraphCaptureError("lane graph capture failed") from e
