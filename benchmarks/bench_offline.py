@@ -580,8 +580,10 @@ def markdown(report: dict[str, Any], base: dict[str, Any] | None) -> str:
     a = m["args"]
     lines = [f"# Offline throughput: {a['model']} on {m['hardware']}", "",
              f"Date {m['date']}, torch {m['torch']}, dtype {a['dtype']}, W={a['verify_window']}, "
-             f"G={a['verify_group']}, {a['num_requests']} requests, lengths={a['lengths']} "
-             f"(input {a['input_len']}, output {a['output_len']} when fixed).", "",
+             f"G={a['verify_group']}, {a['num_requests']} requests, "
+             + (f"prompts and output lengths from {a['trace']}." if a.get("trace") else
+                f"lengths={a['lengths']} (input {a['input_len']}, output {a['output_len']} "
+                "when fixed)."), "",
              f"Command: `python -m benchmarks.bench_offline {' '.join(command_flags(a))}`", "",
              "| mode | det. ratio | W x G | output tok/s | total tok/s | vs nondet | rollbacks | "
              "recomputed % of decoded | lane padding |",

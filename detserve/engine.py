@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 import platform
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -151,9 +152,13 @@ class LLMEngine:
         # and at most one row per sequence through the lm_head (the last weight)
         weights = self.model.gemm_weights()
         step_rows = [sc.max_num_batched_tokens] * (len(weights) - 1) + [sc.max_num_seqs]
-        return auto_alignment(weights, full, sc.lane_rows, c.lane_gemm_rows,
-                              step_rows if c.probe_single_calls else (),
-                              self.model.gemm_biases(), portable=c.portable_lane)
+        t0 = time.perf_counter()
+        got = auto_alignment(weights, full, sc.lane_rows, c.lane_gemm_rows,
+                             step_rows if c.probe_single_calls else (),
+                             self.model.gemm_biases(), portable=c.portable_lane)
+        log.info("alignment probed over %d product shapes in %.1f s: lane chunk %d",
+                 len(weights), time.perf_counter() - t0, got.chunk)
+        return got
 
     @staticmethod
     def _default_verifier_factory(config: EngineConfig) -> Callable[[ModelRunner], Verifier]:

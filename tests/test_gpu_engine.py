@@ -256,14 +256,19 @@ def test_aligned_fast_path_alone_verifies_every_window(model: str, graphs: bool,
     span (2,100 tokens of prompt) too, where the context reduces span by span on both
     sides. Control: perturbing the fast path on the same engine configuration does roll
     windows back."""
+    if prompt_len > 1024:  # the module's model has 1,024 positions
+        model = tiny_model(hidden_size=256, intermediate_size=512, num_heads=8,
+                           num_kv_heads=2, num_layers=4, max_position_embeddings=4096)
     req = [Req(random_prompts(1, [prompt_len], seed=9)[0],
                SamplingParams(max_tokens=120, is_deterministic=True, logprobs=1,
                               ignore_eos=True))]
-    kw = {"max_num_seqs": 1, "cuda_graphs": graphs, "max_model_len": 4096, **CUDA}
+    kw = {"max_num_seqs": 1, "cuda_graphs": graphs, "max_model_len": 4096 if prompt_len > 1024
+          else 512, **CUDA}
     oracle, _, o = run_engine(model, req, mode="lane_only", window=16, group=1, **kw)
     dvr, stats, eng = run_engine(model, req, window=16, group=1, **kw)
-    assert eng.lane_gemm_rows > 0 and eng.determinism_profile()["lane_gemm_rows"] == \
-        eng.lane_gemm_rows
+    prof = eng.determinism_profile()  # the chunk, or "portable" where it gives Triton's bits
+    assert eng.lane_gemm_rows > 0 and (prof.get("lane_gemm_rows") == eng.lane_gemm_rows
+                                       or prof.get("lane_products") == "portable")
     assert stats["windows"] >= 7 and stats["rollbacks"] == 0
     assert signature(dvr[0]) == signature(oracle[0])
     _, perturbed, p = run_engine(model, req, window=16, group=1, perturbation=0.2, **kw)

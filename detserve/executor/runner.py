@@ -277,9 +277,12 @@ class ModelRunner:
             fused = (numerics.fused_silu_mul, numerics.fused_add_rmsnorm)
             self.fast_ops = gpu.GpuFastOps(*fused)
             if numerics.lane_gemm_rows and numerics.lane_one_calls:
+                t0 = time.perf_counter()
                 self.lane_one_call = probe_lane_one_calls(
                     model.gemm_weights(), numerics.lane_gemm_rows, list(numerics.lane_sizes),
                     model.gemm_biases())
+                log.info("lane one calls probed at %d sizes in %.1f s",
+                         len(numerics.lane_sizes), time.perf_counter() - t0)
             # the probe's verdicts are part of the numerics too: a verifier's runner must
             # have found the same (they name this rank's product shapes; a product runs as
             # one call only where the probe found the chunk's bits)
