@@ -120,11 +120,19 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     window = None if profile is None else ProfileWindow(*profile, sync)
     det_digests: dict[str, str] = {}  # request id -> digest of its tokens and logprobs
     drop = getattr(engine.verifier, "drop_requests", None)
+    stopped_s = None  # the deadline (``--run-seconds``) passed: the rest were aborted
     while engine.has_unfinished_requests():
         if window is not None:
             window.tick()
+        if (stopped_s is None and args.run_seconds
+                and time.perf_counter() - t0 > args.run_seconds):
+            stopped_s = time.perf_counter() - t0
+            for i in range(len(prompts) if prompts else len(shapes)):
+                engine.abort_request(f"b{i}")
         done = []
         for o in engine.step():  # final outputs only, as offline generation returns them
+            if o.finish_reason == "abort":
+                continue
             out_tokens += len(o.token_ids)
             finished_requests += 1
             finished[o.is_deterministic].append((o.stats.finish_time or start) - start)
@@ -168,7 +176,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     kinds = (("deterministic", True), ("non_deterministic", False))
     return {
         "mode": label, "deterministic_ratio": ratio, "num_requests": len(shapes),
-        "finished_requests": finished_requests,
+        "finished_requests": finished_requests, "stopped_s": stopped_s,
         "transfer": transfer,
         "det_digests": dict(sorted(det_digests.items())),
         "verify_window": args.verify_window, "verify_group": args.verify_group,
@@ -353,6 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the whole list of modes this many times, interleaved; the "
                         "summary gives each mode's median (two identical runs can differ "
                         "by 10 %% and more on a GPU)")
+    p.add_argument("--run-seconds", type=float, default=0.0,
+                   help="stop a run this long after its start, aborting its unfinished "
+                        "requests: its rollbacks and lane statistics still print, its "
+                        "throughput counts only what finished (0: no deadline)")
     p.add_argument("--trace", default=None,
                    help="loadgen JSONL trace (real prompts, e.g. ShareGPT); overrides --lengths")
     p.add_argument("--sweep", default=None,
@@ -425,6 +437,9 @@ def _run_all(args: argparse.Namespace, loaded: Any, shapes: list[tuple[int, int]
         geo = f"W={r['verify_window']:<3} G={r['verify_group']:<2}" if lane else " " * 11
         if r.get("variant"):
             print(f"{'':>16} variant: {r['variant']}", flush=True)
+        if r.get("stopped_s") is not None:
+            print(f"{'':>16} stopped at {r['stopped_s']:.0f} s: {r['finished_requests']} of "
+                  f"{r['num_requests']} requests finished", flush=True)
         print(f"{r['mode']:>16} det={r['deterministic_ratio']:>4.0%} {geo} "
               f"{r['output_throughput']:9.1f} out tok/s  "
               f"{r['total_token_throughput']:9.1f} tot tok/s  rollbacks={r['rollbacks']:>4} "
@@ -589,7 +604,8 @@ def markdown(report: dict[str, Any], base: dict[str, Any] | None) -> str:
              "recomputed % of decoded | lane padding |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
-        rel = f"{r['output_throughput'] / base['output_throughput']:.3f}x" if base else "-"
+        rel = (f"{r['output_throughput'] / base['output_throughput']:.3f}x"
+               if base and base['output_throughput'] else "-")
         geo = (f"{r['verify_window']} x {r['verify_group']}"
                if r["mode"] in ("llm42", DEDICATED) else "-")
         name = f"{r['mode']} ({r['variant']})" if r.get("variant") else r["mode"]

@@ -41,6 +41,20 @@ def test_repeated_runs_are_summarized_by_median(tmp_path: Path) -> None:
     assert "Medians over the repeated runs" in md and "--repeat 2" in md
 
 
+def test_a_run_past_its_deadline_stops_and_says_so(tmp_path: Path) -> None:
+    """``--run-seconds``: a run is cut at its deadline (its unfinished requests aborted,
+    none counted) and reports how many finished; without one every request finishes."""
+    out = tmp_path / "offline.json"
+    long = ["--num-requests", "8", "--output-len", "300", "--max-model-len", "512"]
+    assert bench_offline.main([*TINY, *long, "--run-seconds", "0.2", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert all(r["stopped_s"] is not None and r["finished_requests"] < 8 for r in runs)
+    assert all(r["total_output_tokens"] == 300 * r["finished_requests"] for r in runs)
+    assert bench_offline.main([*TINY, "--out", str(out)]) == 0
+    assert all(r["stopped_s"] is None and r["finished_requests"] == 6
+               for r in json.loads(out.read_text())["runs"])
+
+
 def test_llm42_variants_run_with_their_flags_and_are_summarized_apart(tmp_path: Path) -> None:
     out = tmp_path / "variants.json"
     assert bench_offline.main([
