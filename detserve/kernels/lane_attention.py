@@ -133,6 +133,35 @@ def _lane_full_tile(
 
 
 @triton.jit
+def _lane_span_tiles(
+    q, m_i, l_i, acc, lo, whole_end, hi, pos_i, live_i, last,
+    bt_row, k_cache_ptr, v_cache_ptr, kv_head, qk_scale,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    offs_d, d_mask,
+    PAGE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr, DOT_SUMS: tl.constexpr,
+    FULL_TILES: tl.constexpr,
+):
+    """A span's tiles [lo, hi), in order: with ``FULL_TILES`` those before ``whole_end``
+    (every live slot sees them whole) without the position masks, then the others."""
+    masked_lo = lo
+    if FULL_TILES:
+        masked_lo = whole_end
+        for start in range(lo, masked_lo, TILE):
+            m_i, l_i, acc = _lane_full_tile(
+                q, m_i, l_i, acc, start, live_i,
+                bt_row, k_cache_ptr, v_cache_ptr, kv_head, qk_scale,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                offs_d, d_mask, PAGE, TILE, PRECISION, DOT_SUMS)
+    for start in range(masked_lo, hi, TILE):
+        m_i, l_i, acc = _lane_tile(
+            q, m_i, l_i, acc, start, pos_i, live_i, last,
+            bt_row, k_cache_ptr, v_cache_ptr, kv_head, qk_scale,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            offs_d, d_mask, PAGE, TILE, PRECISION, DOT_SUMS)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _lane_span_end(o_ptrs, mid_o_ptr, mid_ml_ptr, row_i, head_i, span, num_heads, num_spans,
                    m_i, l_i, acc, live_i, pos_i, offs_d, d_mask,
                    HEAD_DIM: tl.constexpr, SPAN: tl.constexpr):
@@ -207,22 +236,13 @@ def _lane_kernel(
                 acc = tl.zeros([ROWS * BLOCK_G, BLOCK_D], dtype=tl.float32)
                 bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
                 hi = tl.minimum(last + 1, lo + SPAN)
-                masked_lo = lo
-                if FULL_TILES:  # tiles every live slot sees whole, before the others
-                    least = tl.min(tl.where(live_i, pos_i, last), 0)
-                    masked_lo = tl.minimum(hi, (least + 1) // TILE * TILE)
-                    for start in range(lo, masked_lo, TILE):
-                        m_i, l_i, acc = _lane_full_tile(
-                            q, m_i, l_i, acc, start, live_i,
-                            bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
-                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                            offs_d, d_mask, PAGE, TILE, PRECISION, DOT_SUMS)
-                for start in range(masked_lo, hi, TILE):  # the other tiles, in order
-                    m_i, l_i, acc = _lane_tile(
-                        q, m_i, l_i, acc, start, pos_i, live_i, last,
-                        bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
-                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                        offs_d, d_mask, PAGE, TILE, PRECISION, DOT_SUMS)
+                # tiles every live slot sees whole: up to the smallest live p's tile
+                least = tl.min(tl.where(live_i, pos_i, last), 0)
+                m_i, l_i, acc = _lane_span_tiles(
+                    q, m_i, l_i, acc, lo, tl.minimum(hi, (least + 1) // TILE * TILE), hi,
+                    pos_i, live_i, last, bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    offs_d, d_mask, PAGE, TILE, PRECISION, DOT_SUMS, FULL_TILES)
                 _lane_span_end(o_ptrs, mid_o_ptr, mid_ml_ptr, row_i, head_i, span, num_heads,
                                num_spans, m_i, l_i, acc, live_i, pos_i, offs_d, d_mask,
                                HEAD_DIM, SPAN)
@@ -274,21 +294,11 @@ def _lane_decode_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         hi = tl.minimum(p + 1, lo + SPAN)
-        masked_lo = lo
-        if FULL_TILES:
-            masked_lo = tl.minimum(hi, (p + 1) // TILE * TILE)
-            for start in range(lo, masked_lo, TILE):
-                m_i, l_i, acc = _lane_full_tile(
-                    q, m_i, l_i, acc, start, live_i,
-                    bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
-                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    offs_d, d_mask, PAGE, TILE, PRECISION, True)
-        for start in range(masked_lo, hi, TILE):
-            m_i, l_i, acc = _lane_tile(
-                q, m_i, l_i, acc, start, pos_i, live_i, p,
-                bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                offs_d, d_mask, PAGE, TILE, PRECISION, True)
+        m_i, l_i, acc = _lane_span_tiles(
+            q, m_i, l_i, acc, lo, tl.minimum(hi, (p + 1) // TILE * TILE), hi,
+            pos_i, live_i, p, bt_row, k_cache_ptr, v_cache_ptr, kvh, qk_scale,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            offs_d, d_mask, PAGE, TILE, PRECISION, True, FULL_TILES)
         row_i = tl.full([BLOCK_M], 0, dtype=tl.int32) + row
         _lane_span_end(o_ptrs, mid_o_ptr, mid_ml_ptr, row_i, head_i, span, num_heads,
                        num_spans, m_i, l_i, acc, live_i, pos_i, offs_d, d_mask,
