@@ -124,8 +124,8 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     while engine.has_unfinished_requests():
         if window is not None:
             window.tick()
-        if (stopped_s is None and args.run_seconds
-                and time.perf_counter() - t0 > args.run_seconds):
+        deadline = getattr(args, "run_seconds", 0.0)  # (callers of other parsers: none)
+        if stopped_s is None and deadline and time.perf_counter() - t0 > deadline:
             stopped_s = time.perf_counter() - t0
             for i in range(len(prompts) if prompts else len(shapes)):
                 engine.abort_request(f"b{i}")
