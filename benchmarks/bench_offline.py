@@ -124,8 +124,8 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     while engine.has_unfinished_requests():
         if window is not None:
             window.tick()
-        deadline = getattr(args, "run_seconds", 0.0)  # (callers of other parsers: none)
-        if stopped_s is None and deadline and time.perf_counter() - t0 > deadline:
+        if (stopped_s is None and args.run_seconds
+                and time.perf_counter() - t0 > args.run_seconds):
             stopped_s = time.perf_counter() - t0
             for i in range(len(prompts) if prompts else len(shapes)):
                 engine.abort_request(f"b{i}")
@@ -320,8 +320,8 @@ def profile_range(text: str) -> tuple[int, int]:
 
 
 def add_request_flags(p: argparse.ArgumentParser) -> None:
-    """The request set's flags (how many, their lengths, their sampling options) and the
-    untimed warm-up's size; ``run_one`` reads them."""
+    """The request set's flags (how many, their lengths, their sampling options), the
+    untimed warm-up's size and a run's deadline; ``run_one`` reads them."""
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--lengths", default="fixed", choices=["fixed", "sharegpt"])
     p.add_argument("--input-len", type=int, default=64)
@@ -335,6 +335,10 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs", type=int, default=None,
                    help="every request's number of top logprobs (default: none)")
     p.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (1: off)")
+    p.add_argument("--run-seconds", type=float, default=0.0,
+                   help="stop a run this long after its start, aborting its unfinished "
+                        "requests: its rollbacks and lane statistics still print, its "
+                        "throughput counts only what finished (0: no deadline)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -361,10 +365,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the whole list of modes this many times, interleaved; the "
                         "summary gives each mode's median (two identical runs can differ "
                         "by 10 %% and more on a GPU)")
-    p.add_argument("--run-seconds", type=float, default=0.0,
-                   help="stop a run this long after its start, aborting its unfinished "
-                        "requests: its rollbacks and lane statistics still print, its "
-                        "throughput counts only what finished (0: no deadline)")
     p.add_argument("--trace", default=None,
                    help="loadgen JSONL trace (real prompts, e.g. ShareGPT); overrides --lengths")
     p.add_argument("--sweep", default=None,

@@ -7,7 +7,13 @@ import pytest
 from detserve.config import EngineConfig
 from detserve.executor.attention import RowSegment
 from detserve.executor.gemm_classes import decode_buckets
-from detserve.executor.graphs import span_variants, spans_for, step_layout, step_sizes
+from detserve.executor.graphs import (
+    context_of,
+    span_variants,
+    spans_for,
+    step_layout,
+    step_sizes,
+)
 from detserve.kernels.config import LaneConfig
 
 
@@ -66,8 +72,13 @@ def test_span_variants_run_short_contexts_on_one_span() -> None:
     assert span_variants(128, 16, cfg) == (1,)          # max_model_len 2,048: one span
     assert span_variants(1024, 16, cfg) == (1, 8)       # 16,384
     variants = span_variants(1024, 16, cfg)
+
+    def spans(segs: list[RowSegment]) -> int:
+        return spans_for(variants, context_of(segs), cfg)
+
     short = [RowSegment((1,), 2046, (1,)), RowSegment((1, 2), 0, (2,))]
-    assert spans_for(short, variants, cfg) == 1         # contexts of 2,047 and 2 tokens
+    assert spans(short) == 1                            # contexts of 2,047 and 2 tokens
     long = [*short, RowSegment((1,), 2048, (3,))]       # a context of 2,049
-    assert spans_for(long, variants, cfg) == 8
-    assert spans_for([RowSegment((1,) * 4, 2045, (1,))], variants, cfg) == 8  # 2,049 too
+    assert spans(long) == 8
+    assert spans([RowSegment((1,) * 4, 2045, (1,))]) == 8  # 2,049 too
+    assert spans_for(variants, 2048, cfg) == 1 and spans_for(variants, 16384, cfg) == 8

@@ -4,8 +4,9 @@ Same contracts as the plain-torch paths in ``attention.py`` and ``ops.py``:
 - fast path: split-KV paged decode attention and varlen paged prefill attention (whatever
   split the context length suggests: shape-dependent reductions are allowed here);
 - lane and batch-invariant mode: ``lane_attention`` (tiles and spans aligned to absolute
-  positions, no split by length or batch), and for batch-invariant mode a persistent no-split-K matmul and one-row-per-
-  program RMSNorm, so every row's bits are independent of the batch.
+  positions, no split by length or batch), and for batch-invariant mode a persistent
+  no-split-K matmul and one-row-per-program RMSNorm, so every row's bits are independent
+  of the batch.
 Every path rotates q/k and writes the K/V with one fused kernel (``rope_kv_write``, bitwise
 equal to the model's RoPE), and normalises with the one-row-per-program RMSNorm.
 Metadata tensors are built once per forward (``GpuMeta``), not once per layer.

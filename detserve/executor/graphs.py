@@ -232,7 +232,7 @@ class DecodeGraphs:
         b = self._fill(segments, src)
         splits = 1
         if self._splits[b] > 1:
-            max_ctx = max(s.start for s in segments) + 1
+            max_ctx = context_of(segments)  # (single-token segments)
             need = lane_spans(max_ctx, self.lane_cfg) if self._lane \
                 else choose_num_splits(b, self._hkv, max_ctx, self._sms)
             splits = 1 if need == 1 else self._splits[b]
@@ -271,10 +271,14 @@ def span_variants(max_blocks: int, block_size: int, cfg: LaneConfig) -> tuple[in
     return (1,) if most == 1 else (1, most)
 
 
-def spans_for(segments: Sequence[RowSegment], variants: tuple[int, ...],
-              cfg: LaneConfig) -> int:
-    """The smallest of ``variants`` whose spans hold every segment's context."""
-    need = lane_spans(max((s.start + len(s.input_ids) for s in segments), default=1), cfg)
+def context_of(segments: Sequence[RowSegment]) -> int:
+    """The longest context a step's segments attend over (its last row's included)."""
+    return max((s.start + len(s.input_ids) for s in segments), default=1)
+
+
+def spans_for(variants: tuple[int, ...], context: int, cfg: LaneConfig) -> int:
+    """The smallest of ``variants`` whose spans hold a context of ``context`` positions."""
+    need = lane_spans(context, cfg)
     return next(v for v in variants if v >= need)
 
 
@@ -410,7 +414,7 @@ class StepGraphs:
         self.ints[:, :size].copy_(torch.tensor(ints, dtype=torch.int32, pin_memory=True),
                                   non_blocking=True)
         _upload_tables(self.tables, segments)
-        spans = spans_for(segments, self.spans, self.lane_cfg)
+        spans = spans_for(self.spans, context_of(segments), self.lane_cfg)
         graph, hidden = self._graphs[(size, aligned, spans)]
         graph.replay()
         self.replays += 1
@@ -479,8 +483,7 @@ class LaneGraph:
         self.ints[0, :n].copy_(batch.row_seg)
         self.ints[1, :n].copy_(batch.lane_positions)
         self.tables[:segs, :width].copy_(batch.seg_tables)
-        spans = next(v for v in self.spans if v >= lane_spans(width * self.pool.block_size,
-                                                              self.lane_cfg))
+        spans = spans_for(self.spans, width * self.pool.block_size, self.lane_cfg)
         graph, hidden = self._graphs[(n, spans)]
         graph.replay()
         return hidden
