@@ -14,6 +14,7 @@ from engine_utils import as_tokens, random_prompts, signature, tiny_model
 
 from detserve.config import EngineConfig
 from detserve.executor.ops import TorchOps
+from detserve.executor.runner import PaddedProductOps
 from detserve.llm import LLM
 from detserve.model.config import ModelConfig
 from detserve.model.loader import load_model
@@ -121,6 +122,27 @@ def test_tree_at_tp1_is_the_product_summed_over_leaves() -> None:
     torch.testing.assert_close(tree, whole, rtol=1e-5, atol=1e-6)
     parts = [x[:, a:b] @ layer.o_proj[:, a:b].T for a, b in ((0, 16), (16, 32), (32, 48), (48, 64))]
     assert torch.equal(tree, tree_sum(parts))
+
+
+def test_padded_leaf_products_take_each_leafs_own_activation() -> None:
+    """An alignment may pad the tree's down_proj leaves on the fast path's aligned rows
+    (``PaddedProductOps``), whose activation writes straight into the padded product's
+    buffer, one buffer per width: each leaf's product must read its own leaf's activation.
+    (On GPUs, when all the leaves' activations were computed before their products, every
+    leaf read the last one's, and 98 % of the TP=2 invariant lane's windows rolled back.)"""
+    model, _, _ = load_model(tiny_model(), dtype="float32")
+    c = model.config
+    local = shard_model(model, TPLayout(c, 1, 0), None, tree=True)
+    assert local.parallel is not None
+    down = local.layer_list[0].down_proj
+    gate_up = torch.randn(5, 2 * c.intermediate_size)
+    plain = local.parallel.mlp_down(TorchOps(), gate_up, down, "tree")
+    padded_ops = PaddedProductOps(TorchOps(), {(c.hidden_size, c.intermediate_size // 4): {5: 8}})
+    padded = local.parallel.mlp_down(padded_ops, gate_up, down, "tree")
+    assert padded_ops._buffers, "the activation went through the padded buffer"
+    torch.testing.assert_close(padded, plain)
+    whole = TorchOps().linear(TorchOps().silu_mul(gate_up), down)
+    torch.testing.assert_close(plain, whole, rtol=1e-5, atol=1e-6)
 
 
 def test_the_alignment_probe_sees_the_trees_leaf_products() -> None:

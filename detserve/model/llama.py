@@ -62,10 +62,11 @@ class Parallel(Protocol):
         top levels are the TP split: the same bits at every TP size)."""
         ...
 
-    def silu_mul(self, ops: Ops, gate_up: Tensor, reduce: RowReduce) -> Tensor:
-        """``ops.silu_mul`` of this rank's [gate | up] columns; "tree": leaf by leaf of
-        down_proj's K, so each element is computed in a tensor of the same shape at every TP
-        size (a CPU exp's bits depend on an element's place in the vectorized loop)."""
+    def mlp_down(self, ops: Ops, gate_up: Tensor, weight: Tensor, reduce: RowReduce) -> Tensor:
+        """``row_linear`` of ``ops.silu_mul`` of this rank's [gate | up] columns; "tree":
+        leaf by leaf of down_proj's K, so each activation element is computed in a tensor of
+        the same shape at every TP size (a CPU exp's bits depend on an element's place in the
+        vectorized loop)."""
         ...
 
     def vocab_logits(self, local: Tensor) -> Tensor:
@@ -171,8 +172,8 @@ class LlamaModel(nn.Module):
             h, x = ops.add_rmsnorm(h, row_linear(o, layer.o_proj), layer.post_norm,
                                    c.rms_norm_eps)
             gate_up = ops.linear(x, layer.gate_up_proj)
-            act = ops.silu_mul(gate_up) if tp is None else tp.silu_mul(ops, gate_up, tp_reduce)
-            mlp = row_linear(act, layer.down_proj)
+            mlp = (ops.linear(ops.silu_mul(gate_up), layer.down_proj) if tp is None
+                   else tp.mlp_down(ops, gate_up, layer.down_proj, tp_reduce))
             # the next layer's input norm (the final norm after the last layer) on h + mlp
             norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
             h, x = ops.add_rmsnorm(h, mlp, norm, c.rms_norm_eps)

@@ -109,25 +109,36 @@ class TensorParallel:
                 return tree_sum(self._gather(y))
             self.group.follow(self.group.all_reduce(y))
             return y
+        return self._tree(reduce, [ops.linear(x[:, a:b].contiguous(), w)
+                                   for a, b, w in self._leaves_of(weight)])
+
+    def mlp_down(self, ops: Ops, gate_up: Tensor, weight: Tensor, reduce: RowReduce) -> Tensor:
+        if reduce != "tree":
+            return self.row_linear(ops, ops.silu_mul(gate_up), weight, reduce)
+        # leaf by leaf, each activation multiplied before the next is computed: a padded
+        # product's buffer, which the activation may write into, holds one leaf at a time
+        width = gate_up.shape[-1] // 2
+        return self._tree(reduce, [
+            ops.linear(ops.silu_mul(torch.cat([gate_up[:, a:b], gate_up[:, width + a:width + b]],
+                                              dim=-1)), w)
+            for a, b, w in self._leaves_of(weight)])
+
+    def _leaves_of(self, weight: Tensor) -> list[tuple[int, int, Tensor]]:
         leaves = self._leaves.get(id(weight))
         if leaves is None:
             raise RuntimeError("the TP-invariant tree was asked for a weight without leaves "
                                "(tp_invariant_lane off at load?)")
-        local = tree_sum([ops.linear(x[:, a:b].contiguous(), w) for a, b, w in leaves])
+        return leaves
+
+    def _tree(self, reduce: RowReduce, products: list[Tensor]) -> Tensor:
+        """This rank's leaf ``products`` summed in the tree, then over the ranks in its top
+        levels."""
+        local = tree_sum(products)
         if self.group is None:
             return local
         if (summed := self._peer_sum(local, reduce)) is not None:
             return summed
         return tree_sum(self._gather(local.contiguous()))
-
-    def silu_mul(self, ops: Ops, gate_up: Tensor, reduce: RowReduce) -> Tensor:
-        if reduce != "tree":
-            return ops.silu_mul(gate_up)
-        width = gate_up.shape[-1] // 2
-        return torch.cat([ops.silu_mul(torch.cat([gate_up[:, a:b], gate_up[:, width + a:width + b]],
-                                                 dim=-1))
-                          for a, b in self.layout.leaves(self.layout.config.intermediate_size)],
-                         dim=-1)
 
     def leaf_weights(self, weights: Sequence[Tensor]) -> list[Tensor]:
         shapes = {tuple(w.shape) for w in weights}
