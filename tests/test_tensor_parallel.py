@@ -22,7 +22,7 @@ from detserve.numerics import LaneNumerics
 from detserve.outputs import RequestOutput
 from detserve.parallel.executor import TensorParallelError
 from detserve.parallel.layout import TPLayout, cut, tree_leaves
-from detserve.parallel.shard import shard_model, tree_sum
+from detserve.parallel.shard import leaf_columns, leaf_gate_up, shard_model, tree_sum
 from detserve.params import SamplingParams
 
 # 9 query heads in 3 K/V groups, as SmolLM2-135M has them (head_dim 16 here); a vocabulary
@@ -122,6 +122,22 @@ def test_tree_at_tp1_is_the_product_summed_over_leaves() -> None:
     torch.testing.assert_close(tree, whole, rtol=1e-5, atol=1e-6)
     parts = [x[:, a:b] @ layer.o_proj[:, a:b].T for a, b in ((0, 16), (16, 32), (32, 48), (48, 64))]
     assert torch.equal(tree, tree_sum(parts))
+
+
+@pytest.mark.parametrize("ranges", [[(0, 4), (4, 8), (8, 12)], [(0, 5), (5, 8), (8, 12)]])
+def test_leaf_inputs_are_each_leafs_columns(ranges: list[tuple[int, int]]) -> None:
+    """The tree's leaf inputs (one copy for equal leaves, one per leaf otherwise) hold each
+    leaf's K columns, and [gate | up] each leaf's halves, as contiguous tensors."""
+    leaves = [(a, b, torch.empty(0)) for a, b in ranges]
+    x = torch.randn(3, 12)
+    for got, (a, b) in zip(leaf_columns(x, leaves), ranges, strict=True):
+        assert got.is_contiguous() and torch.equal(got, x[:, a:b])
+    assert [t.shape for t in leaf_columns(x.t().contiguous().t(), leaves)] == [
+        (3, b - a) for a, b in ranges]  # (a non-contiguous x: one copy a leaf)
+    gate_up = torch.randn(3, 24)
+    for got, (a, b) in zip(leaf_gate_up(gate_up, leaves), ranges, strict=True):
+        assert got.is_contiguous()
+        assert torch.equal(got, torch.cat([gate_up[:, a:b], gate_up[:, 12 + a:12 + b]], dim=-1))
 
 
 def test_padded_leaf_products_take_each_leafs_own_activation() -> None:

@@ -31,6 +31,39 @@ def tree_sum(parts: list[Tensor]) -> Tensor:
     return tree_sum(parts[:mid]) + tree_sum(parts[mid:])
 
 
+def _equal_widths(x: Tensor, leaves: Sequence[tuple[int, int, Tensor]], width: int) -> int:
+    """The leaves' common width where they tile ``width`` in equal parts and ``x`` is
+    contiguous (so a view can split it), else 0."""
+    if not x.is_contiguous():
+        return 0
+    widths = {b - a for a, b, _ in leaves}
+    w = widths.pop() if len(widths) == 1 else 0
+    return w if w * len(leaves) == width and leaves[0][0] == 0 else 0
+
+
+def leaf_columns(x: Tensor, leaves: Sequence[tuple[int, int, Tensor]]) -> list[Tensor]:
+    """``x``'s K columns of each leaf as a contiguous [rows, b - a] tensor: one copy for
+    all of them where the leaves are equal (the usual case), else one each. The products
+    see the same shapes and strides either way, so the same bits."""
+    n, k = x.shape
+    w = _equal_widths(x, leaves, k)
+    if not w:
+        return [x[:, a:b].contiguous() for a, b, _ in leaves]
+    return list(x.view(n, len(leaves), w).transpose(0, 1).contiguous().unbind(0))
+
+
+def leaf_gate_up(gate_up: Tensor, leaves: Sequence[tuple[int, int, Tensor]]) -> list[Tensor]:
+    """Each leaf's [gate | up] columns of ``gate_up`` ([rows, 2 x K]) as a contiguous
+    [rows, 2 (b - a)] tensor (one copy for all of them where the leaves are equal)."""
+    n, k = gate_up.shape[0], gate_up.shape[1] // 2
+    w = _equal_widths(gate_up, leaves, k)
+    if not w:
+        return [torch.cat([gate_up[:, a:b], gate_up[:, k + a:k + b]], dim=-1)
+                for a, b, _ in leaves]
+    return list(gate_up.view(n, 2, len(leaves), w).permute(2, 0, 1, 3)
+                .reshape(len(leaves), n, 2 * w).unbind(0))
+
+
 class TensorParallel:
     """``llama.Parallel`` for one rank: its ``group`` (None at TP=1) and layout. With
     ``tree`` the row-parallel weights are also kept cut into the tree's leaves (contiguous
@@ -109,19 +142,18 @@ class TensorParallel:
                 return tree_sum(self._gather(y))
             self.group.follow(self.group.all_reduce(y))
             return y
-        return self._tree(reduce, [ops.linear(x[:, a:b].contiguous(), w)
-                                   for a, b, w in self._leaves_of(weight)])
+        leaves = self._leaves_of(weight)
+        return self._tree(reduce, [ops.linear(xs, w) for xs, (_, _, w)
+                                   in zip(leaf_columns(x, leaves), leaves, strict=True)])
 
     def mlp_down(self, ops: Ops, gate_up: Tensor, weight: Tensor, reduce: RowReduce) -> Tensor:
         if reduce != "tree":
             return self.row_linear(ops, ops.silu_mul(gate_up), weight, reduce)
         # leaf by leaf, each activation multiplied before the next is computed: a padded
         # product's buffer, which the activation may write into, holds one leaf at a time
-        width = gate_up.shape[-1] // 2
-        return self._tree(reduce, [
-            ops.linear(ops.silu_mul(torch.cat([gate_up[:, a:b], gate_up[:, width + a:width + b]],
-                                              dim=-1)), w)
-            for a, b, w in self._leaves_of(weight)])
+        leaves = self._leaves_of(weight)
+        return self._tree(reduce, [ops.linear(ops.silu_mul(gu), w) for gu, (_, _, w)
+                                   in zip(leaf_gate_up(gate_up, leaves), leaves, strict=True)])
 
     def _leaves_of(self, weight: Tensor) -> list[tuple[int, int, Tensor]]:
         leaves = self._leaves.get(id(weight))
