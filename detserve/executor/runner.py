@@ -174,8 +174,10 @@ class PaddedProductOps:
     kept per (K, rows, padded rows) so that a CUDA graph replays no allocation (calls run in stream
     order, so the layers share it): the activation (``silu_mul``, elementwise, whose output
     only the MLP's down product reads) writes its rows straight into the buffer of a product
-    with its width, and any other input is copied in. For decode graphs whose bucket is in
-    the lane chunk's class for some products and not for others."""
+    with its width, and any other input is copied in. So an activation's output lives only
+    until the next activation of its width and rows: a caller multiplies it first (the
+    TP-invariant tree's leaves, ``TensorParallel.mlp_down``). For decode graphs whose
+    bucket is in the lane chunk's class for some products and not for others."""
 
     def __init__(self, base: Ops, pads: Mapping[tuple[int, int], Mapping[int, int]]) -> None:
         self.base, self.pads = base, pads
