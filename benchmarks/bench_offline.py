@@ -107,7 +107,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         health0 = dedicated.health()
     else:
         engine = LLMEngine(cfg, loaded=loaded)
-    add_requests(engine, args, ratio, shapes, prompts)
+    request_ids = add_requests(engine, args, ratio, shapes, prompts)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     sync()
     if on_start is not None:
@@ -127,8 +127,8 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         if (stopped_s is None and args.run_seconds
                 and time.perf_counter() - t0 > args.run_seconds):
             stopped_s = time.perf_counter() - t0
-            for i in range(len(prompts) if prompts else len(shapes)):
-                engine.abort_request(f"b{i}")
+            for request_id in request_ids:
+                engine.abort_request(request_id)
         done = []
         for o in engine.step():  # final outputs only, as offline generation returns them
             if o.finish_reason == "abort":
@@ -251,26 +251,28 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
 
 def add_requests(engine: LLMEngine, args: argparse.Namespace, ratio: float,
                  shapes: list[tuple[int, int]],
-                 prompts: list[tuple[list[int], int]] | None = None) -> None:
+                 prompts: list[tuple[list[int], int]] | None = None) -> list[str]:
     """Queue requests ``b0``, ``b1``, ... of ``shapes``' lengths (random tokens drawn from
     ``args.seed``, or ``prompts``), a ``ratio`` of them deterministic (which ones: drawn
-    from the same seed), all with ``args``' sampling options. The same arguments give the
-    same requests in any engine."""
+    from the same seed), all with ``args``' sampling options, and return their ids. The
+    same arguments give the same requests in any engine."""
     vocab = engine.model.config.vocab_size
     rng = random.Random(args.seed)
     n_det = round(ratio * len(shapes))
     det_flags = [True] * n_det + [False] * (len(shapes) - n_det)
     rng.shuffle(det_flags)
+    ids = [f"b{i}" for i in range(len(shapes))]
     for i, ((n_in, n_out), det) in enumerate(zip(shapes, det_flags, strict=True)):
         if prompts is not None:
             prompt, n_out = prompts[i]
         else:
             prompt = [rng.randrange(3, vocab) for _ in range(n_in)]
-        engine.add_request(f"b{i}", None, SamplingParams(
+        engine.add_request(ids[i], None, SamplingParams(
             max_tokens=n_out, ignore_eos=True, is_deterministic=det, output_kind="final_only",
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             logprobs=args.logprobs),
             prompt_token_ids=prompt)
+    return ids
 
 
 def output_digest(o: RequestOutput) -> str:
