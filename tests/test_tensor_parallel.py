@@ -128,14 +128,13 @@ def test_tree_at_tp1_is_the_product_summed_over_leaves() -> None:
 def test_leaf_inputs_are_each_leafs_columns(ranges: list[tuple[int, int]]) -> None:
     """The tree's leaf inputs (one copy for equal leaves, one per leaf otherwise) hold each
     leaf's K columns, and [gate | up] each leaf's halves, as contiguous tensors."""
-    leaves = [(a, b, torch.empty(0)) for a, b in ranges]
     x = torch.randn(3, 12)
-    for got, (a, b) in zip(leaf_columns(x, leaves), ranges, strict=True):
+    for got, (a, b) in zip(leaf_columns(x, ranges), ranges, strict=True):
         assert got.is_contiguous() and torch.equal(got, x[:, a:b])
-    assert [t.shape for t in leaf_columns(x.t().contiguous().t(), leaves)] == [
+    assert [t.shape for t in leaf_columns(x.t().contiguous().t(), ranges)] == [
         (3, b - a) for a, b in ranges]  # (a non-contiguous x: one copy a leaf)
     gate_up = torch.randn(3, 24)
-    for got, (a, b) in zip(leaf_gate_up(gate_up, leaves), ranges, strict=True):
+    for got, (a, b) in zip(leaf_gate_up(gate_up, ranges), ranges, strict=True):
         assert got.is_contiguous()
         assert torch.equal(got, torch.cat([gate_up[:, a:b], gate_up[:, 12 + a:12 + b]], dim=-1))
 

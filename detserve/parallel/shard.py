@@ -22,6 +22,8 @@ from detserve.model.llama import LlamaModel, Ops, RowReduce
 from detserve.parallel.layout import TPLayout
 from detserve.parallel.peer_sum import PeerSum
 
+Ranges = Sequence[tuple[int, int]]  # leaves' K column ranges, relative to a rank's own
+
 
 def tree_sum(parts: list[Tensor]) -> Tensor:
     """Pairwise sum in a fixed binary tree: (left half) + (right half), recursively."""
@@ -31,37 +33,37 @@ def tree_sum(parts: list[Tensor]) -> Tensor:
     return tree_sum(parts[:mid]) + tree_sum(parts[mid:])
 
 
-def _equal_widths(x: Tensor, leaves: Sequence[tuple[int, int, Tensor]], width: int) -> int:
+def _equal_widths(x: Tensor, ranges: Ranges, width: int) -> int:
     """The leaves' common width where they tile ``width`` in equal parts and ``x`` is
     contiguous (so a view can split it), else 0."""
     if not x.is_contiguous():
         return 0
-    widths = {b - a for a, b, _ in leaves}
+    widths = {b - a for a, b in ranges}
     w = widths.pop() if len(widths) == 1 else 0
-    return w if w * len(leaves) == width and leaves[0][0] == 0 else 0
+    return w if w * len(ranges) == width and ranges[0][0] == 0 else 0
 
 
-def leaf_columns(x: Tensor, leaves: Sequence[tuple[int, int, Tensor]]) -> list[Tensor]:
-    """``x``'s K columns of each leaf as a contiguous [rows, b - a] tensor: one copy for
+def leaf_columns(x: Tensor, ranges: Ranges) -> list[Tensor]:
+    """``x``'s K columns of each leaf (``ranges``, in tree order) as a contiguous [rows, b - a] tensor: one copy for
     all of them where the leaves are equal (the usual case), else one each. The products
     see the same shapes and strides either way, so the same bits."""
     n, k = x.shape
-    w = _equal_widths(x, leaves, k)
+    w = _equal_widths(x, ranges, k)
     if not w:
-        return [x[:, a:b].contiguous() for a, b, _ in leaves]
-    return list(x.view(n, len(leaves), w).transpose(0, 1).contiguous().unbind(0))
+        return [x[:, a:b].contiguous() for a, b in ranges]
+    return list(x.view(n, len(ranges), w).transpose(0, 1).contiguous().unbind(0))
 
 
-def leaf_gate_up(gate_up: Tensor, leaves: Sequence[tuple[int, int, Tensor]]) -> list[Tensor]:
+def leaf_gate_up(gate_up: Tensor, ranges: Ranges) -> list[Tensor]:
     """Each leaf's [gate | up] columns of ``gate_up`` ([rows, 2 x K]) as a contiguous
     [rows, 2 (b - a)] tensor (one copy for all of them where the leaves are equal)."""
     n, k = gate_up.shape[0], gate_up.shape[1] // 2
-    w = _equal_widths(gate_up, leaves, k)
+    w = _equal_widths(gate_up, ranges, k)
     if not w:
         return [torch.cat([gate_up[:, a:b], gate_up[:, k + a:k + b]], dim=-1)
-                for a, b, _ in leaves]
-    return list(gate_up.view(n, 2, len(leaves), w).permute(2, 0, 1, 3)
-                .reshape(len(leaves), n, 2 * w).unbind(0))
+                for a, b in ranges]
+    return list(gate_up.view(n, 2, len(ranges), w).permute(2, 0, 1, 3)
+                .reshape(len(ranges), n, 2 * w).unbind(0))
 
 
 class TensorParallel:
@@ -79,7 +81,8 @@ class TensorParallel:
         starts = [a for a, _ in layout.vocab_ranges()]
         # on the model's device: a CUDA graph's capture copies nothing from the host
         self._vocab_starts = torch.tensor(starts[1:], dtype=torch.long, device=device)
-        self._leaves: dict[int, list[tuple[int, int, Tensor]]] = {}  # id(weight) -> leaves
+        # id(weight) -> its leaves' K ranges and weights, in tree order
+        self._leaves: dict[int, tuple[Ranges, list[Tensor]]] = {}
         self._peer_sums: dict[int, PeerSum] = {}  # id(group) -> its peer-load sum
 
     @property
@@ -116,10 +119,10 @@ class TensorParallel:
             return None
         return peer(y)
 
-    def add_leaves(self, weight: Tensor, ranges: list[tuple[int, int]]) -> None:
+    def add_leaves(self, weight: Tensor, ranges: Ranges) -> None:
         """Keep ``weight`` (a row-parallel product's, [N, K_local]) cut into the tree's
         leaves, K column ranges in tree order."""
-        self._leaves[id(weight)] = [(a, b, weight[:, a:b].contiguous()) for a, b in ranges]
+        self._leaves[id(weight)] = (list(ranges), [weight[:, a:b].contiguous() for a, b in ranges])
 
     # ---- llama.Parallel ----
     def embed(self, table: Tensor, ids: Tensor) -> Tensor:
@@ -142,20 +145,20 @@ class TensorParallel:
                 return tree_sum(self._gather(y))
             self.group.follow(self.group.all_reduce(y))
             return y
-        leaves = self._leaves_of(weight)
-        return self._tree(reduce, [ops.linear(xs, w) for xs, (_, _, w)
-                                   in zip(leaf_columns(x, leaves), leaves, strict=True)])
+        ranges, leaves = self._leaves_of(weight)
+        return self._tree(reduce, [ops.linear(xs, w) for xs, w
+                                   in zip(leaf_columns(x, ranges), leaves, strict=True)])
 
     def mlp_down(self, ops: Ops, gate_up: Tensor, weight: Tensor, reduce: RowReduce) -> Tensor:
         if reduce != "tree":
             return self.row_linear(ops, ops.silu_mul(gate_up), weight, reduce)
         # leaf by leaf, each activation multiplied before the next is computed: a padded
         # product's buffer, which the activation may write into, holds one leaf at a time
-        leaves = self._leaves_of(weight)
-        return self._tree(reduce, [ops.linear(ops.silu_mul(gu), w) for gu, (_, _, w)
-                                   in zip(leaf_gate_up(gate_up, leaves), leaves, strict=True)])
+        ranges, leaves = self._leaves_of(weight)
+        return self._tree(reduce, [ops.linear(ops.silu_mul(gu), w) for gu, w
+                                   in zip(leaf_gate_up(gate_up, ranges), leaves, strict=True)])
 
-    def _leaves_of(self, weight: Tensor) -> list[tuple[int, int, Tensor]]:
+    def _leaves_of(self, weight: Tensor) -> tuple[Ranges, list[Tensor]]:
         leaves = self._leaves.get(id(weight))
         if leaves is None:
             raise RuntimeError("the TP-invariant tree was asked for a weight without leaves "
@@ -176,7 +179,7 @@ class TensorParallel:
         shapes = {tuple(w.shape) for w in weights}
         out = []
         for w in weights:
-            for _, _, leaf in self._leaves.get(id(w), []):
+            for leaf in self._leaves.get(id(w), ((), []))[1]:
                 if tuple(leaf.shape) not in shapes:
                     shapes.add(tuple(leaf.shape))
                     out.append(leaf)
