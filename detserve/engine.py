@@ -260,7 +260,7 @@ class LLMEngine:
         c = self.counters
         in_flight = self.verifier.in_flight() > 0
         c["lane_in_flight_at_plan"] += in_flight
-        yield_to_lane = in_flight and self.scheduler.lane_bound()
+        yield_to_lane = in_flight and self._lane_bound()
         plan = self.scheduler.schedule(fast=not yield_to_lane)
         c["steps"] += 1
         for seq in plan.preempted:
@@ -302,13 +302,18 @@ class LLMEngine:
             # GPU rather than run the next decode step (a full weight read) for the few others;
             # but a prompt's next chunk goes out first (it queues behind the pass in flight)
             wait = yield_to_lane or (not self.scheduler.lane_prefill_ready()
-                                     and (not plan.fast or self.scheduler.lane_bound()))
+                                     and (not plan.fast or self._lane_bound()))
             self.counters["lane_bound_waits"] += yield_to_lane or (wait and bool(plan.fast))
         elif self._inflight and not plan.fast and not plan.lane:
             # passes submitted that no verifier works on (one is being looked for), nothing
             # else to run: let the verifier wait a little rather than spin
             wait = True
         return self.verifier.poll(wait=wait)
+
+    def _lane_bound(self) -> bool:
+        """Most sequences wait on a lane that shares the device: a step is better given to
+        its pass. A lane on a device of its own gains nothing from the fast path's idling."""
+        return self.verifier.shares_device and self.scheduler.lane_bound()
 
     def _outputs(self) -> list[RequestOutput]:
         """The outputs of the sequences the step changed (the scheduler applies the stop

@@ -26,6 +26,9 @@ class Verifier(Protocol):
     # a pass submitted now runs after everything already queued on the engine's device
     # stream (in-process verifiers); else the engine reads its batch in flight first
     stream_ordered: bool
+    # passes run on the engine's device, competing with its fast path (the engine then
+    # gives a step to a pass most sequences wait on); False: on a device of their own
+    shares_device: bool
 
     def submit(self, lane_pass: LanePass) -> None:
         """Queue a pass. Must not block on other passes' results."""
@@ -42,6 +45,7 @@ class Verifier(Protocol):
 
 class InProcessVerifier:
     stream_ordered = True
+    shares_device = True
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -73,6 +77,7 @@ class ThreadedVerifier:
     """
 
     stream_ordered = True
+    shares_device = True
 
     def __init__(self, runner: ModelRunner, lane_sms: int | None = None) -> None:
         import queue

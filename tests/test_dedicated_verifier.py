@@ -126,6 +126,11 @@ def test_transfer_lane_equals_oracle(model: str, redis_url: str, oracle: list[tu
         outs = drive(engine, REQS, oracle_prefix_checker(oracle))
         stats = engine.stats()
         assert stats["perturbed_tokens"] > 0 and stats["rollbacks"] > 0
+        # its lane runs elsewhere, on rows pushed in our stream order: the engine neither
+        # reads its batch in flight before a pass nor gives the lane a step (the same load
+        # does with a mapping verifier: test_remote_lane_equals_oracle)
+        assert remote.stream_ordered and not remote.shares_device
+        assert stats["lane_bound_waits"] == 0
         for i in DET:
             assert signature(outs[i]) == oracle[i], f"r{i} differs from the oracle"
         pulled = remote.transfer_stats.rows_in

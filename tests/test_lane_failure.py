@@ -35,6 +35,7 @@ class LosableVerifier:
     ``hold``, ``poll`` keeps its results (the passes stay in flight)."""
 
     stream_ordered = True
+    shares_device = True
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner

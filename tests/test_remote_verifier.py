@@ -276,6 +276,10 @@ def test_remote_lane_equals_oracle(model: str, redis_url: str, oracle: list[tupl
     try:
         outs, stats, health = drive_against_oracle(engine, oracle, procs[0].address)
         assert stats["perturbed_tokens"] > 0 and stats["rollbacks"] > 0
+        # a mapping verifier: its lane shares our device, read outside our stream order;
+        # this load gives it steps (the control for the transferring test's none)
+        assert remote.shares_device and not remote.stream_ordered
+        assert stats["lane_bound_waits"] > 0
         local = run_engine(model, REQS[:1], mode="lane_only", window=W, group=G,
                            num_blocks=NUM_BLOCKS)[0][0]
         assert local.prompt_logprobs is not None and len(local.prompt_logprobs) == 21

@@ -74,9 +74,19 @@ class VerifierError(RuntimeError):
 
 
 class RemoteVerifier:
-    # the verifier process reads the decoder's K/V through a handle, outside the decoder's
-    # stream order: the engine finishes its batch in flight before submitting a pass
-    stream_ordered = False
+    @property
+    def stream_ordered(self) -> bool:
+        """A mapping verifier reads the decoder's K/V outside the decoder's stream order
+        (the engine finishes its batch in flight before submitting a pass). A transferring
+        one reads only rows pushed from here, read on the engine's stream after that batch;
+        while none is found, as a mapping one (the next may be)."""
+        return self._stream is not None and self._xfer is not None
+
+    @property
+    def shares_device(self) -> bool:
+        """A transferring verifier runs its lane on another device (a mapping one on ours):
+        the engine never gives it a decode step."""
+        return not self.stream_ordered
 
     def __init__(self, registry: Registry, record: DecoderRecord, auth: ClusterAuth, *,
                  pool: RowStore | None = None,
