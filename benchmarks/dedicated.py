@@ -71,8 +71,8 @@ class VerifierClient:
 
     def engine(self, config: EngineConfig, loaded: Any) -> LLMEngine:
         """A new engine; the one before it (closed: runs take turns) gives up its exported
-        K/V pool now. Exported pools stay alive until released, and one 8B-shape pool a
-        run outgrew an H200 by the fourth run."""
+        K/V pool now if ``release`` has not. Exported pools stay alive until released, and
+        one 8B-shape pool a run outgrew an H200 by the fourth run."""
         self.release()
         decoder_id = f"{self.name}-{self._engines}"
         self._engines += 1
@@ -150,6 +150,10 @@ class DedicatedVerifier:
         assert self.client is not None
         return self.client.health()
 
+    def release(self) -> None:
+        if self.client is not None:
+            self.client.release()
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -157,6 +161,5 @@ class DedicatedVerifier:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        if self.client is not None:
-            self.client.release()
+        self.release()
         self.redis.stop()

@@ -72,11 +72,14 @@ def verdict(checks: Sequence[Check]) -> str:
 
 def run_table(runs: Sequence[dict[str, Any]], min_ratio: float = MIN_KEEP_UP) -> str:
     """One row per run: load, throughput, keep-up, P50/P90/P99 of every latency (all
-    requests), the deterministic/non-deterministic split and the rollbacks."""
+    requests), the deterministic/non-deterministic split (and the latter's ITL) and the
+    rollbacks."""
     head = ["series", "req/s", "n", "det n", "ok/fail", "out tok/s", "keep-up"]
     for m in METRICS:
         head.append(f"{m.upper()} P50/P90/P99 ms")
-    head += ["det P99 TTFT / E2E", "non-det P99 TTFT / E2E", "rollbacks", "recomputed"]
+    # the non-deterministic requests' ITL: what co-served deterministic traffic costs them
+    head += ["det P99 TTFT / E2E", "non-det P99 TTFT / E2E", "non-det ITL P50/P90/P99 ms",
+             "rollbacks", "recomputed"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(runs, key=lambda r: (series_list(runs).index(series_of(r)), rate_of(r))):
         k = keeps_up(r, min_ratio)
@@ -92,6 +95,9 @@ def run_table(runs: Sequence[dict[str, Any]], min_ratio: float = MIN_KEEP_UP) ->
             sub = r.get(part) or {}
             cells.append(f"{_f(sub.get('p99_ttft_ms'), '.0f')} / {_f(sub.get('p99_e2el_ms'), '.0f')}"
                          if sub.get("completed") else "-")
+        nd = r.get("non_deterministic") or {}
+        cells.append("/".join(_f(nd.get(f"{p}_itl_ms"), ".2f") for p in ("p50", "p90", "p99"))
+                     if nd.get("completed") else "-")
         stats = r.get("server_stats") or {}
         cells += [_f(stats.get("rollbacks"), ".0f"), _f(stats.get("recomputed_tokens"), ".0f")]
         lines.append("| " + " | ".join(cells) + " |")
