@@ -23,12 +23,17 @@ class LaneUnavailable(RuntimeError):
 
 
 class Verifier(Protocol):
-    # a pass submitted now runs after everything already queued on the engine's device
-    # stream (in-process verifiers); else the engine reads its batch in flight first
-    stream_ordered: bool
-    # passes run on the engine's device, competing with its fast path (the engine then
-    # gives a step to a pass most sequences wait on); False: on a device of their own
-    shares_device: bool
+    @property
+    def stream_ordered(self) -> bool:
+        """A pass submitted now runs after everything already queued on the engine's
+        device stream (in-process verifiers); else the engine reads its batch in flight
+        first."""
+
+    @property
+    def shares_device(self) -> bool:
+        """Passes run on the engine's device, competing with its fast path (the engine
+        then gives a step to a pass most sequences wait on); False: on a device of their
+        own."""
 
     def submit(self, lane_pass: LanePass) -> None:
         """Queue a pass. Must not block on other passes' results."""
