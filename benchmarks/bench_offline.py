@@ -168,8 +168,6 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     prefill_batch_tokens = engine.scheduler.cfg.prefill_batch_tokens
     engine.close()
     del engine
-    if dedicated is not None:  # its exported pool too, before another mode's engine
-        dedicated.release()
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     in_tokens = sum(len(p) for p, _ in prompts) if prompts else sum(s[0] for s in shapes)

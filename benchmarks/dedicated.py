@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ import torch
 from detserve.config import EngineConfig
 from detserve.engine import LLMEngine
 from services.cluster_auth import SECRET_ENV, ClusterAuth
-from services.kv_handle import HOST_ID_ENV, KVExporter
+from services.kv_handle import HOST_ID_ENV, KVExporter, KVHandle, release_kv
 from services.redis_server import EmbeddedRedis
 from services.registry import Registry
 from services.verifier import verifier_pb2 as pb
@@ -58,6 +58,32 @@ class VerifierAddress:
     address: str  # the replica's gRPC address
 
 
+class _ReusedPool(KVExporter):
+    """``kv_storage`` that hands every engine of a client (one at a time) the pool the first
+    one exported, zeroed, under the new engine's id and epoch. A CUDA pool once exported
+    stays allocated until the process ends (torch keeps an IPC-shared block until a mapper
+    lets go, and a transferring verifier never maps it): one 8B-shape pool a run ran an
+    H200 out of memory by the third run."""
+
+    def __init__(self, decoder_id: str, epoch: int,
+                 kept: dict[tuple[Any, ...], tuple[torch.Tensor, KVHandle]]) -> None:
+        super().__init__(decoder_id, epoch)
+        self._kept = kept
+
+    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+        key = (tuple(shape), dtype, str(device))
+        if key not in self._kept:
+            tensor = super().__call__(shape, dtype, device)
+            self._kept[key] = (tensor, self.handle)
+            return tensor
+        tensor, handle = self._kept[key]
+        self._handle = replace(handle, decoder_id=self.decoder_id, epoch=self.epoch)
+        return tensor.zero_()
+
+    def close(self) -> None:
+        """Kept for the next engine (``VerifierClient.release`` frees it)."""
+
+
 class VerifierClient:
     """Builds engines verified by the replica at ``where``, one at a time (``engine``), and
     reads the replica's health. Engine ids are ``<name>-0``, ``<name>-1``, ...: several
@@ -67,20 +93,17 @@ class VerifierClient:
         self.where, self.name = where, name
         self.auth = ClusterAuth(where.secret)
         self._engines = 0
-        self._exporters: list[KVExporter] = []
+        self._pools: dict[tuple[Any, ...], tuple[torch.Tensor, KVHandle]] = {}
 
     def engine(self, config: EngineConfig, loaded: Any) -> LLMEngine:
-        """A new engine; the one before it (closed: runs take turns) gives up its exported
-        K/V pool now if ``release`` has not. Exported pools stay alive until released, and
-        one 8B-shape pool a run outgrew an H200 by the fourth run."""
-        self.release()
+        """A new engine (the one before it is closed: runs take turns), on the pool the
+        client's first engine of its shape exported (``_ReusedPool``)."""
         decoder_id = f"{self.name}-{self._engines}"
         self._engines += 1
         registry = Registry(self.where.redis_url, self.where.prefix)
         epoch = registry.next_epoch(decoder_id)
         registry.close()
-        exporter = KVExporter(decoder_id, epoch)
-        self._exporters.append(exporter)
+        exporter = _ReusedPool(decoder_id, epoch, self._pools)
         factory = make_verifier_factory(self.where.redis_url, decoder_id, exporter,
                                         loaded[2].weights_hash, auth=self.auth,
                                         prefix=self.where.prefix, publish_block_tables=False)
@@ -99,10 +122,10 @@ class VerifierClient:
                 metadata=self.auth.handshake(address).metadata)
 
     def release(self) -> None:
-        """Close the exported pools of the engines built so far."""
-        for e in self._exporters:
-            e.close()
-        self._exporters.clear()
+        """Give up the exported pools (no engine of this client may run any more)."""
+        for _, handle in self._pools.values():
+            release_kv(handle)
+        self._pools.clear()
 
 
 class DedicatedVerifier:
@@ -150,10 +173,6 @@ class DedicatedVerifier:
         assert self.client is not None
         return self.client.health()
 
-    def release(self) -> None:
-        if self.client is not None:
-            self.client.release()
-
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -161,5 +180,6 @@ class DedicatedVerifier:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        self.release()
+        if self.client is not None:
+            self.client.release()
         self.redis.stop()
