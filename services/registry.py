@@ -249,6 +249,19 @@ class Registry:
         if request_ids:
             self.r.hdel(self.blocks_key(decoder_id, epoch), *request_ids)
 
+    def update_block_tables(self, decoder_id: str, epoch: int,
+                            tables: Mapping[str, Sequence[int] | None]) -> None:
+        """Publish the tables, drop those given as None: one round trip."""
+        key = self.blocks_key(decoder_id, epoch)
+        dropped = [rid for rid, t in tables.items() if t is None]
+        pipe = self.r.pipeline(transaction=False)
+        if len(dropped) < len(tables):
+            pipe.hset(key, mapping={rid: json.dumps(list(t)) for rid, t in tables.items()
+                                    if t is not None})
+        if dropped:
+            pipe.hdel(key, *dropped)
+        pipe.execute()
+
     def block_tables(self, decoder_id: str, epoch: int) -> dict[str, list[int]]:
         raw = self.r.hgetall(self.blocks_key(decoder_id, epoch))
         return {_text(rid): json.loads(v) for rid, v in raw.items()}

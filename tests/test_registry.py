@@ -119,6 +119,10 @@ def test_block_tables(registry: Registry) -> None:
     assert registry.block_tables("d1", epoch) == {"r1": [3, 4, 9], "r2": [7]}
     registry.drop_block_tables("d1", epoch, ["r2"])
     assert registry.block_tables("d1", epoch) == {"r1": [3, 4, 9]}
+    registry.update_block_tables("d1", epoch, {"r1": None, "r3": (5,), "r4": [6, 2]})
+    assert registry.block_tables("d1", epoch) == {"r3": [5], "r4": [6, 2]}
+    registry.update_block_tables("d1", epoch, {"r3": None})
+    assert registry.block_tables("d1", epoch) == {"r4": [6, 2]}
     registry.publish_decoder(_record("d1", epoch))
     registry.retire_decoder("d1", epoch)
     assert registry.block_tables("d1", epoch) == {}

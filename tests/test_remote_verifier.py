@@ -287,9 +287,11 @@ def test_remote_lane_equals_oracle(model: str, redis_url: str, oracle: list[tupl
         assert all(o.finished and len(o.token_ids) == REQS[i].params.max_tokens
                    for i, o in enumerate(outs))
         assert health.serving
+        assert remote.wait_tables_written(10.0)
         tables = registry.block_tables("dec-oracle", remote.record.epoch)
         assert set(tables) == {f"r{i}" for i in DET}, "deterministic requests' tables published"
         remote.drop_requests(["r0"])
+        assert remote.wait_tables_written(10.0)
         assert "r0" not in registry.block_tables("dec-oracle", remote.record.epoch)
     finally:
         remote.close()
@@ -520,6 +522,50 @@ def test_a_decoder_record_lost_with_redis_is_written_again_on_connect(
             engine.verifier.close()
             exporter.close()
         registry.close()
+
+
+def test_a_hung_redis_never_holds_the_engine_up(model: str, oracle: list[tuple]) -> None:
+    """Redis stops answering without closing its connections (SIGSTOP: a partition, a
+    stalled host) while a decoder serves: no step waits on it (a Redis call would wait out
+    the client's 5 s socket timeout), the deterministic outputs are the oracle's, and once
+    Redis answers again the block tables it missed are written."""
+    prefix = f"hung{uuid.uuid4().hex[:6]}"
+    with EmbeddedRedis() as r, running_verifiers(1, model, r.url, prefix) as procs:
+        engine, exporter = make_engine(model, r.url, prefix, "dec-hung")
+        remote = engine.verifier
+        assert isinstance(remote, RemoteVerifier) and remote.verifier is not None
+        assert r.pid is not None
+        step, longest = engine.step, [0.0]
+
+        def timed() -> list[RequestOutput]:
+            t0 = time.monotonic()
+            try:
+                return step()
+            finally:
+                longest[0] = max(longest[0], time.monotonic() - t0)
+
+        engine.step = timed  # type: ignore[method-assign]
+        os.kill(r.pid, signal.SIGSTOP)
+        try:
+            outs = drive(engine, REQS, oracle_prefix_checker(oracle))
+            assert longest[0] < 1.0, f"a step waited {longest[0]:.1f} s on Redis"
+            assert not remote.wait_tables_written(0.5), "written while Redis was stopped?"
+        finally:
+            os.kill(r.pid, signal.SIGCONT)
+        try:
+            for i in DET:
+                assert signature(outs[i]) == oracle[i], f"r{i} differs from the oracle"
+            assert remote.wait_tables_written(15.0), "the tables never reached Redis"
+            registry = Registry(r.url, prefix)
+            assert set(registry.block_tables("dec-hung", remote.record.epoch)) == {
+                f"r{i}" for i in DET}
+            registry.close()
+            again = drive(engine, REQS[:1])  # and it goes on serving
+            assert signature(again[0]) == oracle[0]
+            assert procs[0].proc.poll() is None
+        finally:
+            remote.close()
+            exporter.close()
 
 
 def _hello_status(address: str, hello: pb.LaneRequest,

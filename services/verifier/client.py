@@ -20,7 +20,9 @@ engine serving only non-deterministic requests meanwhile never waits for one.
 
 Redis is needed only to find a verifier (a hello is checked against the registry): while
 Redis is away an open stream goes on verifying, the block tables wait to be published, and
-the decoder's record is written again once Redis is back (a ``Heartbeat``). A decoder that
+the decoder's record is written again once Redis is back (a ``Heartbeat``). The engine's
+thread never waits on Redis: the block tables are written behind it (``_TableIndex``), so a
+Redis that hangs instead of refusing costs the engine nothing either. A decoder that
 finds a newer epoch of its own id there is stale: ``submit`` and ``poll`` raise
 ``StaleEpochError``.
 """
@@ -33,7 +35,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -106,14 +108,15 @@ class RemoteVerifier:
         self.hello_timeout_s = hello_timeout_s
         self.pass_timeout_s = pass_timeout_s
         self.retry_bad_after_s = retry_bad_after_s
-        self.publish_block_tables = publish_block_tables
         self._pending: dict[int, LanePass] = {}  # submitted, no result yet; submission order
         self._events: queue.Queue[Event] = queue.Queue()
         self._ready: list[LaneResult] = []
         self._stream: LaneStream | None = None
         self._generation = 0
         self._bad: dict[str, float] = {}  # verifier address -> when it last failed us
-        self._tables: dict[str, tuple[int, ...]] = {}
+        self._tables: dict[str, tuple[int, ...]] = {}  # as last handed to the index
+        self._index = (_TableIndex(registry, record.decoder_id, record.epoch)
+                       if publish_block_tables else None)
         self._beat: Heartbeat | None = None  # keeps this decoder's record in Redis
         # why a search that dropped passes found no verifier; None once one is found
         self._lost: str | None = None
@@ -160,6 +163,8 @@ class RemoteVerifier:
 
     def close(self) -> None:
         self._drop_stream(None)
+        if self._index is not None:
+            self._index.close()
         if self._beat is not None:
             self._beat.stop(deregister=True)
         else:
@@ -199,6 +204,11 @@ class RemoteVerifier:
         """K/V moved over the current stream (None: co-located, or no stream)."""
         return self._xfer.stats if self._xfer is not None else None
 
+    def wait_tables_written(self, timeout_s: float) -> bool:
+        """Whether the block tables handed over so far reached Redis within ``timeout_s``
+        (True when none are published)."""
+        return self._index is None or self._index.wait_written(timeout_s)
+
     def drop_requests(self, request_ids: Iterable[str]) -> None:
         """Forget finished requests' block tables (in Redis too, when it is reachable), and
         have a transferring verifier drop their K/V."""
@@ -209,11 +219,8 @@ class RemoteVerifier:
                 self._xfer.release(held)
                 self._stream.send(pb.LaneRequest(release=pb.Release(request_ids=held)))
         gone = [rid for rid in request_ids if self._tables.pop(rid, None) is not None]
-        if gone:
-            try:
-                self.registry.drop_block_tables(self.record.decoder_id, self.record.epoch, gone)
-            except redis.RedisError as e:
-                log.debug("block tables not dropped (Redis away): %s", e)
+        if gone and self._index is not None:
+            self._index.update(dict.fromkeys(gone))
 
     def connect(self) -> None:
         """Open a stream to a usable verifier and (re-)send every pending pass, waiting
@@ -451,18 +458,76 @@ class RemoteVerifier:
             self._start_search()
 
     def _publish_tables(self, lane_pass: LanePass) -> None:
-        if not self.publish_block_tables:
+        if self._index is None:
             return
         changed = {s.request_id: s.block_table for s in lane_pass.segments
                    if self._tables.get(s.request_id) != s.block_table}
         if changed:
-            try:
-                self.registry.publish_block_tables(self.record.decoder_id, self.record.epoch,
-                                                   changed)
-            except redis.RedisError as e:  # published with the next change once it is back
-                log.debug("block tables not published (Redis away): %s", e)
-                return
             self._tables.update(changed)
+            self._index.update(changed)
+
+
+class _TableIndex:
+    """This decoder's block tables in Redis (which blocks hold each deterministic
+    sequence's K/V), written behind the engine: ``update`` only records the latest change
+    of each request (a table, or None: dropped) and a thread of its own writes them, in one
+    round trip, retrying every ``retry_s`` while Redis is away or does not answer. Redis
+    always ends up with the latest tables once it answers."""
+
+    def __init__(self, registry: Registry, decoder_id: str, epoch: int,
+                 retry_s: float = 0.5) -> None:
+        self.registry, self.decoder_id, self.epoch = registry, decoder_id, epoch
+        self.retry_s = retry_s
+        self._pending: dict[str, tuple[int, ...] | None] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._idle = threading.Event()  # nothing pending, nothing being written
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="block-table-index",
+                                        daemon=True)
+        self._thread.start()
+
+    def update(self, tables: Mapping[str, tuple[int, ...] | None]) -> None:
+        with self._lock:
+            self._pending.update(tables)
+            self._idle.clear()
+        self._wake.set()
+
+    def wait_written(self, timeout_s: float) -> bool:
+        """Whether everything updated so far reached Redis within ``timeout_s``."""
+        return self._idle.wait(timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop (what is still pending is not written: the decoder is retiring)."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                batch, self._pending = self._pending, {}
+            if not batch or self._stop.is_set():
+                self._settle()
+                continue
+            try:
+                self.registry.update_block_tables(self.decoder_id, self.epoch, batch)
+            except redis.RedisError as e:
+                log.debug("block tables not written (Redis away): %s", e)
+                with self._lock:  # what changed meanwhile is newer
+                    self._pending = {**batch, **self._pending}
+                self._stop.wait(self.retry_s)
+                self._wake.set()
+                continue
+            self._settle()
+
+    def _settle(self) -> None:
+        with self._lock:
+            if not self._pending:
+                self._idle.set()
 
 
 @dataclass
