@@ -40,6 +40,7 @@ from detserve.model.random_init import random_model
 from detserve.outputs import RequestOutput
 from detserve.params import SamplingParams
 from detserve.scheduler import LANE_STATES
+from detserve.stats import TIMES
 
 
 def lengths(kind: str, n: int, input_len: int, output_len: int, seed: int
@@ -244,8 +245,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         "step_graph_replays": stats["step_graph_replays"],
         "decode_graph_replays": stats["decode_graph_replays"],
         "plain_graph_replays": stats["plain_graph_replays"],
-        "step_seconds": {k: stats[f"{k}_seconds"] for k in
-                         ("schedule", "decode_step", "mixed_step", "lane_wait", "output")},
+        "step_seconds": {k: stats[f"{k}_seconds"] for k in TIMES},
     }
 
 
@@ -451,7 +451,8 @@ def _run_all(args: argparse.Namespace, loaded: Any, shapes: list[tuple[int, int]
         print(f"{'':>16} steps: {st['decode_steps']:.0f} decode-only "
               f"({sec['decode_step']:.1f} s), {st['mixed_steps']:.0f} with prefill "
               f"({sec['mixed_step']:.1f} s, {r['step_graph_replays']:.0f} as graphs); schedule {sec['schedule']:.1f} s, lane "
-              f"submit/wait {sec['lane_wait']:.1f} s, outputs {sec['output']:.1f} s; "
+              f"submit {sec['lane_submit']:.2f} s, wait/apply {sec['lane_wait']:.2f} s, "
+              f"outputs {sec['output']:.1f} s; "
               f"{r['prefill_held_steps']:.0f} steps held prompts back", flush=True)
         last, mean = r["last_finish_s"], r["mean_finish_s"]
         fmt = lambda x: "-" if x is None else f"{x:.1f} s"  # noqa: E731

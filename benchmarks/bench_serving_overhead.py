@@ -138,7 +138,7 @@ def median_phase(phases: list[tuple[list[float], float, dict[str, float]]]
 
 
 BUSY_KEYS = ("decode_step_seconds", "mixed_step_seconds", "schedule_seconds",
-             "output_seconds", "lane_wait_seconds")
+             "output_seconds", "lane_submit_seconds", "lane_wait_seconds")
 # decode_graph_gpu_s: GPU time of the decode steps' CUDA graph replays (CUDA events), the
 # part of decode_step_seconds the GPU spent computing
 # loop_deliver_seconds: the served decoder's engine thread between steps (chunks, text)
@@ -473,7 +473,7 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
         for r in results)]
     lines += ["", "The engine during the loaded phase (seconds; the served decoder's engine):", "",
               "| mode | path | steps | decode-only | with prefill | decode-only s | decode GPU s "
-              "| with prefill s | schedule s | outputs s | lane wait s | busy / wall "
+              "| with prefill s | schedule s | outputs s | lane submit + wait s | busy / wall "
               "| between steps s |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
@@ -486,7 +486,8 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
                      f"{e['mixed_steps']:.0f} | {e['decode_step_seconds']:.2f} | "
                      f"{gpu_s:.2f} | "
                      f"{e['mixed_step_seconds']:.2f} | {e['schedule_seconds']:.2f} | "
-                     f"{e['output_seconds']:.2f} | {e['lane_wait_seconds']:.2f} | "
+                     f"{e['output_seconds']:.2f} | "
+                     f"{e.get('lane_submit_seconds', 0.0) + e['lane_wait_seconds']:.2f} | "
                      f"{busy / r.load_wall_s:.2f} | "
                      f"{e.get('loop_deliver_seconds', 0.0):.2f} |")
     split_rows = [(r, phase, r.ttft_split[phase]) for r in results

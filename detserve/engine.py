@@ -246,7 +246,10 @@ class LLMEngine:
             kind = "decode_step" if all(i.end - i.start == 1 for i in plan.fast) else "mixed_step"
             self.counters[f"{kind}s"] += 1
             clock.lap(kind)
-        for result in self._run_lane(plan, yield_to_lane):
+        if plan.lane:
+            self._submit_lane(plan.lane)
+            clock.lap("lane_submit")
+        for result in self._poll_lane(plan, yield_to_lane):
             self._apply_lane(result)
         clock.lap("lane_wait")
         outputs = self._outputs()
@@ -288,14 +291,17 @@ class LLMEngine:
         else:
             self._settle(launch)
 
-    def _run_lane(self, plan: SchedulerOutput, yield_to_lane: bool) -> list[LaneResult]:
-        """Send the step's lane pass, if any; the passes decided since the last step."""
-        if plan.lane:
-            if self._launch is not None and not self.verifier.stream_ordered:
-                # a verifier in another process sees the K/V only once it is written: the
-                # batch in flight may write a slot the pass writes too (see Sequence)
-                self._settle(self._launch)
-            self.verifier.submit(self._lane_pass(plan.lane))
+    def _submit_lane(self, items: list[LaneItem]) -> None:
+        """Send the step's lane pass."""
+        if self._launch is not None and not self.verifier.stream_ordered:
+            # a verifier in another process sees the K/V only once it is written: the
+            # batch in flight may write a slot the pass writes too (see Sequence)
+            self._settle(self._launch)
+        self.verifier.submit(self._lane_pass(items))
+
+    def _poll_lane(self, plan: SchedulerOutput, yield_to_lane: bool) -> list[LaneResult]:
+        """The passes decided since the last step (waiting for one where the step has
+        nothing better to do)."""
         wait = False
         if self.verifier.in_flight():
             # nothing else to run, or most sequences wait on the lane: let its pass have the

@@ -29,9 +29,9 @@ COUNTS = (
     # verification lost (``LLMEngine.fail_lane``): times, and deterministic requests failed
     "lane_failures", "lane_failed_requests")
 # where the engine's wall time goes: scheduling, fast-path steps (decode only, or with
-# prefill rows), submitting lane passes and waiting for or applying their results,
-# building outputs (reported as ``<name>_seconds``)
-TIMES = ("schedule", "decode_step", "mixed_step", "lane_wait", "output")
+# prefill rows), submitting lane passes (building and sending them), waiting for or
+# applying their results, building outputs (reported as ``<name>_seconds``)
+TIMES = ("schedule", "decode_step", "mixed_step", "lane_submit", "lane_wait", "output")
 
 
 class StepClock:
