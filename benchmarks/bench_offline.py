@@ -241,6 +241,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
         # run after a stop token nobody had read yet (dropped)
         "async_scheduling": async_scheduling,
         "fed_rows": stats["fed_rows"], "dropped_rows": stats["dropped_rows"],
+        "decision_syncs": stats["decision_syncs"],
         # steps with prompt chunks replayed as graphs (the others ran eagerly)
         "step_graph_replays": stats["step_graph_replays"],
         "decode_graph_replays": stats["decode_graph_replays"],
@@ -482,7 +483,8 @@ def _run_all(args: argparse.Namespace, loaded: Any, shapes: list[tuple[int, int]
                   f"{r['lane_seconds']:.2f} s; {r['parked_admissions']:.0f} admissions in "
                   f"parked sequences' slots, {r['seq_capped_steps']:.0f} steps full at "
                   f"max-num-seqs; {r['lane_ahead_admissions']:.0f} prompts admitted ahead "
-                  f"into spare lane rows; {r['partial_windows']:.0f} partial windows",
+                  f"into spare lane rows; {r['partial_windows']:.0f} partial windows; "
+                  f"{r['decision_syncs']:.0f} decisions read the batch in flight first",
                   flush=True)
         if r.get("profile"):
             for line in describe(r["profile"]):

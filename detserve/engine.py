@@ -424,6 +424,7 @@ class LLMEngine:
             if (launch is not None and it.kind == "window" and seq.finish_reason != "abort"
                     and it.end < seq.num_tokens and seq.token_ids[it.end] == PLACEHOLDER):
                 self._settle(launch)
+                self.counters["decision_syncs"] += 1
             rejected = self.scheduler.on_lane_decision(it, list(d.tokens), d.logprobs,
                                                        d.prompt_logprobs)
             if rejected:

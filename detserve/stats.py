@@ -25,6 +25,9 @@ COUNTS = (
     # asynchronous scheduling: rows fed the previous step's token on the device, and rows
     # planned after what turned out to be a stop token (run, then dropped)
     "fed_rows", "dropped_rows",
+    # lane decisions that had to read the batch in flight first (the device then idles
+    # until the host queues the next step)
+    "decision_syncs",
     "decode_steps", "mixed_steps",
     # verification lost (``LLMEngine.fail_lane``): times, and deterministic requests failed
     "lane_failures", "lane_failed_requests")
