@@ -71,6 +71,8 @@ case "${1:-}" in
       > "$out/served.log" 2>&1
     # Ray Serve's logs of the last server (the dedicated one): a verifier's stall or failover
     cp -r /tmp/ray/session_latest/logs/serve "$out/served/ray-serve-logs" 2>/dev/null
+    # packed too: the device's $OUT does not bring back folders nested this deep
+    tar -czf "$out/served.tgz" -C "$out" served
     tail -30 "$out/served.log"; cp "$out/served/report.md" "$out/served-report.md" 2>/dev/null ;;
   *) sed -n 2,27p "$0"; exit 2 ;;
 esac
