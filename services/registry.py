@@ -239,16 +239,6 @@ class Registry:
         return bool(self._retire(keys=keys, args=[epoch]))
 
     # ---- block tables -----------------------------------------------------------------
-    def publish_block_tables(self, decoder_id: str, epoch: int,
-                             tables: Mapping[str, Sequence[int]]) -> None:
-        if tables:
-            self.r.hset(self.blocks_key(decoder_id, epoch),
-                        mapping={rid: json.dumps(list(t)) for rid, t in tables.items()})
-
-    def drop_block_tables(self, decoder_id: str, epoch: int, request_ids: Sequence[str]) -> None:
-        if request_ids:
-            self.r.hdel(self.blocks_key(decoder_id, epoch), *request_ids)
-
     def update_block_tables(self, decoder_id: str, epoch: int,
                             tables: Mapping[str, Sequence[int] | None]) -> None:
         """Publish the tables, drop those given as None: one round trip."""

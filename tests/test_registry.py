@@ -114,10 +114,10 @@ def test_epochs_and_decoder_records(registry: Registry) -> None:
 
 def test_block_tables(registry: Registry) -> None:
     epoch = registry.next_epoch("d1")
-    registry.publish_block_tables("d1", epoch, {"r1": [3, 4], "r2": (7,)})
-    registry.publish_block_tables("d1", epoch, {"r1": [3, 4, 9]})
+    registry.update_block_tables("d1", epoch, {"r1": [3, 4], "r2": (7,)})
+    registry.update_block_tables("d1", epoch, {"r1": [3, 4, 9]})
     assert registry.block_tables("d1", epoch) == {"r1": [3, 4, 9], "r2": [7]}
-    registry.drop_block_tables("d1", epoch, ["r2"])
+    registry.update_block_tables("d1", epoch, {"r2": None})
     assert registry.block_tables("d1", epoch) == {"r1": [3, 4, 9]}
     registry.update_block_tables("d1", epoch, {"r1": None, "r3": (5,), "r4": [6, 2]})
     assert registry.block_tables("d1", epoch) == {"r3": [5], "r4": [6, 2]}
