@@ -11,7 +11,7 @@ from collections import deque
 from typing import Any, Protocol
 
 from detserve.distributed import TensorParallelError
-from detserve.executor.runner import ModelRunner
+from detserve.executor.runner import LaneLaunch, ModelRunner
 from detserve.lane import LanePass, LaneResult
 
 
@@ -49,26 +49,34 @@ class Verifier(Protocol):
 
 
 class InProcessVerifier:
+    """Lane passes on the engine's own runner, thread and stream (CPU, and CUDA at TP>1,
+    where every rank must queue both groups' collectives from one thread). ``submit``
+    queues a pass behind the fast path's kernels without waiting for it; ``poll`` decides
+    the passes whose results are back, in submission order. On CPU a pass has run when
+    ``submit`` returns, so the same step's poll decides it (runs reproducible step by
+    step); on CUDA the host plans and queues the next steps while the pass runs."""
+
     stream_ordered = True
     shares_device = True
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self._done: deque[LaneResult] = deque()
+        self._queued: deque[LaneLaunch] = deque()
 
     def submit(self, lane_pass: LanePass) -> None:
-        self._done.append(self.runner.run_lane(lane_pass))
+        self._queued.append(self.runner.launch_lane(lane_pass))
 
     def poll(self, wait: bool = False) -> list[LaneResult]:
-        out = list(self._done)
-        self._done.clear()
+        out: list[LaneResult] = []
+        while self._queued and (self._queued[0].ready() or (wait and not out)):
+            out.append(self._queued.popleft().finish())
         return out
 
     def in_flight(self) -> int:
-        return len(self._done)
+        return len(self._queued)
 
     def close(self) -> None:
-        self._done.clear()
+        self._queued.clear()
 
 
 class ThreadedVerifier:

@@ -99,6 +99,41 @@ def test_bad_sizes_are_refused() -> None:
     assert LLMEngine._default_verifier_factory(cuda_tp) is InProcessVerifier
 
 
+def test_in_process_verifier_never_waits_on_a_pass_unless_asked() -> None:
+    """On CUDA at TP>1 the lane shares the engine's thread: submit only queues a pass, poll
+    decides those whose results are back, in submission order, and waits only when told."""
+    from detserve.verifier import InProcessVerifier
+
+    class Launch:
+        def __init__(self, i: int) -> None:
+            self.i, self.done, self.read = i, False, False
+
+        def ready(self) -> bool:
+            return self.done
+
+        def finish(self) -> int:
+            self.read = True  # (a real launch waits here for the device)
+            return self.i
+
+    launches: list[Launch] = []
+
+    class Runner:
+        def launch_lane(self, lane_pass: int) -> Launch:
+            launches.append(Launch(lane_pass))
+            return launches[-1]
+
+    v = InProcessVerifier(Runner())  # type: ignore[arg-type]
+    for i in range(3):
+        v.submit(i)  # type: ignore[arg-type]
+    assert v.in_flight() == 3 and v.poll() == [] and not any(x.read for x in launches)
+    launches[1].done = True
+    assert v.poll() == []  # the first pass decides first
+    launches[0].done = True
+    assert v.poll() == [0, 1] and v.in_flight() == 1
+    assert v.poll(wait=True) == [2] and v.in_flight() == 0  # waited for the one left
+    assert v.poll(wait=True) == []
+
+
 def test_tp_engine_refuses_an_outside_verifier() -> None:
     from detserve.engine import LLMEngine
     from detserve.verifier import InProcessVerifier

@@ -98,10 +98,19 @@ class LaneLaunch:
     """A lane pass queued on the device; ``finish()`` waits for its tokens and decides."""
 
     def __init__(self, lane_pass: LanePass, picked: PickedRows | None, t0: float,
-                 prompt: dict[int, PromptLogprobs] | None = None) -> None:
+                 prompt: dict[int, PromptLogprobs] | None = None, cuda: bool = False) -> None:
         self.lane_pass, self.picked, self._t0 = lane_pass, picked, t0
         self.prompt = prompt or {}  # segment -> its prompt logprobs
         self.before_read: Callable[[], None] | None = None  # as ``LaunchedBatch``'s
+        # behind every copy the pass queued: once it completes, finish() reads without waiting
+        self._queued: torch.cuda.Event | None = None
+        if cuda:
+            self._queued = torch.cuda.Event()
+            self._queued.record()
+
+    def ready(self) -> bool:
+        """Whether the pass's results are on the host (``finish`` would not wait)."""
+        return self._queued is None or self._queued.query()
 
     def finish(self) -> LaneResult:
         if self.before_read is not None:
@@ -570,4 +579,4 @@ class ModelRunner:
             [(s.prompt_logprobs, s.prompt_targets)
              if s.prompt_logprobs is not None and s.prompt_targets else None
              for s in lane_pass.segments], self.lane_logit_ops, exact=True)
-        return LaneLaunch(lane_pass, picked, t0, prompt)
+        return LaneLaunch(lane_pass, picked, t0, prompt, cuda=self.cuda)
