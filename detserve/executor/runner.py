@@ -563,7 +563,8 @@ class ModelRunner:
                 for r in s.sample_rows]
         picked = None
         if rows:
-            logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)],
+            # (pinned and asynchronous: a blocking copy would wait for the whole stream)
+            logits = self.model.logits(hidden[upload(rows, self.device)],
                                        self.lane_logit_ops)
             vocab = logits.shape[-1]
             counts = ([token_counts(s.output_history(r), vocab, self.device)
