@@ -38,11 +38,14 @@ class VerifierReplica:
                  device: str = "cpu", host: str = "127.0.0.1", port: int = 0,
                  ttl_s: float = 3.0, prefix: str = DEFAULT_PREFIX,
                  lane_thread_init: Callable[[], None] | None = None,
-                 kv_blocks: int = 0) -> None:
+                 kv_blocks: int = 0, tensor_parallel_size: int = 1) -> None:
         """Loads the model, starts serving, then registers (so a registered verifier is
         always ready to answer a hello). ``kv_blocks`` non-zero: serve decoders it cannot
         map, with a pool of that many blocks of its own (-1: what the device holds); their
-        groups meet in a TCP store on a free port, published in its record."""
+        groups meet in a TCP store on a free port, published in its record.
+        ``tensor_parallel_size`` M > 1 (needs ``kv_blocks``): the lane over M ranks, on
+        ``device`` and the M-1 devices after it (``VerifierServicer``); its record's device
+        key then matches no pool, so decoders never try to have it map theirs."""
         self.verifier_id = uuid.uuid4().hex[:12]
         self.registry = Registry(redis_url, prefix)
         weights, info = load_model_once(model, dtype, device)
@@ -50,12 +53,17 @@ class VerifierReplica:
         self.store = open_store(host, 0, server=True) if kv_blocks else None
         self.servicer = VerifierServicer(weights, info, self.registry, device, self.verifier_id,
                                          lane_thread_init=lane_thread_init, store=self.store,
-                                         kv_blocks=kv_blocks)
+                                         kv_blocks=kv_blocks,
+                                         tensor_parallel_size=tensor_parallel_size,
+                                         model_spec=model)
+        key = device_key(device)
+        if tensor_parallel_size > 1:
+            key = f"tp{tensor_parallel_size}:{key}"
         self.auth = auth
         self.server = VerifierServer(self.servicer, auth, host, port).start()
         self.record = VerifierRecord(
             self.verifier_id, f"{advertise}:{self.server.port}", host_id(), device,
-            info.weights_hash, device_key=device_key(device),
+            info.weights_hash, device_key=key,
             kv_store=f"{advertise}:{self.store.port}" if self.store is not None else "")
         self.server.gate.allow(self.record.address)  # where decoders dial it
         # a replica (re)started while Redis is away does not fail to start: it registers
@@ -108,12 +116,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="blocks of its own KV pool, for decoders on other devices or hosts "
                          "(K/V transfer); -1: what the device holds after the model; 0: "
                          "co-located decoders only")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="ranks the lane runs over (worker processes on the devices after "
+                         "--device), for decoders with the TP-invariant lane through K/V "
+                         "transfer (needs --kv-blocks)")
     args = ap.parse_args(argv)
+    if args.tensor_parallel_size > 1 and not args.kv_blocks:
+        ap.error("--tensor-parallel-size > 1 needs --kv-blocks (a TP verifier maps no pool)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     replica = VerifierReplica(args.model, args.redis_url, ClusterAuth.from_env(),
                               dtype=args.dtype, device=args.device,
                               host=args.host, port=args.port, ttl_s=args.ttl, prefix=args.prefix,
-                              kv_blocks=args.kv_blocks)
+                              kv_blocks=args.kv_blocks,
+                              tensor_parallel_size=args.tensor_parallel_size)
     print(f"READY {replica.verifier_id} {replica.address}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

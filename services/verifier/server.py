@@ -23,14 +23,15 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import grpc
 import redis
 import torch
 
-from detserve.distributed import PeerLost, backend_for
+from detserve.config import EngineConfig
+from detserve.distributed import PeerLost, TensorParallelError, backend_for
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import ModelRunner
 from detserve.lane import LanePass, LaneResult
@@ -38,6 +39,8 @@ from detserve.model.identity import ModelInfo
 from detserve.model.llama import LlamaModel
 from detserve.model.loader import load_model
 from detserve.numerics import LaneNumerics
+from detserve.parallel.executor import Workers, make_runner, tensor_parallel_model
+from detserve.parallel.kv_rows import transfer_pool
 from detserve.parallel.layout import TPLayout
 from detserve.parallel.shard import shard_model
 from services.cluster_auth import ClusterAuth
@@ -88,13 +91,22 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                  verifier_id: str | None = None,
                  lane_thread_init: Callable[[], None] | None = None,
                  cuda_graphs: bool = True, store: object | None = None,
-                 kv_blocks: int = 0, transfer_timeout_s: float = 30.0) -> None:
+                 kv_blocks: int = 0, transfer_timeout_s: float = 30.0,
+                 tensor_parallel_size: int = 1, model_spec: str = "") -> None:
         """``cuda_graphs`` (CUDA): run each lane pass as a CUDA graph (captured on the lane
         thread at its first pass of each size), as the offline engine's lane does; eager,
         a pass of a large model costs tens of ms of kernel launches. ``store`` (the TCP
         store transfer groups meet in) and ``kv_blocks`` (its own pool's size): K/V
         transfer for decoders that cannot be mapped (-1: as many blocks as the device's free
-        memory holds at the first such hello); without them such a hello is refused."""
+        memory holds at the first such hello); without them such a hello is refused.
+
+        ``tensor_parallel_size`` M > 1: the lane runs over M ranks (worker processes on the
+        devices after ``device``, loading ``model_spec``), its K/V sharded by heads. Such a
+        verifier serves decoders through K/V transfer only, with the TP-invariant lane (whose
+        bits do not depend on M), at the numerics of its first decoder."""
+        if tensor_parallel_size > 1 and not (model_spec and store is not None and kv_blocks):
+            raise ValueError("a verifier at tensor_parallel_size > 1 needs model_spec and K/V "
+                             "transfer (store, kv_blocks)")
         self.model = model
         self.info = info
         self.registry = registry
@@ -111,6 +123,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.transfer_timeout_s = transfer_timeout_s
         self._own: VerifierKV | None = None  # made at the first transfer hello
         self._own_runners: dict[LaneNumerics, ModelRunner] = {}
+        self.tensor_parallel_size = tensor_parallel_size
+        self.model_spec = model_spec
+        self._workers: Workers | None = None  # ranks 1..M-1 (at the first hello)
         self._tree_model: LlamaModel | None = None  # made at the first invariant-lane hello
         self._tree_lock = threading.Lock()
         self.streams = 0
@@ -188,6 +203,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._lane.shutdown(wait=True)
         with self._lock:
             self._attached.clear()
+        if self._workers is not None:
+            self._workers.close()
 
     # ---- internals ----------------------------------------------------------------
     def _run(self, runner: ModelRunner, message: pb.LanePass,
@@ -200,8 +217,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise  # (abort raises)
         try:
             reply = self._lane.submit(self._pass, runner, lane_pass, kv_from, transfer).result()
-        except (KVFull, PeerLost) as e:
-            # the stream cannot go on (its K/V is incomplete): the decoder fails over
+        except (KVFull, PeerLost, TensorParallelError) as e:
+            # the stream cannot go on (its K/V is incomplete, or a rank of this verifier was
+            # lost: then no stream can, and Health says so): the decoder fails over
+            if isinstance(e, TensorParallelError):
+                self.serving = False
             code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, KVFull)
                     else grpc.StatusCode.UNAVAILABLE)
             context.abort(code, f"lane pass {lane_pass.pass_id}: {e}")
@@ -233,6 +253,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return codec.encode_result(result, kv_rows)
 
     def _attach(self, hello: pb.Hello) -> ModelRunner:
+        if self.tensor_parallel_size > 1:  # (FAILED_PRECONDITION says "stale epoch")
+            raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"this verifier runs at tensor_parallel_size "
+                               f"{self.tensor_parallel_size}: its K/V is sharded over its "
+                               "ranks, so it maps no decoder's pool (K/V transfer only)")
         handle = _handle(hello)
         unreachable: redis.RedisError | None = None
         try:
@@ -289,6 +314,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                f"transfer backend {hello.transfer.backend!r}, this verifier "
                                f"uses {backend_for(self.device)!r}")
         numerics = _numerics(hello)
+        if self.tensor_parallel_size > 1:
+            return self._attach_tp(hello, numerics)
         with self._lock:
             if self._own is None:
                 mc = self.model.config
@@ -314,6 +341,59 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 self._own_runners[numerics] = runner
         _same_kernels(hello, runner)
         return runner
+
+    def _attach_tp(self, hello: pb.Hello, numerics: LaneNumerics) -> ModelRunner:
+        """The runner over this verifier's M ranks: made at the first hello, with its
+        numerics; a later hello must bring the same (the workers run one set)."""
+        if not numerics.tp_invariant_lane:
+            raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"this verifier runs at tensor_parallel_size "
+                               f"{self.tensor_parallel_size}: it verifies only decoders with "
+                               "tp_invariant_lane (the ordinary lane's bits follow the TP size)")
+        # the decoder's TP size decides only its fast path's sums: decoders of every TP
+        # size share the ranks
+        numerics = replace(numerics, tensor_parallel_size=1)
+        with self._lock:
+            if self._own is None:
+                self._own, self._own_runners[numerics] = self._start_tp(numerics)
+            found = self._own_runners.get(numerics)
+        if found is None:
+            raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                               "this verifier's ranks run other lane numerics (those of its "
+                               "first decoder); a verifier at tensor_parallel_size > 1 serves "
+                               "one set")
+        _same_kernels(hello, found)
+        return found
+
+    def _start_tp(self, numerics: LaneNumerics) -> tuple[VerifierKV, ModelRunner]:
+        """Start ranks 1..M-1 (each loads and shards the model) and rank 0's runner over
+        a pool of ``kv_blocks`` blocks on every rank; the K/V moves as whole heads."""
+        mc = self.model.config
+        dtype = getattr(torch, self.info.dtype)
+        blocks = (self.kv_blocks if self.kv_blocks > 0
+                  else _blocks_that_fit(self.model, dtype, self.device, numerics.block_size)
+                  // self.tensor_parallel_size)
+        config = EngineConfig.create(
+            self.model_spec, "llm42", dtype=self.info.dtype, device=self.device,
+            max_model_len=mc.max_position_embeddings, block_size=numerics.block_size,
+            num_blocks=blocks, tensor_parallel_size=self.tensor_parallel_size,
+            tp_invariant_lane=True)
+        try:
+            local, workers = tensor_parallel_model(config, self.model)
+        except (TensorParallelError, ValueError) as e:
+            raise HelloRefused(grpc.StatusCode.UNAVAILABLE,
+                               f"this verifier's TP ranks did not start: {e}") from e
+        assert workers is not None
+        self._workers = workers
+        lc = local.config
+        pool = KVPool(lc.num_layers, blocks, numerics.block_size, lc.num_kv_heads,
+                      lc.head_dim, dtype, self.device)
+        runner = make_runner(local, pool, numerics, None, workers)
+        if self.cuda_graphs:
+            longest = -(-mc.max_position_embeddings // numerics.block_size)
+            runner.enable_cuda_graphs(None, lane=True, max_batch=1,
+                                      max_blocks=min(longest, blocks))
+        return VerifierKV(pool, transfer_pool(runner)), runner
 
     def _model_for(self, numerics: LaneNumerics) -> LlamaModel:
         """The model a runner of ``numerics`` runs: with the TP-invariant lane, the whole
@@ -365,8 +445,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                 "over its ranks: it cannot be mapped (K/V transfer only)")
             if not g.tp_invariant_lane:
                 problems.append(f"a decoder at tensor_parallel_size {tp} is verified outside "
-                                "its ranks only with tp_invariant_lane (this verifier's lane "
-                                "runs at TP=1)")
+                                "its ranks only with tp_invariant_lane (whose bits do not "
+                                "depend on the TP size)")
             try:
                 kv_heads = len(TPLayout(mc, tp, 0).kv_heads)
             except ValueError as e:

@@ -243,10 +243,13 @@ class DecoderTransfer:
 
 
 class VerifierKV:
-    """A verifier's own K/V: one pool and block manager shared by all its streams."""
+    """A verifier's own K/V: one pool and block manager shared by all its streams.
+    ``rows``: what transfers read and write, the pool itself or, at TP>1, every rank's
+    pool as whole heads (``ShardedKV`` over rank 0's ``pool``)."""
 
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, rows: RowStore | None = None) -> None:
         self.pool = pool
+        self.rows: RowStore = pool if rows is None else rows
         self.blocks = BlockManager(pool.data.shape[2], pool.block_size)
 
 
@@ -276,7 +279,7 @@ class VerifierTransfer:
         """Room for the pass's rows, the pushed rows received; the pass over this
         verifier's blocks. Raises ``KVFull`` (nothing received: the stream must end) or
         ``PeerLost``."""
-        pool, blocks = self.kv.pool, self.kv.blocks
+        pool, blocks = self.kv.rows, self.kv.blocks
         for s in lane_pass.segments:
             table = self.tables.setdefault(s.request_id, [])
             if not blocks.grow(table, s.start + len(s.input_ids)):
@@ -291,9 +294,9 @@ class VerifierTransfer:
         """Send the committed rows of ``lane_pass`` (as ``prepare`` returned it); their
         count, for the reply."""
         self.pair.reap()
-        slots = self.kv.pool.slots_of((s.block_table, s.start, end)
+        slots = self.kv.rows.slots_of((s.block_table, s.start, end)
                                       for s, end in committed(lane_pass, result))
-        self.pair.send_rows(self.pair.pull, self.kv.pool, slots, DECODER_RANK)
+        self.pair.send_rows(self.pair.pull, self.kv.rows, slots, DECODER_RANK)
         return len(slots)
 
     def release(self, request_ids: Iterable[str]) -> None:
