@@ -375,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dedicated-verifier-device", default=None,
                    help=f"mode {DEDICATED}: the verifier replica's device (e.g. cuda:1; cpu "
                         "registers it as another host); its K/V moves over NCCL / gloo")
+    p.add_argument("--dedicated-verifier-tp", type=int, default=1,
+                   help=f"mode {DEDICATED}: ranks the verifier replica's lane runs over, on "
+                        "its device and the ones after it (needs --tp-invariant-lane above 1)")
     p.add_argument("--out", default=None, help="JSON path (markdown written beside it)")
     return p
 
@@ -413,7 +416,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"mode {DEDICATED} needs --dedicated-verifier-device")
         from benchmarks.dedicated import DedicatedVerifier
 
-        dedicated = DedicatedVerifier(args.model, args.dtype, args.dedicated_verifier_device)
+        if args.dedicated_verifier_tp > 1 and not args.tp_invariant_lane:
+            p.error("--dedicated-verifier-tp above 1 needs --tp-invariant-lane")
+        dedicated = DedicatedVerifier(args.model, args.dtype, args.dedicated_verifier_device,
+                                      tensor_parallel_size=args.dedicated_verifier_tp)
     try:
         return _run_all(args, loaded, shapes, prompts, variants, runs, dedicated)
     finally:

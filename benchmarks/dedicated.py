@@ -134,7 +134,9 @@ class DedicatedVerifier:
     ``close()`` stops both."""
 
     def __init__(self, model: str, dtype: str, device: str,
-                 start_timeout_s: float = 600.0) -> None:
+                 start_timeout_s: float = 600.0, tensor_parallel_size: int = 1) -> None:
+        """``tensor_parallel_size`` M > 1: the replica's lane over M ranks, on ``device``
+        and the devices after it (decoders then need the TP-invariant lane)."""
         self.redis = EmbeddedRedis().start()
         prefix = f"bench{uuid.uuid4().hex[:6]}"
         secret = os.environ.get(SECRET_ENV) or secrets.token_urlsafe(32)
@@ -144,7 +146,8 @@ class DedicatedVerifier:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.verifier.replica", "--model", model,
              "--redis-url", self.redis.url, "--prefix", prefix, "--dtype", dtype,
-             "--device", device, "--kv-blocks", "-1"],  # its pool: what the device holds
+             "--device", device, "--kv-blocks", "-1",  # its pool: what the device holds
+             "--tensor-parallel-size", str(tensor_parallel_size)],
             cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env,
             preexec_fn=die_with_parent)
         self.client: VerifierClient | None = None

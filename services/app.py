@@ -74,7 +74,8 @@ def _verifier(args: Mapping[str, Any], num_cpus: float) -> Any:
     ).bind(model=args["model"], redis_url=args["redis_url"], dtype=args["dtype"],
            device=args["device"], sm_fraction=0.0 if dedicated else gpus,
            confine=bool(args.get("verifier_confine", False)),
-           dedicated_blocks=_dedicated_blocks(args) if dedicated else 0)
+           dedicated_blocks=_dedicated_blocks(args) if dedicated else 0,
+           tensor_parallel_size=int(args.get("verifier_tensor_parallel_size", 1)))
 
 
 def _dedicated_blocks(args: Mapping[str, Any]) -> int:

@@ -59,6 +59,10 @@ class ServeConfig:
                "registers as another host) and verifies decoders on other GPUs and hosts, "
                "keeping its own copy of the lane K/V, moved over NCCL (gloo on cpu); off: "
                "each verifier shares a decoder's GPU and maps its KV pool")
+    verifier_tensor_parallel_size: int = opt(
+        1, "ranks each dedicated verifier replica's lane runs over (cuda: that many whole "
+           "GPUs of its own), for lanes that do not fit one GPU; needs dedicated_verifiers "
+           "and tp_invariant_lane (whose bits do not depend on the TP size)")
     redis_url: str = opt("redis://127.0.0.1:6379/0",
                          "Redis of the registry (detserve serve: an embedded one when not "
                          "given)")
@@ -295,6 +299,14 @@ def _check_verifiers(args: Mapping[str, Any], engine: EngineConfig) -> None:
         raise ValueError(f"{e}: num_verifiers must be 0 (--num-verifiers 0; each decoder "
                          "verifies on its own ranks), or set --tp-invariant-lane with "
                          "--dedicated-verifiers") from None
+    vtp = int(args.get("verifier_tensor_parallel_size", 1))
+    if vtp < 1 or vtp & (vtp - 1):
+        raise ValueError("verifier_tensor_parallel_size must be a power of two")
+    if vtp > 1 and not (args.get("dedicated_verifiers", False) and engine.tp_invariant_lane):
+        raise ValueError(f"verifier_tensor_parallel_size {vtp}: a verifier over several ranks "
+                         "shards its K/V (it maps no decoder's pool) and gives the decoders' "
+                         "bits only with the TP-invariant lane; set --dedicated-verifiers and "
+                         "--tp-invariant-lane")
     if tp > 1 and not args.get("dedicated_verifiers", False):
         # on CUDA, besides: Ray gives an actor more than one GPU only whole, no share is left
         whole = " and holds its GPUs whole" if args["device"] == "cuda" else ""
@@ -324,10 +336,13 @@ def decoder_gpus(args: Mapping[str, Any]) -> float:
 
 
 def verifier_gpus(args: Mapping[str, Any]) -> float:
-    """GPUs one verifier replica reserves: a whole one when dedicated, else its share."""
+    """GPUs one verifier replica reserves: whole ones when dedicated (one a rank), else
+    its share."""
     if args["device"] != "cuda":
         return 0.0
-    return 1.0 if args.get("dedicated_verifiers", False) else args["verifier_gpu_fraction"]
+    if args.get("dedicated_verifiers", False):
+        return float(args.get("verifier_tensor_parallel_size", 1))
+    return args["verifier_gpu_fraction"]
 
 
 def gpus_needed(args: Mapping[str, Any]) -> float:

@@ -177,14 +177,16 @@ def test_dedicated_verifier_mode_transfers_and_audits(tmp_path: Path,
     assert "0 with more" in capsys.readouterr().out
 
 
-def test_dedicated_verifier_mode_at_tp2(tmp_path: Path,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
-    """``llm42-dedicated`` with a TP=2 decoder (the invariant lane): the TP=1 replica
-    verifies, rows move to and from both ranks, and the deterministic outputs equal those
-    of the TP=2 engine's own lane."""
+@pytest.mark.parametrize("verifier_tp", [1, 2])
+def test_dedicated_verifier_mode_at_tp2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                       verifier_tp: int) -> None:
+    """``llm42-dedicated`` with a TP=2 decoder (the invariant lane): the replica (at TP=1,
+    or itself at TP=2) verifies, rows move to and from both ranks, and the deterministic
+    outputs equal those of the TP=2 engine's own lane."""
     out = tmp_path / "dedicated-tp2.json"
     args = [*TINY, "--modes", "llm42,llm42-dedicated", "--ratios", "1.0",
-            "--dedicated-verifier-device", "cpu", "--tensor-parallel-size", "2",
+            "--dedicated-verifier-device", "cpu", "--dedicated-verifier-tp", str(verifier_tp),
+            "--tensor-parallel-size", "2",
             "--tp-invariant-lane", "--fastpath-perturbation", "0.2", "--logprobs", "1",
             "--temperature", "0.7", "--out", str(out)]
     assert bench_offline.main(args) == 0

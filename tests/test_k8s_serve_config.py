@@ -187,6 +187,25 @@ def test_tp_placement_of_dedicated_verifiers() -> None:
     assert _args(**{**TP2, **INVARIANT})["num_verifiers"] == 0
 
 
+def test_verifiers_at_tp_size_above_one() -> None:
+    """A verifier replica over several ranks: only dedicated, with the invariant lane, a
+    power of two; on CUDA it holds that many whole GPUs."""
+    ok = {**INVARIANT, "dedicated_verifiers": True, "verifier_tensor_parallel_size": 2}
+    args = _args(**{**ok, "device": "cuda", "num_verifiers": 1})
+    assert (sc.decoder_gpus(args), sc.verifier_gpus(args), sc.gpus_needed(args)) == (1, 2, 3)
+    args = _args(**{**ok, **TP2, "num_verifiers": 2})
+    assert sc.gpus_needed(args) == 2 + 2 * 2
+    for extra, words in [
+            ({"dedicated_verifiers": False, "verifier_gpu_fraction": 0.25, "device": "cuda"},
+             ["--dedicated-verifiers", "--tp-invariant-lane"]),
+            ({"tp_invariant_lane": False}, ["--tp-invariant-lane"]),
+            ({"verifier_tensor_parallel_size": 3}, ["power of two"])]:
+        with pytest.raises(ValueError) as e:
+            sc.default_serve_config(**{**ok, **extra})
+        for word in words:
+            assert word in str(e.value), (word, str(e.value))
+
+
 # the combinations a TP decoder's verifiers come in: accepted only dedicated, with the
 # invariant lane; every refusal names the flags that fix it
 TP_CPU: dict[str, Any] = {"tensor_parallel_size": 2, "num_verifiers": 1}

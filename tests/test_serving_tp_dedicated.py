@@ -2,7 +2,8 @@
 --num-verifiers 1`` on CPU: a decoder replica whose engine spans two ranks (a spawned
 worker, gloo) and one verifier replica registered as another host, with a KV pool of its
 own; the lane's K/V moves between them by transfer (rows pushed and pulled over gloo,
-gathered from and written to both ranks), never by mapping.
+gathered from and written to both ranks), never by mapping. The verifier replica runs
+at TP=1, then at TP=2 itself (``--verifier-tensor-parallel-size 2``).
 
 A deterministic, seeded request served over the OpenAI HTTP API with the fast path
 perturbed gives the offline TP=1 ``lane_only`` tokens and logprobs bit for bit, and the
@@ -25,10 +26,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 PROMPT, MAX_TOKENS = "A verifier of its own checks both ranks", 24
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
+@pytest.fixture(scope="module", params=[1, 2], ids=["verifier-tp1", "verifier-tp2"])
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """The verifier replica at TP=1, or itself at TP=2 (a worker of its own, its pool
+    sharded: ``--verifier-tensor-parallel-size 2``)."""
     with serving_cluster(num_decoders=1, num_verifiers=1, dedicated_verifiers=True,
                          tensor_parallel_size=2, tp_invariant_lane=True,
+                         verifier_tensor_parallel_size=request.param,
                          fastpath_perturbation=0.2) as c:
         yield c
 

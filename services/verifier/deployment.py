@@ -88,10 +88,12 @@ class Verifier:
     def __init__(self, model: str, redis_url: str, dtype: str = "float32", device: str = "cpu",
                  sm_fraction: float = 0.0, ttl_s: float = 3.0,
                  prefix: str = DEFAULT_PREFIX, confine: bool = False,
-                 dedicated_blocks: int = 0) -> None:
+                 dedicated_blocks: int = 0, tensor_parallel_size: int = 1) -> None:
         """``dedicated_blocks``: a dedicated verifier (a device of its own, K/V transfer)
         with a pool of that many blocks (-1: what the GPU holds after the model); it binds
-        every interface, decoders elsewhere reach it. 0: co-located (loopback)."""
+        every interface, decoders elsewhere reach it. 0: co-located (loopback).
+        ``tensor_parallel_size`` M > 1 (dedicated): the lane over M ranks, on the M GPUs
+        Ray made visible (rank r on cuda:r)."""
         if device.startswith("cuda"):
             device = "cuda:0"  # Ray exposes the assigned GPU as the only visible one
         lane_init = limit_sms(device, sm_fraction, confine)
@@ -103,7 +105,8 @@ class Verifier:
         self.replica = VerifierReplica(model, redis_url, ClusterAuth.from_env(), dtype=dtype,
                                        device=device, host=host,
                                        ttl_s=ttl_s, prefix=prefix, lane_thread_init=lane_init,
-                                       kv_blocks=dedicated_blocks)
+                                       kv_blocks=dedicated_blocks,
+                                       tensor_parallel_size=tensor_parallel_size)
 
     def check_health(self) -> None:
         self.replica.check_health()

@@ -370,9 +370,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         a pool of ``kv_blocks`` blocks on every rank; the K/V moves as whole heads."""
         mc = self.model.config
         dtype = getattr(torch, self.info.dtype)
+        m = self.tensor_parallel_size
+        # every rank's pool has as many blocks, of its heads; rank 0's device holds the
+        # whole model and (soon) its shard, so it is the one that bounds them
+        heads = max(len(TPLayout(mc, m, r).kv_heads) for r in range(m))
+        shard = sum(p.numel() * p.element_size() for p in self.model.parameters()) // m
         blocks = (self.kv_blocks if self.kv_blocks > 0
-                  else _blocks_that_fit(self.model, dtype, self.device, numerics.block_size)
-                  // self.tensor_parallel_size)
+                  else _blocks_that_fit(self.model, dtype, self.device, numerics.block_size,
+                                        kv_heads=heads, reserve=shard))
         config = EngineConfig.create(
             self.model_spec, "llm42", dtype=self.info.dtype, device=self.device,
             max_model_len=mc.max_position_embeddings, block_size=numerics.block_size,
@@ -484,16 +489,19 @@ def _lane_thread_init(device: str, then: Callable[[], None] | None) -> None:
 
 
 def _blocks_that_fit(model: LlamaModel, dtype: torch.dtype, device: str, block_size: int,
-                     fraction: float = 0.85) -> int:
-    """KV blocks that ``fraction`` of the device's free memory holds now (CUDA; the model
-    loaded); on CPU a fixed 4096."""
+                     fraction: float = 0.85, kv_heads: int | None = None,
+                     reserve: int = 0) -> int:
+    """KV blocks of ``kv_heads`` heads (default: all) that ``fraction`` of the device's
+    free memory less ``reserve`` bytes holds now (CUDA; the model loaded); on CPU a fixed
+    4096."""
     if torch.device(device).type != "cuda":
         return 4096
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     mc = model.config
-    per_block = math.prod(KVPool.shape_for(mc.num_layers, 1, block_size, mc.num_kv_heads,
+    per_block = math.prod(KVPool.shape_for(mc.num_layers, 1, block_size,
+                                           kv_heads or mc.num_kv_heads,
                                            mc.head_dim)) * dtype.itemsize
-    return max(2, int(free * fraction) // per_block)
+    return max(2, int((free - reserve) * fraction) // per_block)
 
 
 def _numerics(hello: pb.Hello) -> LaneNumerics:
