@@ -57,10 +57,13 @@ from services.verifier.transfer import DecoderTransfer
 KV_BLOCKS = 256
 
 
-def transferring(n: int, model: str, redis_url: str, prefix: str
+def transferring(n: int, model: str, redis_url: str, prefix: str, tensor_parallel_size: int = 1
                  ) -> AbstractContextManager[list[VerifierProc]]:
-    """Verifier replicas each on "another host", with a pool of their own."""
-    return running_verifiers(n, model, redis_url, prefix, extra=("--kv-blocks", str(KV_BLOCKS)),
+    """Verifier replicas each on "another host", with a pool of their own (over
+    ``tensor_parallel_size`` ranks)."""
+    return running_verifiers(n, model, redis_url, prefix,
+                             extra=("--kv-blocks", str(KV_BLOCKS),
+                                    "--tensor-parallel-size", str(tensor_parallel_size)),
                              env=lambda: {HOST_ID_ENV: f"verifier-host-{uuid.uuid4().hex[:6]}"})
 
 

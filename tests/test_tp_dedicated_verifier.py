@@ -15,8 +15,10 @@ without the invariant lane the engine and the verifier refuse, naming it.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import closing
+from functools import partial
+from typing import Any
 
 import grpc
 import pytest
@@ -57,40 +59,57 @@ def lane_only(model: str, reqs: list) -> list[tuple]:
     return [signature(o) for o in outs]
 
 
+def shaped_verifier(shape: str, redis_url: str, tensor_parallel_size: int = 1
+                    ) -> Iterator[tuple[str, str, list[VerifierProc]]]:
+    """A tiny model of ``shape``, and one transferring verifier replica of it."""
+    model = tiny_model(**SHAPES[shape])
+    prefix = f"tpx{uuid.uuid4().hex[:6]}"
+    with transferring(1, model, redis_url, prefix, tensor_parallel_size) as procs:
+        yield model, prefix, procs
+
+
 @pytest.fixture(scope="module", params=list(SHAPES))
 def shaped(request: pytest.FixtureRequest, redis_url: str
            ) -> Iterator[tuple[str, str, list[VerifierProc]]]:
-    """A tiny model of the shape, and one transferring verifier replica of it."""
-    model = tiny_model(**SHAPES[request.param])
-    prefix = f"tpx{uuid.uuid4().hex[:6]}"
-    with transferring(1, model, redis_url, prefix) as procs:
-        yield model, prefix, procs
+    yield from shaped_verifier(request.param, redis_url)
 
 
 def test_tp2_decoder_with_a_dedicated_verifier_equals_the_tp1_oracle(
         shaped: tuple[str, str, list[VerifierProc]], redis_url: str) -> None:
     model, prefix, procs = shaped
+    check_against_the_tp1_oracle(model, redis_url, prefix, procs[0].address, TP2,
+                                 then=partial(_refusals, procs[0].address))
+
+
+def check_against_the_tp1_oracle(model: str, redis_url: str, prefix: str, address: str,
+                                 engine_kw: Mapping[str, Any],
+                                 then: Callable[[RemoteVerifier], None] | None = None) -> None:
+    """A decoder of ``engine_kw`` (the invariant lane), verified by the transferring
+    verifier at ``address`` with its fast path perturbed, gives the TP=1 ``lane_only``
+    oracle's bits, rows pulled back and (a prefix-cache hit) pushed; ``then(remote)`` runs
+    before it closes."""
     oracle, prefix_oracle = lane_only(model, REQS), lane_only(model, PREFIX_REQS)
-    engine, exporter = make_engine(model, redis_url, prefix, f"dec-tp-{uuid.uuid4().hex[:4]}",
-                                   engine_kw=TP2)
+    engine, exporter = make_engine(model, redis_url, prefix, f"dec-{uuid.uuid4().hex[:6]}",
+                                   engine_kw=dict(engine_kw))
     remote = engine.verifier
     try:
         assert isinstance(remote, RemoteVerifier) and remote.verifier is not None
-        assert remote.verifier.address == procs[0].address
-        assert remote.transfer_stats is not None, "a TP decoder's K/V always moves by transfer"
+        assert remote.verifier.address == address
+        assert remote.transfer_stats is not None, "the K/V moves by transfer, never mapped"
         outs = drive(engine, REQS, oracle_prefix_checker(oracle))
         stats = engine.stats()
         assert stats["perturbed_tokens"] > 0 and stats["rollbacks"] > 0
         for i in DET:
             assert signature(outs[i]) == oracle[i], f"r{i} differs from the TP=1 oracle"
-        assert remote.transfer_stats.rows_in > 0, "the lane's rows came back to the ranks"
+        assert remote.transfer_stats.rows_in > 0, "the lane's rows came back"
         pushed = remote.transfer_stats.rows_out
         outs = drive(engine, PREFIX_REQS)
         assert engine.scheduler.prefix_hit_tokens > 0, "the second prompt hit the cache"
-        assert remote.transfer_stats.rows_out > pushed, "the cached rows were gathered, pushed"
+        assert remote.transfer_stats.rows_out > pushed, "the cached rows were pushed"
         for i, out in enumerate(outs):
             assert signature(out) == prefix_oracle[i], f"prefix request {i} differs"
-        _refusals(procs[0].address, remote)
+        if then is not None:
+            then(remote)
     finally:
         engine.close()
         exporter.close()
@@ -112,13 +131,22 @@ def test_a_wrong_gather_is_caught(shaped: tuple[str, str, list[VerifierProc]], r
         return rows
 
     monkeypatch.setattr(ShardedKV, "read_rows", noisy_read)
-    engine, exporter = make_engine(model, redis_url, prefix, f"dec-tpn-{uuid.uuid4().hex[:4]}",
-                                   engine_kw=TP2)
+    assert_prefix_output_changes(model, redis_url, prefix, TP2, prefix_oracle,
+                                 "a wrong gather went unnoticed")
+
+
+def assert_prefix_output_changes(model: str, redis_url: str, prefix: str,
+                                 engine_kw: Mapping[str, Any], prefix_oracle: list[tuple],
+                                 why: str) -> None:
+    """A decoder of ``engine_kw`` runs ``PREFIX_REQS`` (the second pushes the first's
+    cached K/V): the second must differ from the oracle (the control's fault mattered)."""
+    engine, exporter = make_engine(model, redis_url, prefix, f"dec-n-{uuid.uuid4().hex[:6]}",
+                                   engine_kw=dict(engine_kw))
     try:
         outs = drive(engine, PREFIX_REQS)
         assert engine.scheduler.prefix_hit_tokens > 0
         assert outs[1].finish_reason == "length"
-        assert signature(outs[1]) != prefix_oracle[1], "a wrong gather went unnoticed"
+        assert signature(outs[1]) != prefix_oracle[1], why
     finally:
         engine.close()
         exporter.close()
@@ -149,12 +177,14 @@ def test_killed_verifier_pushes_the_prefix_from_both_ranks(redis_url: str) -> No
             exporter.close()
 
 
-def _refusals(address: str, remote: RemoteVerifier) -> None:
-    """The verifier's own checks of a TP decoder's hello (the engine refuses first): not
-    mapped, and not without the invariant lane."""
+def _refusals(address: str, remote: RemoteVerifier, mapped_words: str = "cannot be mapped"
+              ) -> None:
+    """The verifier's own checks of a TP decoder's hello, or of any hello to a TP
+    verifier (the engine refuses first): not mapped (the refusal says ``mapped_words``),
+    and not without the invariant lane."""
     mapped = codec.encode_hello(remote.record)  # no transfer asked: a mapping
     code, details = _hello(address, mapped)
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "cannot be mapped" in details
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and mapped_words in details
     plain = pb.LaneRequest()
     plain.CopyFrom(codec.encode_hello(remote.record, pb.KVTransfer(
         group=f"never-{uuid.uuid4().hex[:6]}", backend="gloo", device="cpu")))

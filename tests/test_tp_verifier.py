@@ -20,15 +20,14 @@ import os
 import signal
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import torch
 from engine_utils import drive, signature, tiny_model
 from test_dedicated_verifier import (  # noqa: F401  (fixtures used by name)
-    KV_BLOCKS,
     PREFIX_REQS,
     decoder_host,
     health,
@@ -42,85 +41,42 @@ from test_remote_verifier import (  # noqa: F401  (fixtures used by name)
     make_engine,
     oracle_prefix_checker,
     redis_url,
-    running_verifiers,
 )
-from test_tensor_parallel import SMOLLM2_HEADS
-from test_tp_dedicated_verifier import _hello, lane_only
+from test_tp_dedicated_verifier import (
+    SHAPES,
+    _refusals,
+    assert_prefix_output_changes,
+    check_against_the_tp1_oracle,
+    lane_only,
+    shaped_verifier,
+)
 
-from services.kv_handle import HOST_ID_ENV
-from services.verifier import codec
-from services.verifier import verifier_pb2 as pb
 from services.verifier.client import RemoteVerifier
 from services.verifier.transfer import _Pair
 
 pytestmark = pytest.mark.timeout(600)
 
 INVARIANT = {"tp_invariant_lane": True}
-SHAPES = {"llama": {}, "smollm2-heads": SMOLLM2_HEADS}
-
-
-def tp_verifiers(n: int, model: str, redis_url: str, prefix: str) -> Any:
-    """Verifier replicas at TP=2, each on "another host", with pools of their own."""
-    return running_verifiers(n, model, redis_url, prefix,
-                             extra=("--kv-blocks", str(KV_BLOCKS), "--tensor-parallel-size", "2"),
-                             env=lambda: {HOST_ID_ENV: f"tpv-host-{uuid.uuid4().hex[:6]}"})
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def shaped(request: pytest.FixtureRequest, redis_url: str
            ) -> Iterator[tuple[str, str, list[VerifierProc]]]:
     """A tiny model of the shape, and one verifier replica of it at TP=2."""
-    model = tiny_model(**SHAPES[request.param])
-    prefix = f"tpv{uuid.uuid4().hex[:6]}"
-    with tp_verifiers(1, model, redis_url, prefix) as procs:
-        yield model, prefix, procs
+    yield from shaped_verifier(request.param, redis_url, tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize("decoder_tp", [1, 2])
 def test_a_tp2_verifier_gives_the_tp1_oracle_bits(
         shaped: tuple[str, str, list[VerifierProc]], redis_url: str, decoder_tp: int) -> None:
     model, prefix, procs = shaped
-    oracle, prefix_oracle = lane_only(model, REQS), lane_only(model, PREFIX_REQS)
-    engine, exporter = make_engine(model, redis_url, prefix, f"dec-{uuid.uuid4().hex[:6]}",
-                                   engine_kw={**INVARIANT, "tensor_parallel_size": decoder_tp})
-    remote = engine.verifier
-    try:
-        assert isinstance(remote, RemoteVerifier) and remote.verifier is not None
-        assert remote.verifier.address == procs[0].address
-        assert remote.transfer_stats is not None, "a TP verifier is never mapped"
-        before = health(procs[0].address).passes
-        outs = drive(engine, REQS, oracle_prefix_checker(oracle))
-        stats = engine.stats()
-        assert stats["perturbed_tokens"] > 0 and stats["rollbacks"] > 0
-        for i in DET:
-            assert signature(outs[i]) == oracle[i], f"r{i} differs from the TP=1 oracle"
-        assert remote.transfer_stats.rows_in > 0, "the lane's rows came back from both ranks"
-        pushed = remote.transfer_stats.rows_out
-        outs = drive(engine, PREFIX_REQS)
-        assert engine.scheduler.prefix_hit_tokens > 0, "the second prompt hit the cache"
-        assert remote.transfer_stats.rows_out > pushed, "the cached rows were pushed"
-        for i, out in enumerate(outs):
-            assert signature(out) == prefix_oracle[i], f"prefix request {i} differs"
-        assert health(procs[0].address).passes > before
-        if decoder_tp == 1:
-            _refusals(procs[0].address, remote)
-    finally:
-        engine.close()
-        exporter.close()
-
-
-def _refusals(address: str, remote: RemoteVerifier) -> None:
-    """What a verifier at TP=2 refuses: mapping a pool, and a decoder whose lane is not
-    the TP-invariant one (its bits would follow the verifier's TP size)."""
-    mapped = codec.encode_hello(remote.record)  # no transfer asked: a mapping
-    code, details = _hello(address, mapped)
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "maps no decoder's pool" in details
-    plain = pb.LaneRequest()
-    plain.CopyFrom(codec.encode_hello(remote.record, pb.KVTransfer(
-        group=f"never-{uuid.uuid4().hex[:6]}", backend="gloo", device="cpu")))
-    plain.hello.numerics.tp_invariant_lane = False
-    code, details = _hello(address, plain)
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "tp_invariant_lane" in details
+    address = procs[0].address
+    before = health(address).passes
+    check_against_the_tp1_oracle(model, redis_url, prefix, address,
+                                 {**INVARIANT, "tensor_parallel_size": decoder_tp},
+                                 then=partial(_refusals, address, mapped_words="maps no decoder's pool")
+                                 if decoder_tp == 1 else None)
+    assert health(address).passes > before, "the TP verifier ran the passes"
 
 
 def test_noise_on_the_verifier_workers_heads_is_caught(
@@ -145,19 +101,12 @@ def test_noise_on_the_verifier_workers_heads_is_caught(
             return rows
 
     def noisy_send(self: _Pair, group: Any, pool: Any, slots: Any, dst: int) -> None:
-        real(self, group, Noisy(pool) if group is self.push else pool, slots, dst)
+        real(self, group, Noisy(pool) if group is self.push else pool,  # type: ignore[arg-type]
+             slots, dst)
 
     monkeypatch.setattr(_Pair, "send_rows", noisy_send)
-    engine, exporter = make_engine(model, redis_url, prefix, f"dec-n-{uuid.uuid4().hex[:6]}",
-                                   engine_kw=INVARIANT)
-    try:
-        outs = drive(engine, PREFIX_REQS)
-        assert engine.scheduler.prefix_hit_tokens > 0
-        assert outs[1].finish_reason == "length"
-        assert signature(outs[1]) != prefix_oracle[1], "noise on rank 1's heads went unnoticed"
-    finally:
-        engine.close()
-        exporter.close()
+    assert_prefix_output_changes(model, redis_url, prefix, INVARIANT, prefix_oracle,
+                                 "noise on rank 1's heads went unnoticed")
 
 
 def _worker_of(proc: VerifierProc) -> int:
@@ -182,7 +131,7 @@ def test_a_lost_verifier_rank_fails_over_to_another_verifier(redis_url: str) -> 
     model = tiny_model()
     oracle = lane_only(model, REQS)
     prefix = f"tpvk{uuid.uuid4().hex[:6]}"
-    with tp_verifiers(1, model, redis_url, prefix) as tp_procs:
+    with transferring(1, model, redis_url, prefix, tensor_parallel_size=2) as tp_procs:
         engine, exporter = make_engine(model, redis_url, prefix, "dec-tpv-kill",
                                        engine_kw=INVARIANT, transfer_timeout_s=5.0)
         remote = engine.verifier
