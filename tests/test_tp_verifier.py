@@ -24,6 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import torch
 from engine_utils import drive, signature, tiny_model
@@ -44,6 +45,7 @@ from test_remote_verifier import (  # noqa: F401  (fixtures used by name)
 )
 from test_tp_dedicated_verifier import (
     SHAPES,
+    _hello,
     _refusals,
     assert_prefix_output_changes,
     check_against_the_tp1_oracle,
@@ -51,6 +53,8 @@ from test_tp_dedicated_verifier import (
     shaped_verifier,
 )
 
+from services.verifier import codec
+from services.verifier import verifier_pb2 as pb
 from services.verifier.client import RemoteVerifier
 from services.verifier.transfer import _Pair
 
@@ -153,6 +157,11 @@ def test_a_lost_verifier_rank_fails_over_to_another_verifier(redis_url: str) -> 
                 for i in DET:
                     assert signature(outs[i]) == oracle[i], f"r{i} differs from the oracle"
                 assert not health(tp_procs[0].address).serving
+                # and a decoder that says hello now is turned away, not left waiting
+                hello = codec.encode_hello(remote.record, pb.KVTransfer(
+                    group=f"late-{uuid.uuid4().hex[:6]}", backend="gloo", device="cpu"))
+                code, details = _hello(tp_procs[0].address, hello)
+                assert code == grpc.StatusCode.UNAVAILABLE and "lost a TP rank" in details
         finally:
             engine.close()
             exporter.close()

@@ -354,8 +354,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         # size share the ranks
         numerics = replace(numerics, tensor_parallel_size=1)
         with self._lock:
-            if self._own is None:
-                self._own, self._own_runners[numerics] = self._start_tp(numerics)
+            if self._workers is not None and self._workers.failed:
+                raise HelloRefused(grpc.StatusCode.UNAVAILABLE,
+                                   f"this verifier lost a TP rank ({self._workers.failed})")
+            if self._own is None:  # on the lane thread, which issues all its collectives
+                self._own, self._own_runners[numerics] = self._lane.submit(
+                    self._start_tp, numerics).result()
             found = self._own_runners.get(numerics)
         if found is None:
             raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
