@@ -253,11 +253,6 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return codec.encode_result(result, kv_rows)
 
     def _attach(self, hello: pb.Hello) -> ModelRunner:
-        if self.tensor_parallel_size > 1:  # (FAILED_PRECONDITION says "stale epoch")
-            raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"this verifier runs at tensor_parallel_size "
-                               f"{self.tensor_parallel_size}: its K/V is sharded over its "
-                               "ranks, so it maps no decoder's pool (K/V transfer only)")
         handle = _handle(hello)
         unreachable: redis.RedisError | None = None
         try:
@@ -345,12 +340,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _attach_tp(self, hello: pb.Hello, numerics: LaneNumerics) -> ModelRunner:
         """The runner over this verifier's M ranks: made at the first hello, with its
         numerics; a later hello must bring the same (the workers run one set)."""
-        if not numerics.tp_invariant_lane:
-            raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"this verifier runs at tensor_parallel_size "
-                               f"{self.tensor_parallel_size}: it verifies only decoders with "
-                               "tp_invariant_lane (the ordinary lane's bits follow the TP size)")
-        # the decoder's TP size decides only its fast path's sums: decoders of every TP
+        # (``_check_compatible`` refused the ordinary lane) the decoder's TP size decides only its fast path's sums: decoders of every TP
         # size share the ranks
         numerics = replace(numerics, tensor_parallel_size=1)
         with self._lock:
@@ -447,15 +437,19 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if mapped and (handle.kind == "shm") != (torch.device(self.device).type == "cpu"):
             problems.append(f"a {handle.kind} pool cannot be used on {self.device}")
         kv_heads = mc.num_kv_heads
-        tp = g.tensor_parallel_size
+        tp, m = g.tensor_parallel_size, self.tensor_parallel_size
+        if mapped and m > 1:
+            problems.append(f"this verifier runs at tensor_parallel_size {m}: its K/V is "
+                            "sharded over its ranks, so it maps no decoder's pool (K/V "
+                            "transfer only)")
+        if (tp > 1 or m > 1) and not g.tp_invariant_lane:
+            problems.append(f"a decoder at tensor_parallel_size {tp} is verified outside its "
+                            f"ranks (here at tensor_parallel_size {m}) only with "
+                            "tp_invariant_lane (whose bits do not depend on the TP size)")
         if tp > 1:  # the handle is rank 0's pool: its heads only
             if mapped:
                 problems.append(f"a decoder at tensor_parallel_size {tp} shards its KV pool "
                                 "over its ranks: it cannot be mapped (K/V transfer only)")
-            if not g.tp_invariant_lane:
-                problems.append(f"a decoder at tensor_parallel_size {tp} is verified outside "
-                                "its ranks only with tp_invariant_lane (whose bits do not "
-                                "depend on the TP size)")
             try:
                 kv_heads = len(TPLayout(mc, tp, 0).kv_heads)
             except ValueError as e:
