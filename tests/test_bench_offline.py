@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -230,3 +231,32 @@ def test_audit_compares_lane_runs_and_batch_invariant_runs_apart() -> None:
         "2 with one output, 0 with more"]
     drift = {"mode": "llm42-dedicated", "det_digests": {"a": "1", "b": "3"}}
     assert "1 with more (b)" in bench_offline.audit_lines([lane, drift, bi])[0]
+
+
+def test_compare_digests_audits_runs_across_files(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Two result files agree request by request, or name the requests whose outputs
+    differ; ratios one file lacks and runs of other modes are left out."""
+    from benchmarks import compare_digests
+
+    def write(name: str, runs: list[dict[str, Any]]) -> Path:
+        path = tmp_path / name
+        path.write_text(json.dumps({"runs": runs}))
+        return path
+
+    def run(ratio: float, digests: dict[str, str], mode: str = "llm42") -> dict[str, Any]:
+        return {"mode": mode, "deterministic_ratio": ratio, "det_digests": digests}
+
+    a = write("a.json", [run(0.1, {"b0": "x"}), run(1.0, {"b0": "x", "b1": "y"}),
+                         run(0.5, {"b0": "x"}), run(1.0, {"b0": "z"}, "batch_invariant")])
+    b = write("b.json", [run(0.1, {"b0": "x"}), run(1.0, {"b0": "x", "b1": "w"})])
+    lines = compare_digests.compare([a, b])
+    assert lines == [
+        "llm42 at 10%: determinism audit: 1 deterministic requests over 2 runs: "
+        "1 with one output, 0 with more",
+        "llm42 at 100%: determinism audit: 2 deterministic requests over 2 runs: "
+        "1 with one output, 1 with more (b1)"]
+    assert compare_digests.main([str(a), str(b)]) == 0
+    assert "1 with more (b1)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        compare_digests.main([str(a), str(b), "--mode", "nondeterministic"])
