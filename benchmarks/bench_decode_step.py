@@ -27,7 +27,10 @@ from benchmarks.stream_profile import kernel_key
 from detserve.config import EngineConfig
 from detserve.engine import LLMEngine
 from detserve.flags import add_flags, engine_kwargs, engine_options
+from detserve.model.loader import read_model_config
 from detserve.model.random_init import random_model
+from detserve.parallel.layout import TPLayout
+from detserve.parallel.shard import RankWeights
 from detserve.params import SamplingParams
 
 
@@ -112,14 +115,16 @@ def main(argv: list[str] | None = None) -> int:
                         "kernels that take it (shows launch gaps and the slowest kernels)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    loaded = random_model(a.model.split(":", 1)[1], torch.bfloat16, a.device)
-    model = loaded[0]
-    cfg_m = model.config
-    # at TP=N each rank reads about 1/N of the weights and of the K/V (its heads, MLP
-    # columns and vocabulary rows; the norms, replicated, are negligible)
     tp = a.tensor_parallel_size
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) // tp
-    kv_per_token = 2 * cfg_m.num_layers * cfg_m.num_kv_heads * cfg_m.head_dim * 2 // tp
+    # rank 0's weights: the whole model at TP=1, its shard at TP=N (the engines share them)
+    shard = RankWeights(TPLayout(read_model_config(a.model), tp, 0)) if tp > 1 else None
+    loaded = random_model(a.model.split(":", 1)[1], torch.bfloat16, a.device, shard=shard)
+    model = loaded[0]
+    cfg_m = model.config  # (a shard's: its heads and MLP columns)
+    # the bytes rank 0 reads a step: its weights (its heads, MLP columns and vocabulary
+    # rows; the norms, replicated, are negligible) and its K/V heads
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    kv_per_token = 2 * cfg_m.num_layers * cfg_m.num_kv_heads * cfg_m.head_dim * 2
     bw = copy_bandwidth(a.device)
     rows = []
     budget = max(2048, a.context)  # prefill tokens per step

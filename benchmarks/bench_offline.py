@@ -36,8 +36,9 @@ from detserve.flags import add_engine_flags, engine_kwargs, engine_options
 from detserve.kernels.config import TABLE, lane_variant
 from detserve.model.config import auto_dtype
 from detserve.model.loader import load_model, read_model_config, resolve_dtype
-from detserve.model.random_init import random_model
 from detserve.outputs import RequestOutput
+from detserve.parallel.layout import TPLayout
+from detserve.parallel.shard import RankWeights
 from detserve.params import SamplingParams
 from detserve.scheduler import LANE_STATES
 from detserve.stats import TIMES
@@ -90,7 +91,26 @@ def trace_prompts(path: str, tokenizer: Any, max_model_len: int
 DEDICATED = "llm42-dedicated"  # llm42 verified by a replica on a device of its own
 
 
-def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
+class Weights:
+    """The weights the run's engines share, loaded once per TP size: the whole model at
+    TP=1, rank 0's shard at TP=N (a run at TP=N never holds the whole model on one device,
+    as a served decoder does not). Random shapes take ``load_model``'s fixed seed, as the
+    TP workers and verifier replicas that load the same spec do."""
+
+    def __init__(self, args: argparse.Namespace, dtype: torch.dtype | str) -> None:
+        self.args, self.dtype = args, dtype
+        self._by_tp: dict[int, tuple[Any, Any, Any]] = {}
+
+    def __call__(self, tp: int) -> tuple[Any, Any, Any]:
+        if tp not in self._by_tp:
+            a = self.args
+            shard = (RankWeights(TPLayout(read_model_config(a.model), tp, 0)) if tp > 1
+                     else None)
+            self._by_tp[tp] = load_model(a.model, self.dtype, a.device, shard=shard)
+        return self._by_tp[tp]
+
+
+def run_one(weights: Weights, args: argparse.Namespace, mode: str, ratio: float,
             shapes: list[tuple[int, int]],
             prompts: list[tuple[list[int], int]] | None = None,
             profile: tuple[int, int] | None = None,
@@ -103,6 +123,7 @@ def run_one(loaded: Any, args: argparse.Namespace, mode: str, ratio: float,
     queued, just before the clock starts (several engines started together wait there)."""
     label, mode = mode, "llm42" if mode == DEDICATED else mode
     cfg = EngineConfig.create(args.model, mode, **engine_kwargs(args))
+    loaded = weights(cfg.tensor_parallel_size)
     if label == DEDICATED:
         engine = dedicated.engine(cfg, loaded)
         health0 = dedicated.health()
@@ -397,14 +418,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.setswitchinterval(args.switch_interval)
     if args.dtype == "auto":  # resolved once: the loaded weights and every engine agree
         args.dtype = auto_dtype(read_model_config(args.model), args.device)
-    dtype = resolve_dtype(args.dtype)
-    if args.model.startswith("random:"):
-        loaded = random_model(args.model.split(":", 1)[1], dtype, args.device, args.seed)
-    else:
-        loaded = load_model(args.model, dtype, args.device)
+    weights = Weights(args, resolve_dtype(args.dtype))
     prompts = None
     if args.trace:
-        prompts = trace_prompts(args.trace, loaded[1], args.max_model_len)[: args.num_requests]
+        tokenizer = weights(args.tensor_parallel_size)[1]
+        prompts = trace_prompts(args.trace, tokenizer, args.max_model_len)[: args.num_requests]
         shapes = [(len(p), n) for p, n in prompts]
     else:
         shapes = lengths(args.lengths, args.num_requests, args.input_len, args.output_len,
@@ -421,24 +439,24 @@ def main(argv: list[str] | None = None) -> int:
         dedicated = DedicatedVerifier(args.model, args.dtype, args.dedicated_verifier_device,
                                       tensor_parallel_size=args.dedicated_verifier_tp)
     try:
-        return _run_all(args, loaded, shapes, prompts, variants, runs, dedicated)
+        return _run_all(args, weights, shapes, prompts, variants, runs, dedicated)
     finally:
         if dedicated is not None:
             dedicated.close()
 
 
-def _run_all(args: argparse.Namespace, loaded: Any, shapes: list[tuple[int, int]],
+def _run_all(args: argparse.Namespace, weights: Weights, shapes: list[tuple[int, int]],
              prompts: list[tuple[list[int], int]] | None, variants: list[argparse.Namespace],
              runs: list[dict[str, Any]], dedicated: Any) -> int:
     # warm-up (not recorded): compiles kernels and captures graphs for the shapes the timed
     # runs meet, so the first timed run does not pay for them
     warm = shapes[: max(1, min(args.warmup_requests, len(shapes)))]
     warm_prompts = prompts[: len(warm)] if prompts else None
-    run_one(loaded, args, "nondeterministic", 0.0, warm, warm_prompts)
+    run_one(weights, args, "nondeterministic", 0.0, warm, warm_prompts)
     if "llm42" in args.modes.split(","):
-        run_one(loaded, args, "llm42", 1.0, warm, warm_prompts)
+        run_one(weights, args, "llm42", 1.0, warm, warm_prompts)
     if dedicated is not None:
-        run_one(loaded, args, DEDICATED, 1.0, warm, warm_prompts, dedicated=dedicated)
+        run_one(weights, args, DEDICATED, 1.0, warm, warm_prompts, dedicated=dedicated)
 
     def record(r: dict[str, Any]) -> None:
         runs.append(r)
@@ -504,7 +522,7 @@ def _run_all(args: argparse.Namespace, loaded: Any, shapes: list[tuple[int, int]
                       else [1.0 if mode in ("batch_invariant", "lane_only") else 0.0])
             for ratio in ratios:
                 for sub in variants if lane else [args]:
-                    record({**run_one(loaded, sub, mode, ratio, shapes, prompts,
+                    record({**run_one(weights, sub, mode, ratio, shapes, prompts,
                                       args.profile_steps, dedicated), "repeat": rep})
     for line in audit_lines(runs):
         print(line, flush=True)
@@ -514,7 +532,7 @@ def _run_all(args: argparse.Namespace, loaded: Any, shapes: list[tuple[int, int]
         for w in ws:
             for g in gs:
                 sub = argparse.Namespace(**{**vars(args), "verify_window": w, "verify_group": g})
-                record(run_one(loaded, sub, "llm42", ratio, shapes, prompts))
+                record(run_one(weights, sub, "llm42", ratio, shapes, prompts))
     return 0
 
 

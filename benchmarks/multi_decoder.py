@@ -45,6 +45,7 @@ import torch
 
 from benchmarks.bench_offline import (
     DEDICATED,
+    Weights,
     add_request_flags,
     audit_lines,
     hardware,
@@ -55,7 +56,7 @@ from benchmarks.dedicated import DedicatedVerifier, VerifierAddress, VerifierCli
 from detserve.config import MODES
 from detserve.flags import add_engine_flags
 from detserve.model.config import auto_dtype
-from detserve.model.loader import load_model, read_model_config
+from detserve.model.loader import read_model_config
 
 LANE_MODES = ("llm42", DEDICATED, "lane_only")
 
@@ -137,12 +138,12 @@ def _run_job(job: Job, conn: Connection, go: Any, wait_s: float) -> dict[str, An
     # (on CPU every process keeps torch's thread count: the lane's kernel profile names it,
     # and the verifier refuses a decoder whose profile differs)
     # random weights from load_model's fixed seed: the replica loads the same ones
-    loaded = load_model(args.model, args.dtype, args.device)
+    weights = Weights(args, args.dtype)
     client = VerifierClient(job.verifier, f"decoder{job.index}") if job.verifier else None
     warm = job.shapes[: max(1, min(args.warmup_requests, len(job.shapes)))]
-    run_one(loaded, args, "nondeterministic", 0.0, warm)  # untimed: kernels compiled, etc.
+    run_one(weights, args, "nondeterministic", 0.0, warm)  # untimed: kernels compiled, etc.
     if job.mode != "nondeterministic":
-        run_one(loaded, args, job.mode, 1.0 if job.mode in LANE_MODES else job.ratio, warm,
+        run_one(weights, args, job.mode, 1.0 if job.mode in LANE_MODES else job.ratio, warm,
                 dedicated=client)
     started: list[float] = []
 
@@ -152,7 +153,7 @@ def _run_job(job: Job, conn: Connection, go: Any, wait_s: float) -> dict[str, An
             raise TimeoutError(f"no start signal within {wait_s:.0f} s")
         started.append(time.monotonic())
 
-    record = run_one(loaded, args, job.mode, job.ratio, job.shapes, dedicated=client,
+    record = run_one(weights, args, job.mode, job.ratio, job.shapes, dedicated=client,
                      on_start=ready_then_wait)
     if client is not None:
         client.release()

@@ -2,9 +2,9 @@
 and the TP-invariance audit (issue 36).
 
 One process per rank (``torch.multiprocessing.spawn``), joined by a run-time group of
-``detserve.distributed`` (NCCL on CUDA, gloo on CPU). Every rank loads the model (random
-weights of a real shape are drawn from a fixed seed, so all ranks see the same whole
-model), keeps its shard (``parallel.shard_model``) and runs ``ModelRunner`` on it in
+``detserve.distributed`` (NCCL on CUDA, gloo on CPU). Every rank loads its shard of the model
+(``load_model(shard=)``; random weights of a real shape are drawn from a fixed seed, so
+all ranks cut the same whole model) and runs ``ModelRunner`` on it in
 lockstep with the others, without the engine: the step is the runner's eager fast path
 (no CUDA graphs yet), B decode rows at ``--context`` positions. Roofline: the bytes one
 rank must read in a step (its weights and its K/V) over the device-to-device copy
@@ -46,10 +46,10 @@ from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import ModelRunner
 from detserve.flags import add_flags, engine_options
 from detserve.lane import LanePass, LaneSegment
-from detserve.model.loader import load_model
+from detserve.model.loader import load_model, read_model_config
 from detserve.numerics import LaneNumerics
 from detserve.parallel.layout import TPLayout
-from detserve.parallel.shard import shard_model
+from detserve.parallel.shard import RankWeights, shard_model
 from detserve.sampler import SamplingSpec
 
 
@@ -90,11 +90,9 @@ def run_rank(rank: int, a: argparse.Namespace, tp: int, port: int, out: str) -> 
         torch.cuda.set_device(rank)
     store = open_store("127.0.0.1", port, server=rank == 0, timeout_s=300)
     group = new_group(store, f"tp-bench-{tp}", rank, tp, device, timeout_s=300) if tp > 1 else None
-    whole, _, _ = load_model(a.model, dtype=a.dtype, device=device)
-    model = shard_model(whole, TPLayout(whole.config, tp, rank), group, tree=True)
-    del whole
-    if a.device == "cuda":
-        torch.cuda.empty_cache()
+    layout = TPLayout(read_model_config(a.model), tp, rank)
+    mine, _, _ = load_model(a.model, dtype=a.dtype, device=device, shard=RankWeights(layout))
+    model = shard_model(mine, layout, group, tree=True)
     mc = model.config
     per_seq = -(-(a.context + 1) // a.block_size)
     lane_rows = a.verify_window * a.verify_group

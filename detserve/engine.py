@@ -39,7 +39,7 @@ from detserve.model.tokenizer import Tokenizer
 from detserve.numerics import LaneNumerics, device_kind
 from detserve.output_processor import OutputProcessor
 from detserve.outputs import RequestOutput
-from detserve.parallel.executor import make_runner, tensor_parallel_model
+from detserve.parallel.executor import make_runner, rank_weights, tensor_parallel_model
 from detserve.params import SamplingParams
 from detserve.request import SeedPolicy, new_sequence, prompt_ids
 from detserve.scheduler import FastItem, LaneItem, Scheduler, SchedulerOutput
@@ -75,8 +75,9 @@ class LLMEngine:
         if verifier_factory or kv_storage:
             config.check_outside_lane()
         dtype = getattr(torch, config.dtype)
+        # at TP > 1 rank 0 loads only its shard (``loaded``, if given, may be the whole model)
         self.model, self.tokenizer, self.model_info = loaded or load_model(
-            config.model, dtype=dtype, device=config.device)
+            config.model, dtype=dtype, device=config.device, shard=rank_weights(config))
         mc = self.model.config
         sc = config.scheduler
         if sc.max_model_len > mc.max_position_embeddings:

@@ -79,6 +79,18 @@ class Parallel(Protocol):
         ...
 
 
+class WeightShard(Protocol):
+    """The part of every weight a process holds (a tensor-parallel rank's:
+    ``parallel.shard.RankWeights``)."""
+
+    @property
+    def vocab_rows(self) -> int: ...
+
+    def local_config(self) -> ModelConfig: ...
+
+    def weight(self, name: str, whole: Tensor) -> Tensor: ...
+
+
 def rope_inv_freq(config: ModelConfig) -> Tensor:
     dim = config.head_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
@@ -199,50 +211,84 @@ class LlamaModel(nn.Module):
         return local if self.parallel is None else self.parallel.vocab_logits(local)
 
     @torch.inference_mode()
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Load Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...).
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]],
+                     shard: Callable[[str, Tensor], Tensor] | None = None) -> None:
+        """Load Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...),
+        each put in place as soon as its parameter is complete, so the host holds only the
+        parts of a parameter still being read, never the checkpoint.
 
-        q/k/v are fused into ``qkv_proj`` and gate/up into ``gate_up_proj``. Raises on
-        unknown names and on weights left unset.
+        q/k/v are fused into ``qkv_proj`` and gate/up into ``gate_up_proj``. ``shard(name,
+        whole)``: the part of the whole model's parameter ``name`` this model holds (a
+        tensor-parallel rank's), cut before it is copied to the device. Raises on unknown
+        names and on weights left unset.
         """
-        c = self.config
-        pending: dict[str, Tensor] = {}
-        seen: set[str] = set()
+        params = dict(self.named_parameters())
+        plan = self._checkpoint_plan()
+        partial: dict[str, dict[str, Tensor]] = {}
+        done: set[str] = set()
+        unexpected: list[str] = []
+        embed: Tensor | None = None  # an untied lm_head's fallback source
+
+        def put(param: str, src: Tensor, key: str) -> None:
+            dst = params[param]
+            if shard is not None:
+                src = shard(param, src)
+            if tuple(dst.shape) != tuple(src.shape):
+                raise ValueError(f"{key}: shape {tuple(src.shape)} != expected {tuple(dst.shape)}")
+            dst.copy_(src.to(dst.dtype))
+            done.add(param)
+
         for name, t in weights:
             name = name.removeprefix("model.")
             if name.endswith("rotary_emb.inv_freq"):
                 continue
-            pending[name] = t
-        def take(key: str) -> Tensor:
-            if key not in pending:
-                raise KeyError(f"missing weight {key}")
-            seen.add(key)
-            return pending[key]
-        def put(dst: Tensor, src: Tensor, key: str) -> None:
-            if tuple(dst.shape) != tuple(src.shape):
-                raise ValueError(f"{key}: shape {tuple(src.shape)} != expected {tuple(dst.shape)}")
-            dst.copy_(src.to(dst.dtype))
-        put(self.embed_tokens, take("embed_tokens.weight"), "embed_tokens.weight")
-        put(self.norm, take("norm.weight"), "norm.weight")
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the lm_head
+            if name not in plan:
+                unexpected.append(name)
+                continue
+            if name == "embed_tokens.weight" and self.lm_head is not None:
+                embed = t
+            param, parts = plan[name]
+            got = partial.setdefault(param, {})
+            got[name] = t
+            if len(got) == len(parts):
+                del partial[param]
+                put(param, got[parts[0]] if len(parts) == 1
+                    else torch.cat([got[k] for k in parts], 0), name)
+        if self.lm_head is not None and "lm_head" not in done and embed is not None:
+            put("lm_head", embed, "embed_tokens.weight")
+        if unexpected:
+            raise ValueError(f"unexpected weights: {sorted(unexpected)[:5]}")
+        missing = [k for k, (param, _) in plan.items()
+                   if param not in done and k not in partial.get(param, {})]
+        if missing:
+            raise KeyError(f"missing weight {missing[0]}")
+
+    def _checkpoint_plan(self) -> dict[str, tuple[str, tuple[str, ...]]]:
+        """Each checkpoint name: the parameter it fills and that parameter's checkpoint
+        parts, in fusion order."""
+        plan: dict[str, tuple[str, tuple[str, ...]]] = {}
+
+        def add(param: str, *parts: str) -> None:
+            for k in parts:
+                plan[k] = (param, parts)
+
+        add("embed_tokens", "embed_tokens.weight")
+        add("norm", "norm.weight")
         if self.lm_head is not None:
-            key = "lm_head.weight" if "lm_head.weight" in pending else "embed_tokens.weight"
-            put(self.lm_head, take(key), key)
+            add("lm_head", "lm_head.weight")
         for i, layer in enumerate(self.layer_list):
-            p = f"layers.{i}."
-            a = p + "self_attn."
-            qkv = torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"], 0)
-            put(layer.qkv_proj, qkv, a + "qkv")
+            p, a, m = f"layers.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+            add(p + "qkv_proj", *(a + f"{x}_proj.weight" for x in "qkv"))
             if layer.qkv_bias is not None:
-                put(layer.qkv_bias, torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"]), a + "qkv.bias")
-            put(layer.o_proj, take(a + "o_proj.weight"), a + "o_proj")
-            m = p + "mlp."
-            put(layer.gate_up_proj, torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")], 0), m)
-            put(layer.down_proj, take(m + "down_proj.weight"), m + "down_proj")
-            put(layer.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm")
-            put(layer.post_norm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
-        unused = set(pending) - seen - ({"lm_head.weight"} if c.tie_word_embeddings else set())
-        if unused:
-            raise ValueError(f"unexpected weights: {sorted(unused)[:5]}")
+                add(p + "qkv_bias", *(a + f"{x}_proj.bias" for x in "qkv"))
+            add(p + "o_proj", a + "o_proj.weight")
+            add(p + "gate_up_proj", m + "gate_proj.weight", m + "up_proj.weight")
+            add(p + "down_proj", m + "down_proj.weight")
+            add(p + "input_norm", p + "input_layernorm.weight")
+            add(p + "post_norm", p + "post_attention_layernorm.weight")
+        return plan
 
 
 class _Layer(nn.Module):

@@ -13,7 +13,7 @@ from detserve.model.config import ModelConfig, auto_dtype
 from detserve.model.fetch import fetch_smollm2, sha256_file
 from detserve.model.hf_loader import hf_weight_files, iter_hf_weights, read_hf_config
 from detserve.model.identity import ModelInfo
-from detserve.model.llama import LlamaModel
+from detserve.model.llama import LlamaModel, WeightShard
 from detserve.model.random_init import random_model, shape_config
 from detserve.model.tokenizer import Tokenizer
 
@@ -49,26 +49,29 @@ def read_model_config(spec: str | Path) -> ModelConfig:
 
 
 def load_model(spec: str | Path, dtype: torch.dtype | str = "auto",
-               device: str | torch.device = "cpu") -> tuple[LlamaModel, Tokenizer, ModelInfo]:
+               device: str | torch.device = "cpu", shard: WeightShard | None = None
+               ) -> tuple[LlamaModel, Tokenizer, ModelInfo]:
     """Load weights, tokenizer and identity for ``spec``.
 
     ``spec``: an HF folder (config.json + weights + tokenizer.json), a ``.gguf`` file, an
     alias (``smollm2``, fetched on first use), or ``random:<shape>`` (random weights of a
     real shape, e.g. ``random:llama3-8b``, drawn on ``device`` from a fixed seed: for
     throughput runs that need no checkpoint). ``dtype="auto"``: see
-    ``model.config.auto_dtype``. FileNotFoundError for a missing path, ValueError for
-    something that is none of these.
+    ``model.config.auto_dtype``. ``shard``: load only that part of every weight (the
+    checkpoint is read tensor by tensor and cut on the host, so ``device`` never holds
+    the whole model); the identity is the whole model's. FileNotFoundError for a missing
+    path, ValueError for something that is none of these.
     """
     if str(spec).startswith(RANDOM_PREFIX):
         shape = str(spec)[len(RANDOM_PREFIX):]
         return random_model(shape, _pick_dtype(dtype, shape_config(shape), device),
-                            str(device))
+                            str(device), shard=shard)
     name, path = _resolve_spec(spec)
     if path.is_dir():
         config = read_hf_config(path)
         torch_dtype = _pick_dtype(dtype, config, device)
         tokenizer = Tokenizer.from_tokenizer_json(path / "tokenizer.json", path)
-        model = _build(config, torch_dtype, device, iter_hf_weights(path))
+        model = _build(config, torch_dtype, device, iter_hf_weights(path), shard)
         files = [path / "config.json", *hf_weight_files(path)]
     else:
         # gguf is imported only for GGUF checkpoints
@@ -78,7 +81,8 @@ def load_model(spec: str | Path, dtype: torch.dtype | str = "auto",
         config = read_gguf_config(reader)
         torch_dtype = _pick_dtype(dtype, config, device)
         tokenizer = Tokenizer.from_gguf(reader)
-        model = _build(config, torch_dtype, device, iter_gguf_weights(reader, config))
+        model = _build(config, torch_dtype, device, iter_gguf_weights(reader, config),
+                       shard)
         files = [path]
     info = ModelInfo(name=name, source=path, weights_hash=weights_hash(files),
                      dtype=str(torch_dtype).removeprefix("torch."))
@@ -109,9 +113,15 @@ def _resolve_spec(spec: str | Path) -> tuple[str, Path]:
 
 
 def _build(config: ModelConfig, dtype: torch.dtype, device: str | torch.device,
-           weights: Iterable[tuple[str, torch.Tensor]]) -> LlamaModel:
-    model = LlamaModel(config, dtype=dtype, device=device)
-    model.load_weights(weights)
+           weights: Iterable[tuple[str, torch.Tensor]], shard: WeightShard | None
+           ) -> LlamaModel:
+    if shard is None:
+        model = LlamaModel(config, dtype=dtype, device=device)
+        model.load_weights(weights)
+    else:
+        model = LlamaModel(shard.local_config(), dtype=dtype, device=device,
+                           vocab_rows=shard.vocab_rows)
+        model.load_weights(weights, shard.weight)
     return model.eval()
 
 

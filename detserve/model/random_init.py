@@ -11,13 +11,19 @@ from tokenizers import models, pre_tokenizers
 
 from detserve.model.config import ModelConfig, RopeScaling
 from detserve.model.identity import ModelInfo
-from detserve.model.llama import LlamaModel
+from detserve.model.llama import LlamaModel, WeightShard
 from detserve.model.tokenizer import Tokenizer
 
 SHAPES: dict[str, ModelConfig] = {
     "llama3-8b": ModelConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
         num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), max_position_embeddings=16384,
+        eos_token_ids=(128001,)),
+    # the TP target shape (larger than one GPU in bf16: loaded only as shards, at TP >= 2)
+    "llama3-70b": ModelConfig(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+        num_heads=64, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
         rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), max_position_embeddings=16384,
         eos_token_ids=(128001,)),
     "smollm2-135m": ModelConfig(
@@ -49,18 +55,26 @@ def _word_tokenizer(vocab: int, eos: tuple[int, ...]) -> Tokenizer:
 
 
 @torch.inference_mode()
-def random_model(shape: str, dtype: torch.dtype, device: str, seed: int = 0
-                 ) -> tuple[LlamaModel, Tokenizer, ModelInfo]:
+def random_model(shape: str, dtype: torch.dtype, device: str, seed: int = 0,
+                 shard: WeightShard | None = None) -> tuple[LlamaModel, Tokenizer, ModelInfo]:
+    """``shard``: keep only that part of every weight (each whole weight is drawn, then
+    cut, one at a time: the same bits as cutting the whole model)."""
     cfg = shape_config(shape)
     gen = torch.Generator(device=device).manual_seed(seed)
-    model = LlamaModel(cfg, dtype=dtype, device=device)
-    for name, p in model.named_parameters():
+    whole = LlamaModel(cfg, dtype=dtype, device="meta")  # names and shapes, in draw order
+    model = (LlamaModel(cfg, dtype=dtype, device=device) if shard is None else
+             LlamaModel(shard.local_config(), dtype=dtype, device=device,
+                        vocab_rows=shard.vocab_rows))
+    params = dict(model.named_parameters())
+    for name, p in whole.named_parameters():
         if name.endswith("norm"):
-            p.fill_(1.0)
-        else:
-            std = 1.0 / p.shape[-1] ** 0.5
-            p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)
-                    .mul_(std).to(dtype))
+            params[name].fill_(1.0)
+            continue
+        std = 1.0 / p.shape[-1] ** 0.5
+        w = torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)
+        w = w.mul_(std).to(dtype)
+        params[name].copy_(w if shard is None else shard.weight(name, w))
+        del w
     info = ModelInfo(name=f"random-{shape}", source=Path("/dev/null"),
                      weights_hash=f"random-seed{seed}", dtype=str(dtype).removeprefix("torch."))
-    return model, _word_tokenizer(cfg.vocab_size, cfg.eos_token_ids), info
+    return model.eval(), _word_tokenizer(cfg.vocab_size, cfg.eos_token_ids), info

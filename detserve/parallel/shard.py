@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from detserve.distributed import Group
+from detserve.model.config import ModelConfig
 from detserve.model.llama import LlamaModel, Ops, RowReduce
 from detserve.parallel.layout import TPLayout
 from detserve.parallel.peer_sum import PeerSum
@@ -201,43 +202,71 @@ class TensorParallel:
         self.group.follow(self.group.all_gather(out, t))
         return out
 
+class RankWeights:
+    """The part of every weight one rank holds (``model.loader.WeightShard``): handed to
+    ``load_model`` so that a rank reads the checkpoint and keeps, on its device, only its
+    shard. The whole model never exists there, so a model larger than one device loads."""
+
+    def __init__(self, layout: TPLayout) -> None:
+        self.layout = layout
+        c, d = layout.config, layout.config.head_dim
+        first, end = layout.heads
+        kv = [torch.arange(h * d, (h + 1) * d) for h in layout.kv_heads]
+        kv_rows = torch.cat(kv)
+        self._qkv_rows = torch.cat([torch.arange(first * d, end * d), c.q_size + kv_rows,
+                                    c.q_size + c.kv_size + kv_rows])
+
+    def local_config(self) -> ModelConfig:
+        return self.layout.local_config()
+
+    @property
+    def vocab_rows(self) -> int:
+        v0, v1 = self.layout.vocab
+        return v1 - v0
+
+    def weight(self, name: str, whole: Tensor) -> Tensor:
+        """This rank's part of the whole model's parameter ``name`` (``LlamaModel``'s
+        names: ``embed_tokens``, ``layers.3.qkv_proj`` ...), on ``whole``'s device."""
+        layout = self.layout
+        if layout.size == 1:
+            return whole
+        kind = name.rsplit(".", 1)[-1]
+        d, inter = layout.config.head_dim, layout.config.intermediate_size
+        first, end = layout.heads
+        lo, hi = layout.mlp
+        if kind in ("embed_tokens", "lm_head"):
+            v0, v1 = layout.vocab
+            return whole[v0:v1]
+        if kind in ("qkv_proj", "qkv_bias"):
+            return whole.index_select(0, self._qkv_rows.to(whole.device))
+        if kind == "o_proj":
+            return whole[:, first * d:end * d]
+        if kind == "gate_up_proj":
+            return torch.cat([whole[lo:hi], whole[inter + lo:inter + hi]])
+        if kind == "down_proj":
+            return whole[:, lo:hi]
+        if kind.endswith("norm"):  # replicated
+            return whole
+        raise KeyError(f"no tensor-parallel rule for parameter {name!r}")
+
+
 @torch.inference_mode()
 def shard_model(model: LlamaModel, layout: TPLayout, group: Group | None,
                 tree: bool, peer_sums: Sequence[PeerSum] = ()) -> LlamaModel:
-    """This rank's shard of ``model`` (the whole one, left unchanged), joined by a
-    ``TensorParallel`` over ``group``; ``tree``: ready for the TP-invariant lane;
-    ``peer_sums``: the groups' small sums by peer loads (``PeerSum``)."""
-    c = model.config
-    if c != layout.config:
-        raise ValueError("the layout is another model's")
-    d = c.head_dim
-    first, end = layout.heads
-    lo, hi = layout.mlp
-    v0, v1 = layout.vocab
-    if layout.size == 1:
+    """This rank's shard of ``model``, joined by a ``TensorParallel`` over ``group``.
+    ``model``: the whole model (left unchanged; the shard is cut from it) or already this
+    rank's shard (``load_model(shard=RankWeights(layout))``, used as is). ``tree``: ready
+    for the TP-invariant lane; ``peer_sums``: the groups' small sums by peer loads
+    (``PeerSum``)."""
+    if model.config == layout.config:
+        local = model if layout.size == 1 else cut_shard(model, RankWeights(layout))
+    elif (model.config == layout.local_config()
+          and model.embed_tokens.shape[0] == RankWeights(layout).vocab_rows):
         local = model
     else:
-        local = LlamaModel(layout.local_config(), dtype=model.dtype,
-                           device=model.embed_tokens.device, vocab_rows=v1 - v0)
-        kv_rows = torch.cat([torch.arange(h * d, (h + 1) * d) for h in layout.kv_heads])
-        q_rows = torch.arange(first * d, end * d)
-        qkv_rows = torch.cat([q_rows, c.q_size + kv_rows, c.q_size + c.kv_size + kv_rows])
-        gate_up_rows = torch.cat([torch.arange(lo, hi),
-                                  c.intermediate_size + torch.arange(lo, hi)])
-        local.embed_tokens.copy_(model.embed_tokens[v0:v1])
-        local.norm.copy_(model.norm)
-        if local.lm_head is not None and model.lm_head is not None:
-            local.lm_head.copy_(model.lm_head[v0:v1])
-        for mine, whole in zip(local.layer_list, model.layer_list, strict=True):
-            mine.qkv_proj.copy_(whole.qkv_proj[qkv_rows.to(whole.qkv_proj.device)])
-            if mine.qkv_bias is not None and whole.qkv_bias is not None:
-                mine.qkv_bias.copy_(whole.qkv_bias[qkv_rows.to(whole.qkv_bias.device)])
-            mine.o_proj.copy_(whole.o_proj[:, first * d:end * d])
-            mine.gate_up_proj.copy_(whole.gate_up_proj[gate_up_rows.to(whole.gate_up_proj.device)])
-            mine.down_proj.copy_(whole.down_proj[:, lo:hi])
-            mine.input_norm.copy_(whole.input_norm)
-            mine.post_norm.copy_(whole.post_norm)
-        local.eval()
+        raise ValueError("the layout is another model's")
+    c = layout.config
+    d = c.head_dim
     parallel = TensorParallel(layout, group, local.embed_tokens.device)
     parallel.add_peer_sums(list(peer_sums))
     if tree:
@@ -249,3 +278,12 @@ def shard_model(model: LlamaModel, layout: TPLayout, group: Group | None,
     local.parallel = parallel
     return local
 
+
+def cut_shard(model: LlamaModel, rank: RankWeights) -> LlamaModel:
+    """``rank``'s shard of the whole ``model``, on its device."""
+    local = LlamaModel(rank.local_config(), dtype=model.dtype, device=model.embed_tokens.device,
+                       vocab_rows=rank.vocab_rows)
+    whole = dict(model.named_parameters())
+    for name, p in local.named_parameters():
+        p.copy_(rank.weight(name, whole[name]))
+    return local.eval()

@@ -48,7 +48,7 @@ class VerifierReplica:
         key then matches no pool, so decoders never try to have it map theirs."""
         self.verifier_id = uuid.uuid4().hex[:12]
         self.registry = Registry(redis_url, prefix)
-        weights, info = load_model_once(model, dtype, device)
+        weights, info = load_model_once(model, dtype, device, tensor_parallel_size)
         advertise = socket.gethostbyname(socket.gethostname()) if host == "0.0.0.0" else host
         self.store = open_store(host, 0, server=True) if kv_blocks else None
         self.servicer = VerifierServicer(weights, info, self.registry, device, self.verifier_id,

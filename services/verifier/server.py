@@ -37,12 +37,12 @@ from detserve.executor.runner import ModelRunner
 from detserve.lane import LanePass, LaneResult
 from detserve.model.identity import ModelInfo
 from detserve.model.llama import LlamaModel
-from detserve.model.loader import load_model
+from detserve.model.loader import load_model, read_model_config
 from detserve.numerics import LaneNumerics
 from detserve.parallel.executor import Workers, make_runner, tensor_parallel_model
 from detserve.parallel.kv_rows import transfer_pool
 from detserve.parallel.layout import TPLayout
-from detserve.parallel.shard import shard_model
+from detserve.parallel.shard import RankWeights, shard_model
 from services.cluster_auth import ClusterAuth
 from services.kv_handle import KVHandle, open_kv
 from services.registry import Registry
@@ -52,7 +52,7 @@ from services.verifier import verifier_pb2_grpc as pb_grpc
 from services.verifier.transfer import KVFull, VerifierKV, VerifierTransfer
 
 log = logging.getLogger(__name__)
-_MODELS: dict[tuple[str, str, str], tuple[LlamaModel, ModelInfo]] = {}
+_MODELS: dict[tuple[str, str, str, int], tuple[LlamaModel, ModelInfo]] = {}
 _MODELS_LOCK = threading.Lock()
 # accept the decoders' keepalive pings (services/verifier/stream.py) during long passes
 _SERVER_OPTIONS = [
@@ -62,12 +62,16 @@ _SERVER_OPTIONS = [
 ]
 
 
-def load_model_once(spec: str, dtype: str, device: str) -> tuple[LlamaModel, ModelInfo]:
-    """The process's copy of the weights (a verifier loads its model once)."""
-    key = (spec, dtype, device)
+def load_model_once(spec: str, dtype: str, device: str, tensor_parallel_size: int = 1
+                    ) -> tuple[LlamaModel, ModelInfo]:
+    """The process's copy of the weights (a verifier loads its model once); at
+    ``tensor_parallel_size`` M > 1 only rank 0's shard of them."""
+    key = (spec, dtype, device, tensor_parallel_size)
     with _MODELS_LOCK:
         if key not in _MODELS:
-            model, _, info = load_model(spec, dtype=dtype, device=device)
+            shard = (RankWeights(TPLayout(read_model_config(spec), tensor_parallel_size, 0))
+                     if tensor_parallel_size > 1 else None)
+            model, _, info = load_model(spec, dtype=dtype, device=device, shard=shard)
             _MODELS[key] = (model, info)
         return _MODELS[key]
 
@@ -107,7 +111,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if tensor_parallel_size > 1 and not (model_spec and store is not None and kv_blocks):
             raise ValueError("a verifier at tensor_parallel_size > 1 needs model_spec and K/V "
                              "transfer (store, kv_blocks)")
-        self.model = model
+        self.model = model  # at tensor_parallel_size > 1 rank 0's shard (``load_model_once``)
+        self.model_config = (read_model_config(model_spec) if tensor_parallel_size > 1
+                             else model.config)  # the whole model's
         self.info = info
         self.registry = registry
         self.device = device
@@ -362,16 +368,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _start_tp(self, numerics: LaneNumerics) -> tuple[VerifierKV, ModelRunner]:
         """Start ranks 1..M-1 (each loads and shards the model) and rank 0's runner over
         a pool of ``kv_blocks`` blocks on every rank; the K/V moves as whole heads."""
-        mc = self.model.config
+        mc = self.model_config
         dtype = getattr(torch, self.info.dtype)
         m = self.tensor_parallel_size
-        # every rank's pool has as many blocks, of its heads; rank 0's device holds the
-        # whole model and (soon) its shard, so it is the one that bounds them
+        # every rank's pool has as many blocks, of its heads (rank 0's shard is loaded, so
+        # the free memory measured here is what its pool may take)
         heads = max(len(TPLayout(mc, m, r).kv_heads) for r in range(m))
-        shard = sum(p.numel() * p.element_size() for p in self.model.parameters()) // m
         blocks = (self.kv_blocks if self.kv_blocks > 0
                   else _blocks_that_fit(self.model, dtype, self.device, numerics.block_size,
-                                        kv_heads=heads, reserve=shard))
+                                        kv_heads=heads))
         config = EngineConfig.create(
             self.model_spec, "llm42", dtype=self.info.dtype, device=self.device,
             max_model_len=mc.max_position_embeddings, block_size=numerics.block_size,
@@ -427,7 +432,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _check_compatible(self, hello: pb.Hello, handle: KVHandle, mapped: bool = True) -> None:
         """Refuse a decoder whose lane this verifier would not reproduce bit for bit (or
         whose pool it cannot map, when ``mapped``)."""
-        mc = self.model.config
+        mc = self.model_config
         g = _numerics(hello)
         problems = []
         if hello.weights_hash != self.info.weights_hash:
@@ -487,11 +492,9 @@ def _lane_thread_init(device: str, then: Callable[[], None] | None) -> None:
 
 
 def _blocks_that_fit(model: LlamaModel, dtype: torch.dtype, device: str, block_size: int,
-                     fraction: float = 0.85, kv_heads: int | None = None,
-                     reserve: int = 0) -> int:
+                     fraction: float = 0.85, kv_heads: int | None = None) -> int:
     """KV blocks of ``kv_heads`` heads (default: all) that ``fraction`` of the device's
-    free memory less ``reserve`` bytes holds now (CUDA; the model loaded); on CPU a fixed
-    4096."""
+    free memory holds now (CUDA; the model loaded); on CPU a fixed 4096."""
     if torch.device(device).type != "cuda":
         return 4096
     free, _ = torch.cuda.mem_get_info(torch.device(device))
@@ -499,7 +502,7 @@ def _blocks_that_fit(model: LlamaModel, dtype: torch.dtype, device: str, block_s
     per_block = math.prod(KVPool.shape_for(mc.num_layers, 1, block_size,
                                            kv_heads or mc.num_kv_heads,
                                            mc.head_dim)) * dtype.itemsize
-    return max(2, int((free - reserve) * fraction) // per_block)
+    return max(2, int(free * fraction) // per_block)
 
 
 def _numerics(hello: pb.Hello) -> LaneNumerics:
