@@ -124,3 +124,28 @@ def test_lost_worker_fails_the_engine_within_the_deadline(model: str) -> None:
     finally:
         os.kill(procs[0].pid, signal.SIGCONT)
         engine.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four CUDA devices")
+def test_ranks_on_later_devices(model: str) -> None:
+    """TP=2 on cuda:2 and cuda:3 (a decoder or a TP verifier that does not start at the
+    first device): the groups and the peer-load sums, made in a thread of their own, are
+    made on rank 0's device, not the process's first one (there the peer sums failed their
+    self-check and a pass hit an illegal address), and the invariant lane gives cuda:0's
+    TP=2 bits."""
+    reqs = _reqs()
+    # (first: a process makes peer-load sums for its first TP engine only)
+    with torch.cuda.device(2):  # (this thread's kernels launch on the engine's device)
+        got, stats, eng = run_engine(model, reqs, perturbation=0.2, tp_invariant_lane=True,
+                                     tensor_parallel_size=2, device="cuda:2",
+                                     dtype="bfloat16")
+    try:
+        workers = eng._workers
+        assert workers is not None and workers.peer_sums  # they pass their self-check
+    finally:
+        eng.close()
+    want, _, eng = run_engine(model, reqs, tp_invariant_lane=True, tensor_parallel_size=2,
+                              **CUDA)
+    eng.close()
+    assert stats["rollbacks"] > 0
+    assert [signature(o) for o in got] == [signature(o) for o in want]

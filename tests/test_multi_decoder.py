@@ -20,7 +20,6 @@ from benchmarks.multi_decoder import RunSpec, parse_runs
 from detserve.config import EngineConfig
 from detserve.engine import LLMEngine
 from detserve.flags import engine_kwargs
-from detserve.model.loader import load_model
 
 REQUESTS = 8
 FLAGS = ["--model", "random:tiny", "--dtype", "float32", "--num-requests", str(REQUESTS),
@@ -95,16 +94,16 @@ def test_every_request_finishes_and_throughput_is_reported(report: dict[str, Any
 def test_dedicated_outputs_equal_the_lane_oracle_and_the_control_differs(
         report: dict[str, Any]) -> None:
     dedicated = report["runs"][0]
-    loaded = load_model("random:tiny", "float32", "cpu")
     for e in dedicated["engines"]:
         args = engine_args(e["engine"])
+        weights = bench_offline.Weights(args, "float32")
         shapes = share(e["engine"], len(dedicated["engines"]))
         got = e["det_digests"]
         assert len(got) == round(RATIO * len(shapes)) > 0
         # lane_only: every request through the lane, the same requests (same seed, ratio)
-        oracle = bench_offline.run_one(loaded, args, "lane_only", RATIO, shapes)["det_digests"]
+        oracle = bench_offline.run_one(weights, args, "lane_only", RATIO, shapes)["det_digests"]
         assert got == {rid: oracle[rid] for rid in got}, f"decoder {e['engine']} differs"
-        control = unverified_digests(loaded, args, shapes)
+        control = unverified_digests(weights(1), args, shapes)
         assert sorted(control) == sorted(oracle), "the control ran the same requests"
         assert any(control[rid] != d for rid, d in got.items()), (
             "the perturbed, unverified outputs should differ from the verified ones")

@@ -179,6 +179,10 @@ class Workers:
         device = config.device
 
         def join() -> tuple[Group, Group, list[PeerSum]]:
+            # a new thread's current device is the first one: rank 0 may be another (a TP
+            # verifier on cuda:2), and NCCL and the peer sums' memory go to the current one
+            if torch.device(device).type == "cuda":
+                torch.cuda.set_device(device)
             group = new_group(self.store, name, 0, self.size, device, timeout_s=self.timeout_s)
             lane = new_group(self.store, f"{name}/lane", 0, self.size, device,
                              timeout_s=self.timeout_s)
