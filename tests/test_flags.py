@@ -13,10 +13,12 @@ import pytest
 from detserve.config import CacheConfig, EngineConfig, SamplerConfig, SchedulerConfig
 from detserve.flags import add_flags, engine_kwargs, engine_options, options
 from services.serve_config import OPTIONAL_ARGS, OPTIONS, ServeConfig
+from services.verifier import replica
+from services.verifier.replica import ReplicaOptions
 
 
 @pytest.mark.parametrize("cls", [EngineConfig, SchedulerConfig, CacheConfig, SamplerConfig,
-                                 ServeConfig])
+                                 ServeConfig, ReplicaOptions])
 def test_every_option_has_help_text(cls: type) -> None:
     nested = (SchedulerConfig, CacheConfig, SamplerConfig)
     for f in dataclasses.fields(cls):
@@ -116,3 +118,27 @@ def test_flag_types_follow_the_fields() -> None:
     with pytest.raises(ValueError, match="max_num_seqs"):
         opts["max_num_seqs"].check(2.5)
     opts["lane_bound_fraction"].check(1)  # (an int is a float's value)
+
+
+def test_the_replica_flags_are_its_options(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m services.verifier.replica``: one flag per ``ReplicaOptions`` field (and
+    the older ``--ttl``), and a bad command line is refused by name, exit status 2."""
+    parser = argparse.ArgumentParser()
+    add_flags(parser, options(ReplicaOptions))
+    ns = parser.parse_args(["--model", "random:tiny", "--redis-url", "redis://h:1",
+                            "--ttl", "1.5", "--kv-blocks", "64", "--tensor-parallel-size",
+                            "2"])
+    opts = ReplicaOptions(**vars(ns))
+    assert (opts.ttl_s, opts.kv_blocks, opts.tensor_parallel_size) == (1.5, 64, 2)
+    assert dataclasses.asdict(ReplicaOptions(model="m", redis_url="r")) == {
+        **{f.name: f.default for f in dataclasses.fields(ReplicaOptions)},
+        "model": "m", "redis_url": "r"}
+    for argv, words in ((["--model", "m"], "--redis-url is required"),
+                        (["--model", "m", "--redis-url", "r", "--tensor-parallel-size", "2"],
+                         "needs --kv-blocks"),
+                        (["--model", "m", "--redis-url", "r", "--port", "x"],
+                         "invalid int value")):
+        with pytest.raises(SystemExit) as e:
+            replica.main(argv)
+        assert e.value.code == 2
+        assert words in capsys.readouterr().err

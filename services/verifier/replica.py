@@ -20,9 +20,11 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 
+from detserve.config import opt
 from detserve.distributed import open_store
+from detserve.flags import add_flags, options
 from services.cluster_auth import ClusterAuth
 from services.kv_handle import device_key, host_id
 from services.registry import DEFAULT_PREFIX, Heartbeat, Registry, VerifierRecord
@@ -102,33 +104,50 @@ class VerifierReplica:
         self.registry.close()
 
 
+@dataclass(frozen=True)
+class ReplicaOptions:
+    """The stand-alone replica's options (``python -m services.verifier.replica``), its
+    flags generated from these fields; the cluster secret comes from the environment."""
+
+    model: str = opt("", "the model: a Hugging Face folder, a .gguf file, an alias or "
+                         "random:<shape> (required)")
+    redis_url: str = opt("", "the registry's Redis URL (required)")
+    dtype: str = opt("float32", "the weights' dtype (the decoders' own)")
+    device: str = opt("cpu", "the device it verifies on (at tensor_parallel_size > 1 rank "
+                             "0's; the other ranks take the devices after it)")
+    host: str = opt("127.0.0.1", "the interface its gRPC server binds (0.0.0.0: every one, "
+                                 "advertised by this host's address)")
+    port: int = opt(0, "its gRPC port (0: any free one)")
+    ttl_s: float = opt(3.0, "its registration's TTL in seconds", aliases=("--ttl",))
+    prefix: str = opt(DEFAULT_PREFIX, "the registry's key prefix")
+    kv_blocks: int = opt(0, "blocks of its own KV pool, for decoders on other devices or "
+                            "hosts (K/V transfer); -1: what the device holds after the "
+                            "model; 0: co-located decoders only")
+    tensor_parallel_size: int = opt(1, "ranks the lane runs over (worker processes on the "
+                                       "devices after --device), for decoders with the "
+                                       "TP-invariant lane through K/V transfer (needs "
+                                       "--kv-blocks)")
+
+    def __post_init__(self) -> None:
+        for name in ("model", "redis_url"):
+            if not getattr(self, name):
+                raise ValueError(f"--{name.replace('_', '-')} is required")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be >= 1")
+        if self.tensor_parallel_size > 1 and not self.kv_blocks:
+            raise ValueError("--tensor-parallel-size > 1 needs --kv-blocks (a TP verifier "
+                             "maps no pool)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Run one detserve verifier replica.")
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--redis-url", required=True)  # the cluster secret: from the environment
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--ttl", type=float, default=3.0, help="registration TTL in seconds")
-    ap.add_argument("--prefix", default=DEFAULT_PREFIX)
-    ap.add_argument("--kv-blocks", type=int, default=0,
-                    help="blocks of its own KV pool, for decoders on other devices or hosts "
-                         "(K/V transfer); -1: what the device holds after the model; 0: "
-                         "co-located decoders only")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1,
-                    help="ranks the lane runs over (worker processes on the devices after "
-                         "--device), for decoders with the TP-invariant lane through K/V "
-                         "transfer (needs --kv-blocks)")
-    args = ap.parse_args(argv)
-    if args.tensor_parallel_size > 1 and not args.kv_blocks:
-        ap.error("--tensor-parallel-size > 1 needs --kv-blocks (a TP verifier maps no pool)")
+    add_flags(ap, options(ReplicaOptions))
+    try:
+        opts = ReplicaOptions(**vars(ap.parse_args(argv)))
+    except ValueError as e:
+        ap.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    replica = VerifierReplica(args.model, args.redis_url, ClusterAuth.from_env(),
-                              dtype=args.dtype, device=args.device,
-                              host=args.host, port=args.port, ttl_s=args.ttl, prefix=args.prefix,
-                              kv_blocks=args.kv_blocks,
-                              tensor_parallel_size=args.tensor_parallel_size)
+    replica = VerifierReplica(auth=ClusterAuth.from_env(), **asdict(opts))
     print(f"READY {replica.verifier_id} {replica.address}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
