@@ -43,28 +43,53 @@ class Cluster:
 @contextmanager
 def serving_cluster(*, limits: ServingLimits | None = None, **overrides: Any
                     ) -> Iterator[Cluster]:
-    from ray import serve
-
+    """The cluster, started once more (on other ports) if its router could not take the
+    ports picked for it: ``free_port`` checks a port when it picks it, and something else
+    on the machine may bind it before the router replica does (Ray Serve then reports
+    the Router deployment failed, its port "in use"). A router that fails for any other
+    reason fails both times."""
     from services.app import compose
     from services.local import start_local_serve
     from services.redis_server import EmbeddedRedis
 
     t0 = time.monotonic()
-    http_port, grpc_port = free_port(), free_port()
-    with ExitStack() as stack:
-        redis = stack.enter_context(EmbeddedRedis())
-        settings: dict[str, Any] = dict(model=tiny_model(), verify_window=W, verify_group=G,
-                        max_model_len=MAX_MODEL_LEN, max_num_seqs=16, redis_url=redis.url,
-                        http_port=http_port, grpc_port=grpc_port)
-        settings.update(overrides)
-        config = default_serve_config(http_host="127.0.0.1", **settings)
-        start_local_serve(stack, config, num_cpus=4, log_to_driver=False)
-        args = config["applications"][0]["args"]
-        serve.run(compose(args, limits=limits, replica_cpus=0.5), name="detserve",
-                  route_prefix="/")
-        _wait_ready(f"http://127.0.0.1:{http_port}")
-        yield Cluster(args, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}",
-                      time.monotonic() - t0, redis)
+    for attempt in (1, 2):
+        http_port, grpc_port = free_port(), free_port()
+        with ExitStack() as stack:
+            redis = stack.enter_context(EmbeddedRedis())
+            settings: dict[str, Any] = dict(
+                model=tiny_model(), verify_window=W, verify_group=G,
+                max_model_len=MAX_MODEL_LEN, max_num_seqs=16, redis_url=redis.url,
+                http_port=http_port, grpc_port=grpc_port)
+            settings.update(overrides)
+            config = default_serve_config(http_host="127.0.0.1", **settings)
+            start_local_serve(stack, config, num_cpus=4, log_to_driver=False)
+            args = config["applications"][0]["args"]
+            try:
+                _deploy(compose(args, limits=limits, replica_cpus=0.5))
+            except RouterNotDeployed:
+                if attempt == 2:
+                    raise
+                continue
+            _wait_ready(f"http://127.0.0.1:{http_port}")
+            yield Cluster(args, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}",
+                          time.monotonic() - t0, redis)
+            return
+
+
+class RouterNotDeployed(RuntimeError):
+    pass
+
+
+def _deploy(app: Any) -> None:
+    from ray import serve
+
+    try:
+        serve.run(app, name="detserve", route_prefix="/")
+    except RuntimeError as e:
+        if "Failed to update the deployments ['Router']" in str(e):
+            raise RouterNotDeployed(str(e)) from e
+        raise
 
 
 def tp1_lane_reference(model: str, prompt: str, max_tokens: int) -> Any:
