@@ -179,3 +179,19 @@ def test_a_tp_engine_never_builds_the_whole_model(spec: str,
         finally:
             engine.close()
     assert tokens[2] == tokens[1]
+
+
+def test_a_shape_cut_to_its_first_layers() -> None:
+    """``random:<shape>@N``: the shape's first N layers, drawn as the whole shape draws
+    them (to study a large shape's numerics on one device); bad counts are refused."""
+    whole, _, _ = load_model("random:tiny")
+    cut, _, info = load_model("random:tiny@1")
+    assert cut.config.num_layers == 1 and info.name == "random-tiny@1"
+    first = _params(whole)
+    for name, p in _params(cut).items():
+        if name.startswith("layers.") or name == "embed_tokens":
+            assert torch.equal(p, first[name]), name
+    assert read_model_config("random:llama3-70b@40").num_layers == 40
+    for bad in ("tiny@0", "tiny@3", "tiny@x", "tiny@"):
+        with pytest.raises(ValueError, match="layer count"):
+            read_model_config(f"random:{bad}")

@@ -3,6 +3,7 @@ on the weights). Weights are drawn on the target device; nothing is written to d
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,9 +44,18 @@ def random_tokenizer(shape: str) -> Tokenizer:
 
 
 def shape_config(shape: str) -> ModelConfig:
-    if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
-    return SHAPES[shape]
+    """A shape by name, or ``name@N``: its first N layers (the same draws for those
+    layers; a cut of a large shape that fits one GPU, to study its numerics at TP=1)."""
+    name, cut, layers = shape.partition("@")
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+    config = SHAPES[name]
+    if cut:
+        if not layers.isdigit() or not 1 <= int(layers) <= config.num_layers:
+            raise ValueError(f"shape {shape!r}: after '@', a layer count in "
+                             f"1..{config.num_layers}")
+        config = replace(config, num_layers=int(layers))
+    return config
 
 
 def _word_tokenizer(vocab: int, eos: tuple[int, ...]) -> Tokenizer:
