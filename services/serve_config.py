@@ -404,9 +404,11 @@ def default_serve_config(
                     f"{args.get('tensor_parallel_size', 1)}"
                     + (", less the co-located verifier's share)" if want < 1 else ")"))
         if d.name == VERIFIER and args["device"] == "cuda":
-            if args.get("dedicated_verifiers") and d.num_gpus != 1:
-                raise ValueError(f"Verifier num_gpus {d.num_gpus}: a dedicated verifier has "
-                                 "a GPU of its own (1)")
+            if args.get("dedicated_verifiers") and not math.isclose(d.num_gpus,
+                                                                     verifier_gpus(args)):
+                raise ValueError(f"Verifier num_gpus {d.num_gpus:g}: a dedicated verifier has "
+                                 f"{verifier_gpus(args):g} GPUs of its own, one a rank "
+                                 "(verifier_tensor_parallel_size)")
             if (not args.get("dedicated_verifiers")
                     and not math.isclose(d.num_gpus, args["verifier_gpu_fraction"])):
                 raise ValueError(

@@ -309,8 +309,10 @@ def test_rayservice_shape(rendered: tuple[str, list[Obj]]) -> None:
     for group_name, group in groups.items():
         resources = ray_container(group["template"])["resources"]
         if gpu_overlay:
-            # a decoder pod holds its replica's tensor-parallel GPUs; a verifier pod one
-            gpus = tp if group_name == "decoder" else 1
+            # a decoder pod holds its replica's tensor-parallel GPUs, a verifier pod its
+            # replica's (dedicated: one a rank)
+            gpus = (tp if group_name == "decoder"
+                    else args.get("verifier_tensor_parallel_size", 1))
             assert resources["requests"]["nvidia.com/gpu"] == gpus
             assert resources["limits"]["nvidia.com/gpu"] == gpus
         else:
@@ -371,11 +373,17 @@ def test_verifier_placement(rendered: tuple[str, list[Obj]]) -> None:
                        for g in groups.values())
         return
     verifier = deployments["Verifier"]["ray_actor_options"]
-    if name == "gpu-8":
+    if name in ("gpu-8", "tp-2-verifier"):
+        args = config["applications"][0]["args"]
         assert set(groups) == {"decoder", "verifier"}
         assert slots["verifier"] == {m.VERIFIER_SLOT: 1}
         assert slots["decoder"] == {m.DECODER_SLOT: 1}
-        assert verifier["num_gpus"] == 1 and decoder["num_gpus"] == 1
+        # whole GPUs, one a rank (tp-2-verifier: TP=2 decoders, a TP=2 verifier whose
+        # bits are the decoders' only with the TP-invariant lane)
+        assert decoder["num_gpus"] == args.get("tensor_parallel_size", 1)
+        assert verifier["num_gpus"] == args.get("verifier_tensor_parallel_size", 1)
+        assert (name == "tp-2-verifier") == (verifier["num_gpus"] == 2
+                                             and args.get("tp_invariant_lane") is True)
         # verifier pods cannot map a decoder's pool: they must verify by K/V transfer
         assert config["applications"][0]["args"]["dedicated_verifiers"] is True
     else:

@@ -3,6 +3,7 @@ what the RayService's serveConfigV2 carries; and the image matches the manifests
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 import sys
@@ -491,3 +492,15 @@ def test_every_ray_pod_gets_the_throughput_profile_with_proxies_kept(overlay: st
             env = {e["name"]: e.get("value") for e in container["env"]}
             assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
             assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"  # Services route to proxies
+
+
+def test_a_tp_verifier_reserves_a_gpu_a_rank() -> None:
+    """A dedicated verifier at verifier_tensor_parallel_size 2 reserves 2 whole GPUs: an
+    override giving it 1 is refused (its second rank would find no GPU)."""
+    o = m.overlay("tp-2-verifier")
+    verifier = next(d for d in o.deployments if d.name == "Verifier")
+    assert verifier.num_gpus == 2
+    bad = tuple(dataclasses.replace(d, num_gpus=1) if d is verifier else d
+                for d in o.deployments)
+    with pytest.raises(ValueError, match="a dedicated verifier has 2 GPUs of its own"):
+        sc.default_serve_config(deployments=bad, http_host="0.0.0.0", **o.serve_args)

@@ -201,6 +201,31 @@ OVERLAYS: tuple[Overlay, ...] = (
                             memory="128Gi", gpus=TP_SIZE, slots={DECODER_SLOT: 1},
                             shm=TP_SHM, env=TP_NCCL_ENV),),
     ),
+    Overlay(
+        name="tp-2-verifier",
+        summary="tensor-parallel decoders and a tensor-parallel dedicated verifier: 2 decoder "
+                "pods of 2 GPUs (TP=2, the TP-invariant lane) and 1 verifier pod of 2 GPUs "
+                "(its lane at TP=2), K/V over NCCL between the pods",
+        serve_args=_args(model="smollm2", mode="llm42", device="cuda", dtype="bfloat16",
+                         verify_window=64, verify_group=8, num_decoders=2, num_verifiers=1,
+                         verifier_gpu_fraction=0.0, dedicated_verifiers=True,
+                         tensor_parallel_size=TP_SIZE, tp_invariant_lane=True,
+                         verifier_tensor_parallel_size=TP_SIZE,
+                         max_model_len=8192, max_num_seqs=128),
+        deployments=(
+            DeploymentOverride(DECODER, num_cpus=4, num_gpus=TP_SIZE,
+                               resources={DECODER_SLOT: 1}, max_ongoing_requests=128),
+            DeploymentOverride(VERIFIER, num_cpus=4, num_gpus=TP_SIZE,
+                               resources={VERIFIER_SLOT: 1}),
+        ),
+        head_cpu="4", head_memory="16Gi",
+        groups=(WorkerGroup("decoder", replicas=2, min_replicas=2, max_replicas=2, cpu="16",
+                            memory="128Gi", gpus=TP_SIZE, slots={DECODER_SLOT: 1},
+                            shm=TP_SHM, env=TP_NCCL_ENV),
+                WorkerGroup("verifier", replicas=1, min_replicas=1, max_replicas=1, cpu="16",
+                            memory="128Gi", gpus=TP_SIZE, slots={VERIFIER_SLOT: 1},
+                            shm=TP_SHM, env=TP_NCCL_ENV)),
+    ),
 )
 
 
