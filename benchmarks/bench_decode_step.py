@@ -27,10 +27,8 @@ from benchmarks.stream_profile import kernel_key
 from detserve.config import EngineConfig
 from detserve.engine import LLMEngine
 from detserve.flags import add_flags, engine_kwargs, engine_options
-from detserve.model.loader import read_model_config
 from detserve.model.random_init import random_model
-from detserve.parallel.layout import TPLayout
-from detserve.parallel.shard import RankWeights
+from detserve.parallel.shard import rank_weights
 from detserve.params import SamplingParams
 
 
@@ -117,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     tp = a.tensor_parallel_size
     # rank 0's weights: the whole model at TP=1, its shard at TP=N (the engines share them)
-    shard = RankWeights(TPLayout(read_model_config(a.model), tp, 0)) if tp > 1 else None
-    loaded = random_model(a.model.split(":", 1)[1], torch.bfloat16, a.device, shard=shard)
+    loaded = random_model(a.model.split(":", 1)[1], torch.bfloat16, a.device,
+                          shard=rank_weights(a.model, tp))
     model = loaded[0]
     cfg_m = model.config  # (a shard's: its heads and MLP columns)
     # the bytes rank 0 reads a step: its weights (its heads, MLP columns and vocabulary

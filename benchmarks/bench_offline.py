@@ -37,8 +37,7 @@ from detserve.kernels.config import TABLE, lane_variant
 from detserve.model.config import auto_dtype
 from detserve.model.loader import load_model, read_model_config, resolve_dtype
 from detserve.outputs import RequestOutput
-from detserve.parallel.layout import TPLayout
-from detserve.parallel.shard import RankWeights
+from detserve.parallel.shard import rank_weights
 from detserve.params import SamplingParams
 from detserve.scheduler import LANE_STATES
 from detserve.stats import TIMES
@@ -104,9 +103,8 @@ class Weights:
     def __call__(self, tp: int) -> tuple[Any, Any, Any]:
         if tp not in self._by_tp:
             a = self.args
-            shard = (RankWeights(TPLayout(read_model_config(a.model), tp, 0)) if tp > 1
-                     else None)
-            self._by_tp[tp] = load_model(a.model, self.dtype, a.device, shard=shard)
+            self._by_tp[tp] = load_model(a.model, self.dtype, a.device,
+                                         shard=rank_weights(a.model, tp))
         return self._by_tp[tp]
 
 

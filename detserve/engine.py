@@ -39,7 +39,8 @@ from detserve.model.tokenizer import Tokenizer
 from detserve.numerics import LaneNumerics, device_kind
 from detserve.output_processor import OutputProcessor
 from detserve.outputs import RequestOutput
-from detserve.parallel.executor import make_runner, rank_weights, tensor_parallel_model
+from detserve.parallel.executor import make_runner, tensor_parallel_model
+from detserve.parallel.shard import rank_weights
 from detserve.params import SamplingParams
 from detserve.request import SeedPolicy, new_sequence, prompt_ids
 from detserve.scheduler import FastItem, LaneItem, Scheduler, SchedulerOutput
@@ -81,7 +82,8 @@ class LLMEngine:
             torch.cuda.set_device(config.device)
         # at TP > 1 rank 0 loads only its shard (``loaded``, if given, may be the whole model)
         self.model, self.tokenizer, self.model_info = loaded or load_model(
-            config.model, dtype=dtype, device=config.device, shard=rank_weights(config))
+            config.model, dtype=dtype, device=config.device,
+            shard=rank_weights(config.model, config.tensor_parallel_size))
         mc = self.model.config
         sc = config.scheduler
         if sc.max_model_len > mc.max_position_embeddings:

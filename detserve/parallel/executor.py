@@ -72,7 +72,7 @@ from detserve.parallel.messages import (
     WriteKV,
 )
 from detserve.parallel.peer_sum import PeerSum, open_peer_sums
-from detserve.parallel.shard import RankWeights, TensorParallel, shard_model
+from detserve.parallel.shard import TensorParallel, shard_model
 from detserve.parallel.worker import worker_main
 from detserve.sampler import SamplingSpec
 
@@ -323,19 +323,11 @@ def _try(fn: Callable[[], T]) -> T | BaseException:
         return e
 
 
-def rank_weights(config: EngineConfig, rank: int = 0) -> RankWeights | None:
-    """What ``load_model(shard=)`` keeps for ``rank`` of ``config`` (None at TP=1: all)."""
-    if config.tensor_parallel_size == 1:
-        return None
-    return RankWeights(TPLayout(read_model_config(config.model), config.tensor_parallel_size,
-                                rank))
-
-
 def tensor_parallel_model(config: EngineConfig, model: LlamaModel
                           ) -> tuple[LlamaModel, Workers | None]:
     """Rank 0's model for ``config``: ``model`` itself at TP=1 without the invariant lane;
     with it, ``model`` with the tree attached; at TP=N rank 0's shard (``model`` is the
-    whole model or, loaded with ``rank_weights(config)``, already the shard), with the
+    whole model or, loaded with ``shard.rank_weights``, already the shard), with the
     workers started (each loads only its own shard)."""
     size = config.tensor_parallel_size
     if size == 1 and not config.tp_invariant_lane:

@@ -20,6 +20,7 @@ from torch import Tensor
 from detserve.distributed import Group
 from detserve.model.config import ModelConfig
 from detserve.model.llama import LlamaModel, Ops, RowReduce
+from detserve.model.loader import read_model_config
 from detserve.parallel.layout import TPLayout
 from detserve.parallel.peer_sum import PeerSum
 
@@ -250,6 +251,14 @@ class RankWeights:
         raise KeyError(f"no tensor-parallel rule for parameter {name!r}")
 
 
+def rank_weights(spec: str, size: int, rank: int = 0) -> RankWeights | None:
+    """What ``load_model(spec, shard=)`` keeps for ``rank`` of ``size`` (None at TP=1:
+    everything)."""
+    if size == 1:
+        return None
+    return RankWeights(TPLayout(read_model_config(spec), size, rank))
+
+
 @torch.inference_mode()
 def shard_model(model: LlamaModel, layout: TPLayout, group: Group | None,
                 tree: bool, peer_sums: Sequence[PeerSum] = ()) -> LlamaModel:
@@ -258,10 +267,11 @@ def shard_model(model: LlamaModel, layout: TPLayout, group: Group | None,
     rank's shard (``load_model(shard=RankWeights(layout))``, used as is). ``tree``: ready
     for the TP-invariant lane; ``peer_sums``: the groups' small sums by peer loads
     (``PeerSum``)."""
+    rank = RankWeights(layout)
     if model.config == layout.config:
-        local = model if layout.size == 1 else cut_shard(model, RankWeights(layout))
+        local = model if layout.size == 1 else cut_shard(model, rank)
     elif (model.config == layout.local_config()
-          and model.embed_tokens.shape[0] == RankWeights(layout).vocab_rows):
+          and model.embed_tokens.shape[0] == rank.vocab_rows):
         local = model
     else:
         raise ValueError("the layout is another model's")

@@ -16,8 +16,7 @@ import torch
 from detserve.distributed import Group, PeerLost, new_group, open_store
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import ModelRunner
-from detserve.model.loader import load_model, read_model_config, resolve_dtype
-from detserve.parallel.layout import TPLayout
+from detserve.model.loader import load_model, resolve_dtype
 from detserve.parallel.messages import (
     STARTUP_TIMEOUT_S,
     BatchStep,
@@ -30,7 +29,7 @@ from detserve.parallel.messages import (
     WriteKV,
 )
 from detserve.parallel.peer_sum import open_peer_sums
-from detserve.parallel.shard import RankWeights, TensorParallel, shard_model
+from detserve.parallel.shard import TensorParallel, rank_weights, shard_model
 
 
 def worker_main(pipe: multiprocessing.connection.Connection, spec: WorkerSpec) -> None:
@@ -48,10 +47,11 @@ def worker_main(pipe: multiprocessing.connection.Connection, spec: WorkerSpec) -
                                device, timeout_s=c.tp_timeout_s)
         sums = open_peer_sums(store, {spec.group: group, f"{spec.group}/lane": lane_group},
                               resolve_dtype(c.dtype)) if c.tp_peer_sums else []
-        layout = TPLayout(read_model_config(c.model), c.tensor_parallel_size, spec.rank)
-        mine, _, _ = load_model(c.model, dtype=c.dtype, device=device,
-                                shard=RankWeights(layout))
-        model = shard_model(mine, layout, group, tree=c.tp_invariant_lane, peer_sums=sums)
+        rank = rank_weights(c.model, c.tensor_parallel_size, spec.rank)
+        assert rank is not None  # (a worker exists only at TP > 1)
+        mine, _, _ = load_model(c.model, dtype=c.dtype, device=device, shard=rank)
+        model = shard_model(mine, rank.layout, group, tree=c.tp_invariant_lane,
+                            peer_sums=sums)
         mc, cc = model.config, c.cache
         pool = KVPool(mc.num_layers, cc.num_blocks, cc.block_size, mc.num_kv_heads,
                       mc.head_dim, model.dtype, device)

@@ -20,7 +20,7 @@ from typing import Any
 from detserve.config import EngineConfig
 from detserve.engine import LLMEngine
 from detserve.model.loader import load_model
-from detserve.parallel.executor import rank_weights
+from detserve.parallel.shard import rank_weights
 from services.cluster_auth import ClusterAuth
 from services.serve_config import LANE_MODES, ServeConfig, engine_config, serve_options
 
@@ -64,7 +64,7 @@ def build_engine(settings: DecoderSettings, decoder_id: str, auth: ClusterAuth
         reg.close()
     exporter = kv_handle.KVExporter(decoder_id, epoch)
     loaded = load_model(config.model, dtype=config.dtype, device=config.device,
-                        shard=rank_weights(config))
+                        shard=rank_weights(config.model, config.tensor_parallel_size))
     factory = client.make_verifier_factory(settings.serve.redis_url, decoder_id, exporter,
                                            loaded[2].weights_hash, auth=auth)
     engine = LLMEngine(config, loaded=loaded, kv_storage=exporter, verifier_factory=factory)

@@ -42,7 +42,7 @@ from detserve.numerics import LaneNumerics
 from detserve.parallel.executor import Workers, make_runner, tensor_parallel_model
 from detserve.parallel.kv_rows import transfer_pool
 from detserve.parallel.layout import TPLayout
-from detserve.parallel.shard import RankWeights, shard_model
+from detserve.parallel.shard import rank_weights, shard_model
 from services.cluster_auth import ClusterAuth
 from services.kv_handle import KVHandle, open_kv
 from services.registry import Registry
@@ -69,9 +69,8 @@ def load_model_once(spec: str, dtype: str, device: str, tensor_parallel_size: in
     key = (spec, dtype, device, tensor_parallel_size)
     with _MODELS_LOCK:
         if key not in _MODELS:
-            shard = (RankWeights(TPLayout(read_model_config(spec), tensor_parallel_size, 0))
-                     if tensor_parallel_size > 1 else None)
-            model, _, info = load_model(spec, dtype=dtype, device=device, shard=shard)
+            model, _, info = load_model(spec, dtype=dtype, device=device,
+                                        shard=rank_weights(spec, tensor_parallel_size))
             _MODELS[key] = (model, info)
         return _MODELS[key]
 
@@ -346,8 +345,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _attach_tp(self, hello: pb.Hello, numerics: LaneNumerics) -> ModelRunner:
         """The runner over this verifier's M ranks: made at the first hello, with its
         numerics; a later hello must bring the same (the workers run one set)."""
-        # (``_check_compatible`` refused the ordinary lane) the decoder's TP size decides only its fast path's sums: decoders of every TP
-        # size share the ranks
+        # (``_check_compatible`` refused the ordinary lane.) With the invariant lane the
+        # decoder's TP size decides only its fast path's sums: decoders of every TP size
+        # share the ranks
         numerics = replace(numerics, tensor_parallel_size=1)
         with self._lock:
             if self._workers is not None and self._workers.failed:
@@ -366,7 +366,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return found
 
     def _start_tp(self, numerics: LaneNumerics) -> tuple[VerifierKV, ModelRunner]:
-        """Start ranks 1..M-1 (each loads and shards the model) and rank 0's runner over
+        """Start ranks 1..M-1 (each loads its shard of the model) and rank 0's runner over
         a pool of ``kv_blocks`` blocks on every rank; the K/V moves as whole heads."""
         mc = self.model_config
         dtype = getattr(torch, self.info.dtype)
