@@ -247,8 +247,9 @@ class EngineConfig:
     aligned_decode_lane: str = opt(
         "auto", "CUDA, aligned fast path: the lane kernel's query tile and launch for "
                 "decode rows, BLOCK_M:NUM_WARPS:NUM_STAGES ('': the lane's own; auto: 16:2:3 "
-                "with dot sums, else the lane's own). Without dot sums only some tiles keep "
-                "the lane's bits (bench_kernels' lane sweep)")
+                "with dot sums where a start-up probe finds it keeps the lane's bits at the "
+                "model's GQA group, else the lane's own). A tile that misses them only makes "
+                "windows roll back")
     lane_dot_sums: bool = opt(
         True, "CUDA: the lane kernel sums a row's probabilities over a tile as a matrix "
               "product with ones, so its bits do not depend on the query tile (decode rows "

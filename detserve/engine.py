@@ -32,6 +32,7 @@ from detserve.executor.gemm_classes import Alignment, auto_alignment
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import LaunchedBatch, ModelRunner
 from detserve.faults import FastPathFaults
+from detserve.kernels.config import DECODE_LANE_AUTO
 from detserve.lane import LanePass, LaneResult, LaneSegment
 from detserve.model.llama import LlamaModel
 from detserve.model.loader import ModelInfo, load_model
@@ -112,6 +113,9 @@ class LLMEngine:
             config, self.alignment.chunk if self.alignment else
             config.lane_gemm_rows if sc.uses_lane else 0,
             portable_products=self.alignment.portable if self.alignment else False)
+        if self.alignment is not None:
+            self.numerics = replace(self.numerics,
+                                    aligned_decode_lane=self._decode_lane(dtype))
         self.runner = make_runner(self.model, self.pool, self.numerics, self.alignment,
                                   self._workers)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -166,6 +170,32 @@ class LLMEngine:
         log.info("alignment probed over %d product shapes in %.1f s: lane chunk %d",
                  len(weights), time.perf_counter() - t0, got.chunk)
         return got
+
+    def _decode_lane(self, dtype: torch.dtype) -> str:
+        """The aligned decode rows' query tile on this GPU (``aligned_decode_lane``,
+        resolved): "auto" takes ``DECODE_LANE_AUTO`` where the lane sums with dots and a
+        start-up probe at this model's head geometry finds that its decode rows get the
+        lane's bits, else the lane's own tile (""). An explicit tile is kept; where the probe
+        finds other bits a warning says that its aligned windows will roll back."""
+        num = self.numerics
+        spec, lane, decode = num.aligned_decode_lane, num.lane_attention, num.decode_attention
+        if decode == lane:
+            return "" if spec == "auto" else spec
+        from detserve.kernels.lane_attention import decode_tile_keeps_bits  # (CUDA only)
+
+        mc = self.model.config
+        t0 = time.perf_counter()
+        same = decode_tile_keeps_bits(lane, decode, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                                      self.config.cache.block_size, dtype, self.config.device)
+        log.info("decode tile %s probed in %.1f s: %s the lane's bits at %d query heads per "
+                 "kv head", spec, time.perf_counter() - t0, "keeps" if same else "misses",
+                 mc.num_heads // mc.num_kv_heads)
+        if spec != "auto":
+            if not same:
+                log.warning("aligned_decode_lane %s gives decode rows other bits than the "
+                            "lane here: windows will roll back", spec)
+            return spec
+        return DECODE_LANE_AUTO if same else ""
 
     @staticmethod
     def _default_verifier_factory(config: EngineConfig) -> Callable[[ModelRunner], Verifier]:

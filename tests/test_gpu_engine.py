@@ -323,6 +323,33 @@ def test_aligned_decode_lane_config_keeps_dvr_equal_to_lane_only(model: str) -> 
         e.close()
 
 
+def test_auto_decode_tile_is_probed_at_the_models_gqa_group(model: str) -> None:
+    """``aligned_decode_lane`` "auto" resolves at start-up: the 16-slot tile at the module
+    model's group of 4, the lane's own tile at a group of 8 (the 70B shape's, where the
+    16-slot tile gave decode rows other bits and most windows rolled back), where a lone
+    deterministic request then verifies every window and equals lane_only. An explicit
+    tile is kept."""
+    from detserve.kernels.config import DECODE_LANE_AUTO
+
+    _, _, four = run_engine(model, _reqs(det=True)[:2], **CUDA)
+    assert four.numerics.aligned_decode_lane == DECODE_LANE_AUTO
+    eight = tiny_model(hidden_size=1024, intermediate_size=512, num_heads=8, num_kv_heads=1,
+                       num_layers=2)
+    req = [Req(random_prompts(1, [300], seed=9)[0],
+               SamplingParams(max_tokens=120, is_deterministic=True, logprobs=1,
+                              temperature=0.7, seed=3, ignore_eos=True))]
+    oracle, _, o = run_engine(eight, req, mode="lane_only", window=16, group=1, **CUDA)
+    dvr, stats, eng = run_engine(eight, req, window=16, group=1, max_num_seqs=1, **CUDA)
+    assert eng.numerics.aligned_decode_lane == ""
+    assert eng.runner.decode_attn == eng.runner.lane_attn
+    assert stats["windows"] >= 7 and stats["rollbacks"] == 0
+    assert signature(dvr[0]) == signature(oracle[0])
+    _, _, kept = run_engine(eight, req, aligned_decode_lane=DECODE_LANE_AUTO, **CUDA)
+    assert kept.numerics.aligned_decode_lane == DECODE_LANE_AUTO
+    for e in (four, o, eng, kept):
+        e.close()
+
+
 UNFUSED = {"fused_silu_mul": False, "fused_add_rmsnorm": False}
 
 

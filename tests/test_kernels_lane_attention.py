@@ -16,8 +16,9 @@ pytest.importorskip("triton")
 import kernel_helpers as kt  # noqa: E402
 from kernel_suite import interp, interpreter_suite, needs_cuda  # noqa: E402
 
-from detserve.kernels.config import LaneConfig  # noqa: E402
+from detserve.kernels.config import LaneConfig, lane_variant  # noqa: E402
 from detserve.kernels.lane_attention import (  # noqa: E402
+    decode_tile_keeps_bits,
     default_rows_per_program,
     lane_attention,
     lane_attention_ref,
@@ -294,3 +295,45 @@ def test_dot_sums_give_every_query_tile_the_same_bits_gpu() -> None:
                              [(16, 4), (32, 4), (16, 1), (32, 2), (16, 2), (128, 8)], 64)
     check_row_invariance(*GPU, 32, 8, 128, 16, [2000, 77, 4096, 513], 200,
                          LaneConfig(dot_sums=True))
+
+
+@interp
+def test_decode_tile_probe_answers_both_ways_interp() -> None:
+    """The start-up probe of the decode rows' tile: a tile with dot sums keeps the lane's
+    bits here; the control, plain sums (other bits, as the test above shows), is caught."""
+    lane = LaneConfig(tile=16, span=64, block_m=32, dot_sums=True)
+    tile16 = dataclasses.replace(lane, block_m=16, num_warps=2)
+    assert decode_tile_keeps_bits(lane, tile16, 6, 2, 32, 8, torch.float32, "cpu")
+    plain = dataclasses.replace(tile16, dot_sums=False)
+    assert not decode_tile_keeps_bits(lane, plain, 6, 2, 32, 8, torch.float32, "cpu")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("h,hkv", [(32, 8), (48, 8), (64, 8), (16, 2), (128, 8)])
+def test_decode_tile_probe_gpu(h: int, hkv: int) -> None:
+    """At the 8B (group 4) and 70B (group 8, TP 1 and 4) head geometries and at group 16:
+    the engine's resolved decode tile (the auto tile where the probe passes it, else the
+    lane's own) gives decode rows the lane's bits on an input other than the probe's. On
+    an H200 the auto tile kept them at groups 4 and 6 and missed them at 8 and 16."""
+    lane = LaneConfig(dot_sums=True)
+    auto = lane_variant(lane, "auto")
+    keeps = decode_tile_keeps_bits(lane, auto, h, hkv, 128, 16, torch.bfloat16, "cuda")
+    chosen = auto if keeps else lane
+    tile = lane.tile
+    lens = [5 * tile + 9, 77, lane.span + 3 * tile + 1]
+    kv = kt.make_paged_kv(lens, hkv, 128, 16, dtype=torch.bfloat16, device="cuda", seed=61)
+    pairs = [(s, p) for s, n in enumerate(lens) for p in range(0, n, 7)]
+    seq = _i32([x[0] for x in pairs], "cuda")
+    pos = _i32([x[1] for x in pairs], "cuda")
+    q = kt.randn(len(pairs), h, 128, dtype=torch.bfloat16, device="cuda", seed=62)
+
+    def call(cfg: LaneConfig, rpp: int | None) -> torch.Tensor:
+        return lane_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, seq, pos, cfg=cfg,
+                              rows_per_program=rpp)
+
+    ref = call(lane, None)
+    assert kt.bitwise_equal(call(chosen, 1), ref)
+    # the probe's verdict holds on this input too (a probe that passed a tile missing the
+    # lane's bits, or failed one keeping them, shows here)
+    assert kt.bitwise_equal(call(auto, 1), ref) == keeps

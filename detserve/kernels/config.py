@@ -101,11 +101,14 @@ class LaneConfig:
     full_tiles: bool = True
     # A row's sum of probabilities over a tile as a matrix product with ones (of the
     # probabilities as they multiply V) instead of ``tl.sum``: *bits*. The product's order
-    # does not depend on how the warps split the tile, so every block_m and num_warps gives
-    # a row the same bits (tests/test_kernels_lane_attention.py), and the fast path's decode rows
-    # take a query tile and a one-row kernel of their own (``_lane_decode_kernel``,
-    # ``EngineConfig.aligned_decode_lane``) as fast as split-KV, with the lane's bits.
-    # False: ``tl.sum``, whose bits hold only for tiles whose warps own whole rows
+    # does not depend on how the warps split the tile, so at GQA groups of 4 and 6 every
+    # block_m and num_warps gives a row the same bits (tests/test_kernels_lane_attention.py),
+    # and the fast path's decode rows take a query tile and a one-row kernel of their own
+    # (``_lane_decode_kernel``, ``EngineConfig.aligned_decode_lane``) as fast as split-KV,
+    # with the lane's bits. At groups of 8 and 16, tiles under 64 slots gave other bits on
+    # an H200, so the engine probes the decode tile at start-up
+    # (``lane_attention.decode_tile_keeps_bits``). False: ``tl.sum``, whose bits hold only
+    # for tiles whose warps own whole rows
     dot_sums: bool = True
     # Positions [k*span, (k+1)*span) of a row's context reduce in a program of their own,
     # the spans' states then merged in order: *bits* for rows past the first span. Fixed by
@@ -123,8 +126,8 @@ class LaneConfig:
 
 
 # the decode rows' query tile and launch with dot sums ("auto"): the fastest one-row tile
-# `bench_lane_decode` found (docs/benchmarks/gpu/2026-11-26-kernels3 has the figures).
-# Every tile gives the same bits (dot sums)
+# `bench_lane_decode` found (docs/benchmarks/gpu/2026-11-26-kernels3 has the figures), taken
+# where the engine's start-up probe finds that it keeps the lane's bits
 DECODE_LANE_AUTO = "16:2:3"
 
 

@@ -265,8 +265,9 @@ def _lane_decode_kernel(
 ):
     """``_lane_kernel`` for one row per program (the fast path's decode rows): one program
     per (row, kv head, span), its query tile the row's GROUP heads padded to BLOCK_M slots,
-    its tile loop at the top level. The same tile steps with dot sums, whose bits do not
-    depend on the query tile, so a slot gets the generic kernel's bits."""
+    its tile loop at the top level. The same tile steps with dot sums, whose bits should not
+    depend on the query tile; a slot gets the generic kernel's bits where
+    ``decode_tile_keeps_bits`` finds it (not at every tile for groups of 8 and 16)."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     span = tl.program_id(2)
@@ -453,3 +454,38 @@ def lane_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables
         scores = torch.einsum("hd,nhd->hn", q[r].float(), k) * s
         out[r] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(q.dtype)
     return out
+
+
+def decode_tile_keeps_bits(lane: LaneConfig, decode: LaneConfig, num_heads: int,
+                           num_kv_heads: int, head_dim: int, page: int, dtype: torch.dtype,
+                           device: str | torch.device, seed: int = 0) -> bool:
+    """Whether decode rows (one per program, ``decode``'s query tile and launch) get the
+    bits the lane gives them (``lane``, rows several per program), on a random probe at
+    this head geometry: windows' rows and strided positions of sequences that end inside
+    a tile, on a tile boundary and past the first span.
+
+    With dot sums the tile should not matter, and at GQA groups of 4 or 6 it does not; at
+    groups of 8 and 16 query tiles under 64 slots gave other bits on an H200 (docs/
+    benchmarks/gpu/2026-11-28-i-h200), so the one-row tile is probed, not assumed."""
+    lens = [3 * lane.tile + 5, 40, 2 * lane.tile, lane.span + lane.tile + 3]
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [cdiv(n, page) for n in lens]
+    width = max(blocks)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    start = 1  # block 0 stays unused, as the engine's scratch block
+    for s, nb in enumerate(blocks):
+        tables[s, :nb] = torch.arange(start, start + nb, dtype=torch.int32)
+        start += nb
+    shape = (start, page, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    v_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    rows = [(s, p) for s, n in enumerate(lens) for p in range(max(0, n - 9), n)]
+    rows += [(s, p) for s, n in enumerate(lens) for p in range(0, n, 23)]
+    seq = torch.tensor([r[0] for r in rows], dtype=torch.int32, device=device)
+    pos = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=device)
+    q = torch.randn(len(rows), num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    tables = tables.to(device)
+    ref = lane_attention(q, k_cache, v_cache, tables, seq, pos, cfg=lane)
+    one_row = lane_attention(q, k_cache, v_cache, tables, seq, pos, cfg=decode,
+                             rows_per_program=1)
+    return torch.equal(ref.view(torch.uint8), one_row.view(torch.uint8))  # bits, -0.0 too
