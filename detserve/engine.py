@@ -77,10 +77,12 @@ class LLMEngine:
         if verifier_factory or kv_storage:
             config.check_outside_lane()
         dtype = getattr(torch, config.dtype)
-        if config.device.startswith("cuda"):
+        device = torch.device(config.device)
+        if device.type == "cuda" and device.index is not None:
             # Triton launches on the thread's current device: the engine's is its own (an
-            # engine on cuda:1 failed its alignment probe's first Triton product otherwise)
-            torch.cuda.set_device(config.device)
+            # engine on cuda:1 failed its alignment probe's first Triton product otherwise);
+            # plain "cuda" is the current device already
+            torch.cuda.set_device(device)
         # at TP > 1 rank 0 loads only its shard (``loaded``, if given, may be the whole model)
         self.model, self.tokenizer, self.model_info = loaded or load_model(
             config.model, dtype=dtype, device=config.device,

@@ -85,13 +85,14 @@ def test_ordinary_lane_is_deterministic_but_not_tp1s(model: str, tp: int) -> Non
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_nondeterministic_follows_tp1(model: str, tp: int) -> None:
     """The ordinary mode at TP=2 and 4 computes TP=1's function: greedy logprobs of the
-    first token agree within bf16 noise."""
+    first token agree within bf16 noise. The TP engine is given plain "cuda" (no index, as
+    ``--device cuda`` gives it): its ranks start from cuda:0."""
     reqs = [Req(r.prompt, SamplingParams(max_tokens=1, logprobs=1), r.arrival)
             for r in _reqs()]
     one, _, eng = run_engine(model, reqs, mode="nondeterministic", **CUDA)
     eng.close()
     two, _, eng = run_engine(model, reqs, mode="nondeterministic", tensor_parallel_size=tp,
-                             **CUDA)
+                             **{**CUDA, "device": "cuda"})
     eng.close()
     for a, b in zip(one, two, strict=True):
         assert a.logprobs and b.logprobs

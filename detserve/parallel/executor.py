@@ -176,7 +176,7 @@ class Workers:
             if self._receive(rank, pipe) != "joining":
                 raise AssertionError("unreachable: _receive raises on anything else")
         joined: list[tuple[Group, Group, list[PeerSum]] | BaseException] = []
-        device = config.device
+        device = rank_device(config.device, 0)  # ("cuda" names no index: cuda:0, as the ranks')
 
         def join() -> tuple[Group, Group, list[PeerSum]]:
             # a new thread's current device is the first one: rank 0 may be another (a TP
