@@ -28,19 +28,20 @@ import torch
 from detserve.block_manager import BlockManager
 from detserve.config import LANE_WAIT_STEPS, EngineConfig
 from detserve.executor.attention import RowSegment
-from detserve.executor.gemm_classes import Alignment, auto_alignment
+from detserve.executor.gemm_classes import Alignment, auto_alignment, shared_chunk
 from detserve.executor.kv_pool import KVPool
 from detserve.executor.runner import LaunchedBatch, ModelRunner
 from detserve.faults import FastPathFaults
 from detserve.kernels.config import DECODE_LANE_AUTO
 from detserve.lane import LanePass, LaneResult, LaneSegment
 from detserve.model.llama import LlamaModel
-from detserve.model.loader import ModelInfo, load_model
+from detserve.model.loader import ModelInfo, load_model, read_model_config
 from detserve.model.tokenizer import Tokenizer
 from detserve.numerics import LaneNumerics, device_kind
 from detserve.output_processor import OutputProcessor
 from detserve.outputs import RequestOutput
 from detserve.parallel.executor import make_runner, tensor_parallel_model
+from detserve.parallel.layout import invariant_sizes, product_shapes
 from detserve.parallel.shard import rank_weights
 from detserve.params import SamplingParams
 from detserve.request import SeedPolicy, new_sequence, prompt_ids
@@ -166,7 +167,17 @@ class LLMEngine:
         weights = self.model.gemm_weights()
         step_rows = [sc.max_num_batched_tokens] * (len(weights) - 1) + [sc.max_num_seqs]
         t0 = time.perf_counter()
-        got = auto_alignment(weights, full, sc.lane_rows, c.lane_gemm_rows,
+        chunk = c.lane_gemm_rows
+        if not chunk and c.tp_invariant_lane and not c.portable_lane:
+            # the same rows per lane product at every TP size, or no TP invariance (portable
+            # products have the Triton kernel's bits at any chunk)
+            whole = read_model_config(c.model)
+            sizes = invariant_sizes(whole)
+            shapes = [s for t in sizes for s in product_shapes(whole, t, True)]
+            biased = [s for t in sizes for s in product_shapes(whole, t, False)[0::5]]
+            chunk = shared_chunk(shapes, full, sc.lane_rows, c.device, self.model.dtype,
+                                 biased if whole.attention_bias else ())
+        got = auto_alignment(weights, full, sc.lane_rows, chunk,
                              step_rows if c.probe_single_calls else (),
                              self.model.gemm_biases(), portable=c.portable_lane)
         log.info("alignment probed over %d product shapes in %.1f s: lane chunk %d",

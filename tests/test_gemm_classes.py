@@ -260,6 +260,26 @@ def test_auto_alignment_probes_the_products(monkeypatch: pytest.MonkeyPatch) -> 
     assert auto_alignment([torch.randn(16, 8)], 32, 64, chunk=8).buckets == (1, 2, 4, 8, 16, 24, 32)
 
 
+def test_shared_chunk_is_planned_from_every_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``shared_chunk`` (the TP-invariant lane's): the chunk ``auto_alignment`` plans for
+    real weights of the given shapes, probed on stand-ins of those shapes, so engines whose
+    own shapes differ (TP sizes) but that pass the same shapes get one chunk. Planned from
+    one shape alone, as an engine at another TP size would, the chunk differs here."""
+    import detserve.executor.gemm_classes as gc
+
+    def fake(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        out = x[:, :1] * w[:, 0]  # elementwise: exact at every M
+        limit = 40 if w.shape[0] == 16 else 24  # each shape switches algorithm elsewhere
+        return out + 1e-3 if x.shape[0] > limit else out
+
+    monkeypatch.setattr(gc.F, "linear", fake)
+    shapes = [(16, 8), (24, 8)]
+    both = gc.shared_chunk(shapes + shapes[::-1], 32, 64, "cpu", torch.float32)
+    assert both == auto_alignment([torch.randn(*s) for s in shapes], 32, 64).chunk
+    alone = auto_alignment([torch.randn(24, 8)], 32, 64).chunk
+    assert alone != both
+
+
 def test_head_padded_ops_split_the_decode_rows_from_the_rest() -> None:
     """Eager fast steps: the leading decode rows' products run as one call of the padded
     size, the prefill rows as another; the values are unchanged."""

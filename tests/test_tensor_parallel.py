@@ -13,6 +13,7 @@ import torch
 from engine_utils import as_tokens, random_prompts, signature, tiny_model
 
 from detserve.config import EngineConfig
+from detserve.distributed import Group
 from detserve.executor.ops import TorchOps
 from detserve.executor.runner import PaddedProductOps
 from detserve.llm import LLM
@@ -21,7 +22,7 @@ from detserve.model.loader import load_model
 from detserve.numerics import LaneNumerics
 from detserve.outputs import RequestOutput
 from detserve.parallel.executor import TensorParallelError
-from detserve.parallel.layout import TPLayout, cut, tree_leaves
+from detserve.parallel.layout import TPLayout, cut, invariant_sizes, product_shapes, tree_leaves
 from detserve.parallel.shard import leaf_columns, leaf_gate_up, shard_model, tree_sum
 from detserve.params import SamplingParams
 
@@ -212,6 +213,43 @@ def test_the_alignment_probe_sees_the_trees_leaf_products() -> None:
     assert len(local.gemm_biases()) == len(shapes)
     untreed = shard_model(model, TPLayout(model.config, 1, 0), None, tree=False)
     assert [tuple(w.shape) for w in untreed.gemm_weights()] == plain
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (9, 3)])
+def test_product_shapes_are_every_ranks_gemm_weights(heads: tuple[int, int]) -> None:
+    """``layout.product_shapes``, which the TP-invariant lane's shared chunk is probed on
+    (so that its lane products run the same rows per call at TP 1, 2 and 4): at each TP
+    size, exactly the shapes of the ranks' ``gemm_weights`` with the tree's leaves, for
+    even heads and for SmolLM2's uneven 9 heads in 3 groups."""
+    h, kv = heads
+    model, _, _ = load_model(tiny_model(hidden_size=16 * h, num_heads=h, num_kv_heads=kv),
+                             dtype="float32")
+    assert invariant_sizes(model.config) == [1, 2, 4]
+    for size in (1, 2, 4):
+        # (each rank's shard as its engine builds it; no collective runs here, so the
+        # groups carry no process group)
+        ranks = [shard_model(model, TPLayout(model.config, size, r),
+                             Group("gloo", r, size, None, 1.0, torch.device("cpu"))
+                             if size > 1 else None, tree=True)
+                 for r in range(size)]
+        got = {tuple(w.shape) for m in ranks for w in m.gemm_weights()}
+        assert got == set(product_shapes(model.config, size, True)), size
+
+
+def test_product_shapes_of_the_70b_shape() -> None:
+    """The 70B shape's products as its engines ran them on GPUs (their probed shapes): at
+    TP=4 qkv 2,560 x 8,192, gate/up 14,336 x 8,192, lm_head 32,064 x 8,192, leaves (= the
+    rank's o and down) 8,192 x 2,048 and 8,192 x 7,168; at TP=1 the whole products and the
+    same leaves. The model is too large to load here: the shapes come from its config."""
+    from detserve.model.random_init import shape_config
+
+    c = shape_config("llama3-70b")
+    assert invariant_sizes(c) == [1, 2, 4]
+    assert set(product_shapes(c, 4, True)) == {(2560, 8192), (8192, 2048), (14336, 8192),
+                                               (8192, 7168), (32064, 8192)}
+    assert set(product_shapes(c, 1, True)) == {(10240, 8192), (8192, 8192), (57344, 8192),
+                                               (8192, 28672), (128256, 8192), (8192, 2048),
+                                               (8192, 7168)}
 
 
 # ---- engines at TP=1 and TP=2 -------------------------------------------------------

@@ -25,7 +25,7 @@ from detserve.executor.ops import run_in_row_chunks
 __all__ = ["Alignment", "auto_alignment", "decode_buckets", "equals_portable_kernel",
            "joint_classes", "lane_call_sizes",
            "probe_lane_one_calls", "plan_alignment", "plan_product_pads", "probe_sizes",
-           "row_classes", "single_call_sizes",
+           "row_classes", "shared_chunk", "single_call_sizes",
            "smallest_at_least"]
 
 
@@ -325,3 +325,28 @@ def auto_alignment(weights: Sequence[Tensor], full_batch: int, lane_rows: int,
             single[key] = single[key] & got if key in single else got
     return Alignment(plan.chunk, plan.buckets, single, plan.pads,
                      portable=gives_portable_bits(plan.chunk))
+
+
+def shared_chunk(shapes: Iterable[tuple[int, int]], full_batch: int, lane_rows: int,
+                 device: str | torch.device, dtype: torch.dtype,
+                 biased: Iterable[tuple[int, int]] = ()) -> int:
+    """The lane chunk planned (``plan_alignment``) from the joint row classes of products
+    of the given (N, K) ``shapes`` (``biased``: those the model adds a bias to), probed on
+    stand-in weights: a class follows the product's shape, not its values. Every engine
+    that passes the same shapes and sizes gets the same chunk on this GPU, whatever its own
+    shapes: the TP-invariant lane passes the shapes of every TP size it spans, so that its
+    products run the same rows per call at each (the chunk planned from a rank's own
+    shapes differed: 256 rows at TP 1 and 2, 176 at TP 4 for the 70B shape)."""
+    sizes = probe_sizes(full_batch, lane_rows)
+    with_bias = set(biased)
+    gen = torch.Generator(device=device).manual_seed(0)
+    per_weight = []
+    for n, k in sorted(set(shapes)):
+        w = torch.randn(n, k, generator=gen, device=device, dtype=dtype)
+        b = (torch.randn(n, generator=gen, device=device, dtype=dtype)
+             if (n, k) in with_bias else None)
+        per_weight.append(row_classes(w, sizes, bias=b))
+        del w, b
+    plan = plan_alignment(joint_classes(per_weight), full_batch, lane_rows,
+                          decode_buckets(full_batch))
+    return plan.chunk

@@ -96,3 +96,37 @@ class TPLayout:
         first = cut(n, self.size, self.rank)[0]
         return [(a - first, b - first)
                 for a, b in (cut(n, total, j) for j in range(self.rank * per, (self.rank + 1) * per))]
+
+
+def product_shapes(config: ModelConfig, size: int, leaves: bool) -> list[tuple[int, int]]:
+    """(N, K) of every matrix product the ranks of TP ``size`` run (``LlamaModel``'s fused
+    qkv, o, gate/up, down and lm_head weights of each rank's shard), with ``leaves`` also
+    the row-parallel products' tree leaves: the shapes whose cuBLAS row classes decide the
+    lane chunk (``gemm_classes.shared_chunk``)."""
+    out: list[tuple[int, int]] = []
+    for rank in range(size):
+        layout = TPLayout(config, size, rank)
+        c = layout.local_config()
+        hidden, d = c.hidden_size, c.head_dim
+        lo, hi = layout.vocab
+        out += [((c.num_heads + 2 * c.num_kv_heads) * d, hidden), (hidden, c.num_heads * d),
+                (2 * c.intermediate_size, hidden), (hidden, c.intermediate_size),
+                (hi - lo, hidden)]
+        if leaves:
+            out += [(hidden, (b - a) * d) for a, b in layout.leaves(config.num_heads)]
+            out += [(hidden, b - a) for a, b in layout.leaves(config.intermediate_size)]
+    return out
+
+
+def invariant_sizes(config: ModelConfig) -> list[int]:
+    """The TP sizes the TP-invariant lane spans for this model: those dividing the leaf
+    count that its heads, MLP columns and vocabulary split over."""
+    out = []
+    for size in range(1, INVARIANT_LEAVES + 1):
+        if INVARIANT_LEAVES % size == 0:
+            try:
+                TPLayout(config, size, 0)
+            except ValueError:
+                continue
+            out.append(size)
+    return out
