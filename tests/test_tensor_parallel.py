@@ -198,18 +198,23 @@ def test_padded_leaf_products_take_each_leafs_own_activation() -> None:
 
 def test_the_alignment_probe_sees_the_trees_leaf_products() -> None:
     """With the tree, the lane and the fast path's aligned rows multiply each row-parallel
-    weight leaf by leaf: the start-up alignment probe must see those shapes too (unprobed,
+    weight leaf by leaf and each column-parallel one block by block (the lm_head in every
+    mode): the start-up alignment probe must see those shapes too (unprobed,
     cuBLAS may give a leaf other bits at the fast path's row counts than at the lane's; on
     GPUs the invariant lane recomputed 35-73 % of the decoded tokens at TP 1 and 2, none at
-    TP=4, where a leaf is a rank's whole weight). The lm_head stays last; biases line up."""
+    TP=4, where a leaf is a rank's whole weight). The lm_head's block stays last; biases
+    line up."""
     model, _, _ = load_model(tiny_model(), dtype="float32")
     plain = [tuple(w.shape) for w in model.gemm_weights()]
     local = shard_model(model, TPLayout(model.config, 1, 0), None, tree=True)
     shapes = [tuple(w.shape) for w in local.gemm_weights()]
     c = model.config
     o_leaf, down_leaf = (c.hidden_size, c.q_size // 4), (c.hidden_size, c.intermediate_size // 4)
-    assert shapes[:4] == plain[:4] and shapes[-1] == plain[-1]
-    assert shapes[4:-1] == [o_leaf, down_leaf]
+    q_block, kv_head = (c.q_size // 4, c.hidden_size), (c.head_dim, c.hidden_size)
+    mlp_block, vocab_block = (c.intermediate_size // 4, c.hidden_size), (c.vocab_size // 4,
+                                                                          c.hidden_size)
+    assert shapes[:4] == plain[:4] and shapes[-1] == vocab_block
+    assert set(shapes[4:-1]) == {o_leaf, down_leaf, q_block, kv_head, mlp_block}
     assert len(local.gemm_biases()) == len(shapes)
     untreed = shard_model(model, TPLayout(model.config, 1, 0), None, tree=False)
     assert [tuple(w.shape) for w in untreed.gemm_weights()] == plain
@@ -237,19 +242,22 @@ def test_product_shapes_are_every_ranks_gemm_weights(heads: tuple[int, int]) -> 
 
 
 def test_product_shapes_of_the_70b_shape() -> None:
-    """The 70B shape's products as its engines ran them on GPUs (their probed shapes): at
-    TP=4 qkv 2,560 x 8,192, gate/up 14,336 x 8,192, lm_head 32,064 x 8,192, leaves (= the
-    rank's o and down) 8,192 x 2,048 and 8,192 x 7,168; at TP=1 the whole products and the
-    same leaves. The model is too large to load here: the shapes come from its config."""
+    """The 70B shape's products under the tree: at TP=4 the rank's qkv 2,560 x 8,192,
+    gate/up 14,336 x 8,192 and o / down 8,192 x 2,048 / 7,168 (on GPUs, the shapes its
+    engines probed), and the blocks every TP size runs: query heads 2,048, one K/V head
+    128, gate or up 7,168, vocabulary 32,064 rows; at TP=1 the whole products beside the
+    same blocks and leaves, and no whole lm_head (its logits run in blocks). The model is
+    too large to load here: the shapes come from its config."""
     from detserve.model.random_init import shape_config
 
     c = shape_config("llama3-70b")
     assert invariant_sizes(c) == [1, 2, 4]
-    assert set(product_shapes(c, 4, True)) == {(2560, 8192), (8192, 2048), (14336, 8192),
-                                               (8192, 7168), (32064, 8192)}
+    blocks = {(8192, 2048), (8192, 7168), (2048, 8192), (128, 8192), (7168, 8192),
+              (32064, 8192)}
+    assert set(product_shapes(c, 4, True)) == {(2560, 8192), (14336, 8192), *blocks}
     assert set(product_shapes(c, 1, True)) == {(10240, 8192), (8192, 8192), (57344, 8192),
-                                               (8192, 28672), (128256, 8192), (8192, 2048),
-                                               (8192, 7168)}
+                                               (8192, 28672), *blocks}
+    assert (128256, 8192) in product_shapes(c, 1, False)
 
 
 # ---- engines at TP=1 and TP=2 -------------------------------------------------------

@@ -62,6 +62,16 @@ class Parallel(Protocol):
         top levels are the TP split: the same bits at every TP size)."""
         ...
 
+    def column_linear(self, ops: Ops, x: Tensor, weight: Tensor, bias: Tensor | None,
+                      reduce: RowReduce) -> Tensor:
+        """A column-parallel product (qkv, gate/up; the lm_head with ``reduce`` "tree"
+        always): this rank's output columns. "tree": in the column blocks the ranks of the
+        largest TP size the tree spans would hold (leaves of heads and MLP columns, each
+        K/V head, vocabulary leaves), so that every output column comes from a call of the
+        same shape at every TP size (cuBLAS picks its algorithm, split-K included, from the
+        call's shape)."""
+        ...
+
     def mlp_down(self, ops: Ops, gate_up: Tensor, weight: Tensor, reduce: RowReduce) -> Tensor:
         """``row_linear`` of ``ops.silu_mul`` of this rank's [gate | up] columns; "tree":
         leaf by leaf of down_proj's K, so each activation element is computed in a tensor of
@@ -74,8 +84,14 @@ class Parallel(Protocol):
         ...
 
     def leaf_weights(self, weights: Sequence[Tensor]) -> list[Tensor]:
-        """One weight of each product shape the "tree" sums run for ``weights`` (the K
-        leaves of row-parallel ones) that ``weights`` do not already have."""
+        """One weight of each product shape the "tree" runs for ``weights`` (the K leaves
+        of row-parallel ones, the column blocks of column-parallel ones) that ``weights``
+        do not already have."""
+        ...
+
+    def vocab_block(self, weight: Tensor) -> Tensor:
+        """The lm_head ``weight`` as one logits call multiplies it (its first vocabulary
+        block under the tree, else itself)."""
         ...
 
 
@@ -173,7 +189,8 @@ class LlamaModel(nn.Module):
             return ops.rmsnorm(h, self.norm, c.rms_norm_eps)
         x = ops.rmsnorm(h, layers[0].input_norm, c.rms_norm_eps)
         for i, layer in enumerate(layers):
-            qkv = ops.linear(x, layer.qkv_proj, layer.qkv_bias)
+            qkv = (ops.linear(x, layer.qkv_proj, layer.qkv_bias) if tp is None
+                   else tp.column_linear(ops, x, layer.qkv_proj, layer.qkv_bias, tp_reduce))
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = q.reshape(n, c.num_heads, c.head_dim)
             k = k.reshape(n, c.num_kv_heads, c.head_dim)
@@ -183,7 +200,8 @@ class LlamaModel(nn.Module):
             o = attention(i, q, k, v).reshape(n, c.q_size)
             h, x = ops.add_rmsnorm(h, row_linear(o, layer.o_proj), layer.post_norm,
                                    c.rms_norm_eps)
-            gate_up = ops.linear(x, layer.gate_up_proj)
+            gate_up = (ops.linear(x, layer.gate_up_proj) if tp is None
+                       else tp.column_linear(ops, x, layer.gate_up_proj, None, tp_reduce))
             mlp = (ops.linear(ops.silu_mul(gate_up), layer.down_proj) if tp is None
                    else tp.mlp_down(ops, gate_up, layer.down_proj, tp_reduce))
             # the next layer's input norm (the final norm after the last layer) on h + mlp
@@ -193,12 +211,17 @@ class LlamaModel(nn.Module):
 
     def gemm_weights(self) -> list[Tensor]:
         """One weight of every matrix-product shape the forward uses, then the lm_head's:
-        with the TP-invariant tree, also its leaves' (the lane and the fast path's aligned
-        rows multiply those)."""
+        with the TP-invariant tree, also its leaves' and column blocks' (the lane and the
+        fast path's aligned rows multiply those; the lm_head's last is its block)."""
         first = self.layer_list[0]
         layer: list[Tensor] = [first.qkv_proj, first.o_proj, first.gate_up_proj, first.down_proj]
-        leaves = self.parallel.leaf_weights(layer) if self.parallel is not None else []
-        return [*layer, *leaves, self.lm_head_weight]
+        tp = self.parallel
+        if tp is None:
+            return [*layer, self.lm_head_weight]
+        head = tp.vocab_block(self.lm_head_weight)
+        leaves = [w for w in tp.leaf_weights([*layer, self.lm_head_weight])
+                  if w.shape != head.shape]
+        return [*layer, *leaves, head]
 
     def gemm_biases(self) -> list[Tensor | None]:
         """The biases the forward adds to ``gemm_weights``' products (qkv's, if any)."""
@@ -207,8 +230,13 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: Tensor, ops: Ops) -> Tensor:
-        local = ops.linear(hidden, self.lm_head_weight).float()
-        return local if self.parallel is None else self.parallel.vocab_logits(local)
+        tp = self.parallel
+        if tp is None:
+            return ops.linear(hidden, self.lm_head_weight).float()
+        # in the tree's vocabulary blocks wherever the model has them (every mode: a few
+        # calls instead of one, and the aligned rows' logits need no mode of their own)
+        return tp.vocab_logits(tp.column_linear(ops, hidden, self.lm_head_weight, None,
+                                                "tree").float())
 
     @torch.inference_mode()
     def load_weights(self, weights: Iterable[tuple[str, Tensor]],

@@ -100,9 +100,11 @@ class TPLayout:
 
 def product_shapes(config: ModelConfig, size: int, leaves: bool) -> list[tuple[int, int]]:
     """(N, K) of every matrix product the ranks of TP ``size`` run (``LlamaModel``'s fused
-    qkv, o, gate/up, down and lm_head weights of each rank's shard), with ``leaves`` also
-    the row-parallel products' tree leaves: the shapes whose cuBLAS row classes decide the
-    lane chunk (``gemm_classes.shared_chunk``)."""
+    qkv, o, gate/up and down weights of each rank's shard, and its lm_head's), with
+    ``leaves`` the TP-invariant tree's too: the row-parallel products' K leaves, the
+    column blocks (``shard.column_blocks``) and the vocabulary blocks, which then replace
+    the whole lm_head. The shapes whose cuBLAS row classes decide the lane chunk
+    (``gemm_classes.shared_chunk``)."""
     out: list[tuple[int, int]] = []
     for rank in range(size):
         layout = TPLayout(config, size, rank)
@@ -110,11 +112,16 @@ def product_shapes(config: ModelConfig, size: int, leaves: bool) -> list[tuple[i
         hidden, d = c.hidden_size, c.head_dim
         lo, hi = layout.vocab
         out += [((c.num_heads + 2 * c.num_kv_heads) * d, hidden), (hidden, c.num_heads * d),
-                (2 * c.intermediate_size, hidden), (hidden, c.intermediate_size),
-                (hi - lo, hidden)]
-        if leaves:
-            out += [(hidden, (b - a) * d) for a, b in layout.leaves(config.num_heads)]
-            out += [(hidden, b - a) for a, b in layout.leaves(config.intermediate_size)]
+                (2 * c.intermediate_size, hidden), (hidden, c.intermediate_size)]
+        if not leaves:
+            out.append((hi - lo, hidden))
+            continue
+        heads, mlp = layout.leaves(config.num_heads), layout.leaves(config.intermediate_size)
+        out += [(hidden, (b - a) * d) for a, b in heads]
+        out += [(hidden, b - a) for a, b in mlp]
+        out += [((b - a) * d, hidden) for a, b in heads] + [(d, hidden)]
+        out += [(b - a, hidden) for a, b in mlp]
+        out += [(b - a, hidden) for a, b in layout.leaves(config.vocab_size)]
     return out
 
 

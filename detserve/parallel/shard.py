@@ -85,6 +85,8 @@ class TensorParallel:
         self._vocab_starts = torch.tensor(starts[1:], dtype=torch.long, device=device)
         # id(weight) -> its leaves' K ranges and weights, in tree order
         self._leaves: dict[int, tuple[Ranges, list[Tensor]]] = {}
+        # id(weight) -> its column blocks' row ranges and weights (views), in output order
+        self._columns: dict[int, tuple[Ranges, list[Tensor]]] = {}
         self._peer_sums: dict[int, PeerSum] = {}  # id(group) -> its peer-load sum
 
     @property
@@ -126,7 +128,25 @@ class TensorParallel:
         leaves, K column ranges in tree order."""
         self._leaves[id(weight)] = (list(ranges), [weight[:, a:b].contiguous() for a, b in ranges])
 
+    def add_columns(self, weight: Tensor, ranges: Ranges) -> None:
+        """Run ``weight``'s (a column-parallel product's, [N_local, K]) "tree" products
+        as calls over these output row ranges (contiguous, in order, covering N_local)."""
+        self._columns[id(weight)] = (list(ranges), [weight[a:b] for a, b in ranges])
+
     # ---- llama.Parallel ----
+    def column_linear(self, ops: Ops, x: Tensor, weight: Tensor, bias: Tensor | None,
+                      reduce: RowReduce) -> Tensor:
+        blocks = self._columns.get(id(weight)) if reduce == "tree" else None
+        if blocks is None:
+            return ops.linear(x, weight, bias)
+        ranges, weights = blocks
+        return torch.cat([ops.linear(x, w, None if bias is None else bias[a:b])
+                          for (a, b), w in zip(ranges, weights, strict=True)], dim=-1)
+
+    def vocab_block(self, weight: Tensor) -> Tensor:
+        blocks = self._columns.get(id(weight))
+        return weight if blocks is None else blocks[1][0]
+
     def embed(self, table: Tensor, ids: Tensor) -> Tensor:
         if self.group is None:
             return table[ids]
@@ -181,7 +201,8 @@ class TensorParallel:
         shapes = {tuple(w.shape) for w in weights}
         out = []
         for w in weights:
-            for leaf in self._leaves.get(id(w), ((), []))[1]:
+            for leaf in [*self._leaves.get(id(w), ((), []))[1],
+                         *self._columns.get(id(w), ((), []))[1]]:
                 if tuple(leaf.shape) not in shapes:
                     shapes.add(tuple(leaf.shape))
                     out.append(leaf)
@@ -282,11 +303,31 @@ def shard_model(model: LlamaModel, layout: TPLayout, group: Group | None,
     if tree:
         heads = [(a * d, b * d) for a, b in layout.leaves(c.num_heads)]
         columns = layout.leaves(c.intermediate_size)
+        qkv, gate_up = column_blocks(layout)
         for layer in local.layer_list:
             parallel.add_leaves(layer.o_proj, heads)
             parallel.add_leaves(layer.down_proj, columns)
+            parallel.add_columns(layer.qkv_proj, qkv)
+            parallel.add_columns(layer.gate_up_proj, gate_up)
+        parallel.add_columns(local.lm_head_weight, layout.leaves(c.vocab_size))
     local.parallel = parallel
     return local
+
+
+def column_blocks(layout: TPLayout) -> tuple[Ranges, Ranges]:
+    """The tree's column blocks of a rank's fused qkv and gate/up weights (output rows):
+    its query heads by the tree's head leaves, then each local K and V head alone; its
+    gate then its up columns by the tree's MLP leaves. A block is what a rank of the
+    largest TP size the tree spans holds of that product (or, for K/V, a head of it), so
+    the same call shapes run at every TP size."""
+    c, d = layout.config, layout.config.head_dim
+    local = layout.local_config()
+    q = [(a * d, b * d) for a, b in layout.leaves(c.num_heads)]
+    q_size, kv = local.num_heads * d, local.num_kv_heads
+    k = [(q_size + i * d, q_size + (i + 1) * d) for i in range(kv)]
+    v = [(q_size + (kv + i) * d, q_size + (kv + i + 1) * d) for i in range(kv)]
+    mlp, inter = layout.leaves(c.intermediate_size), local.intermediate_size
+    return [*q, *k, *v], [*mlp, *((inter + a, inter + b) for a, b in mlp)]
 
 
 def cut_shard(model: LlamaModel, rank: RankWeights) -> LlamaModel:
