@@ -41,7 +41,7 @@ from detserve.numerics import LaneNumerics, device_kind
 from detserve.output_processor import OutputProcessor
 from detserve.outputs import RequestOutput
 from detserve.parallel.executor import make_runner, tensor_parallel_model
-from detserve.parallel.layout import invariant_sizes, product_shapes
+from detserve.parallel.layout import invariant_sizes, product_shapes, qkv_shapes
 from detserve.parallel.shard import rank_weights
 from detserve.params import SamplingParams
 from detserve.request import SeedPolicy, new_sequence, prompt_ids
@@ -174,7 +174,7 @@ class LLMEngine:
             whole = read_model_config(c.model)
             sizes = invariant_sizes(whole)
             shapes = [s for t in sizes for s in product_shapes(whole, t, True)]
-            biased = [s for t in sizes for s in product_shapes(whole, t, False)[0::5]]
+            biased = [s for t in sizes for s in qkv_shapes(whole, t, True)]
             chunk = shared_chunk(shapes, full, sc.lane_rows, c.device, self.model.dtype,
                                  biased if whole.attention_bias else ())
         got = auto_alignment(weights, full, sc.lane_rows, chunk,

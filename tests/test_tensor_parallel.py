@@ -22,7 +22,14 @@ from detserve.model.loader import load_model
 from detserve.numerics import LaneNumerics
 from detserve.outputs import RequestOutput
 from detserve.parallel.executor import TensorParallelError
-from detserve.parallel.layout import TPLayout, cut, invariant_sizes, product_shapes, tree_leaves
+from detserve.parallel.layout import (
+    TPLayout,
+    cut,
+    invariant_sizes,
+    product_shapes,
+    qkv_shapes,
+    tree_leaves,
+)
 from detserve.parallel.shard import leaf_columns, leaf_gate_up, shard_model, tree_sum
 from detserve.params import SamplingParams
 
@@ -218,6 +225,29 @@ def test_the_alignment_probe_sees_the_trees_leaf_products() -> None:
     assert len(local.gemm_biases()) == len(shapes)
     untreed = shard_model(model, TPLayout(model.config, 1, 0), None, tree=False)
     assert [tuple(w.shape) for w in untreed.gemm_weights()] == plain
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_qkv_blocks_are_probed_with_their_part_of_the_bias(size: int) -> None:
+    """A model with q/k/v biases (Qwen2's) under the tree: the alignment probe's query and
+    K/V blocks carry the rows of the qkv bias their product adds (a bias can change
+    cuBLAS's algorithm), and ``layout.qkv_shapes`` names exactly the biased shapes."""
+    model, _, _ = load_model(tiny_model(attention_bias=True), dtype="float32")
+    group = Group("gloo", 0, size, None, 1.0, torch.device("cpu")) if size > 1 else None
+    local = shard_model(model, TPLayout(model.config, size, 0), group, tree=True)
+    qkv, bias = local.layer_list[0].qkv_proj, local.layer_list[0].qkv_bias
+    assert bias is not None
+    k = qkv.shape[1]
+    biased = []
+    for w, b in zip(local.gemm_weights(), local.gemm_biases(), strict=True):
+        if b is None:
+            continue
+        first = (w.data_ptr() - qkv.data_ptr()) // (k * qkv.element_size())
+        assert torch.equal(b, bias[first:first + w.shape[0]])
+        biased.append(tuple(w.shape))
+    # qkv, then one query block and one K/V head (the same shape here: one head a block)
+    assert biased[0] == tuple(qkv.shape) and len(biased) == 2
+    assert set(biased) == set(qkv_shapes(model.config, size, True))
 
 
 @pytest.mark.parametrize("heads", [(4, 2), (9, 3)])

@@ -83,10 +83,11 @@ class Parallel(Protocol):
         """The logits of every token from this rank's vocabulary shard's (all-gathered)."""
         ...
 
-    def leaf_weights(self, weights: Sequence[Tensor]) -> list[Tensor]:
+    def leaf_weights(self, weights: Sequence[Tensor],
+                     biases: Sequence[Tensor | None]) -> list[tuple[Tensor, Tensor | None]]:
         """One weight of each product shape the "tree" runs for ``weights`` (the K leaves
         of row-parallel ones, the column blocks of column-parallel ones) that ``weights``
-        do not already have."""
+        do not already have, with the part of its weight's bias (``biases``) it adds."""
         ...
 
     def vocab_block(self, weight: Tensor) -> Tensor:
@@ -213,20 +214,25 @@ class LlamaModel(nn.Module):
         """One weight of every matrix-product shape the forward uses, then the lm_head's:
         with the TP-invariant tree, also its leaves' and column blocks' (the lane and the
         fast path's aligned rows multiply those; the lm_head's last is its block)."""
-        first = self.layer_list[0]
-        layer: list[Tensor] = [first.qkv_proj, first.o_proj, first.gate_up_proj, first.down_proj]
-        tp = self.parallel
-        if tp is None:
-            return [*layer, self.lm_head_weight]
-        head = tp.vocab_block(self.lm_head_weight)
-        leaves = [w for w in tp.leaf_weights([*layer, self.lm_head_weight])
-                  if w.shape != head.shape]
-        return [*layer, *leaves, head]
+        return [w for w, _ in self._gemm_products()]
 
     def gemm_biases(self) -> list[Tensor | None]:
-        """The biases the forward adds to ``gemm_weights``' products (qkv's, if any)."""
-        bias: Tensor | None = self.layer_list[0].qkv_bias
-        return [bias] + [None] * (len(self.gemm_weights()) - 1)
+        """The biases the forward adds to ``gemm_weights``' products (qkv's and its blocks',
+        if any)."""
+        return [b for _, b in self._gemm_products()]
+
+    def _gemm_products(self) -> list[tuple[Tensor, Tensor | None]]:
+        first = self.layer_list[0]
+        layer = [first.qkv_proj, first.o_proj, first.gate_up_proj, first.down_proj]
+        biases = [first.qkv_bias, None, None, None]
+        tp = self.parallel
+        if tp is None:
+            return [*zip(layer, biases, strict=True), (self.lm_head_weight, None)]
+        head = tp.vocab_block(self.lm_head_weight)
+        leaves = [(w, b) for w, b in tp.leaf_weights([*layer, self.lm_head_weight],
+                                                     [*biases, None])
+                  if w.shape != head.shape]
+        return [*zip(layer, biases, strict=True), *leaves, (head, None)]
 
     @torch.inference_mode()
     def logits(self, hidden: Tensor, ops: Ops) -> Tensor:

@@ -137,3 +137,18 @@ def invariant_sizes(config: ModelConfig) -> list[int]:
                 continue
             out.append(size)
     return out
+
+
+def qkv_shapes(config: ModelConfig, size: int, leaves: bool) -> list[tuple[int, int]]:
+    """The shapes among ``product_shapes`` that add the qkv bias (where the model has one):
+    every rank's qkv and, with ``leaves``, its query and K/V blocks."""
+    out: list[tuple[int, int]] = []
+    for rank in range(size):
+        layout = TPLayout(config, size, rank)
+        c = layout.local_config()
+        out.append(((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size))
+        if leaves:
+            out += [((b - a) * c.head_dim, c.hidden_size)
+                    for a, b in layout.leaves(config.num_heads)]
+            out.append((c.head_dim, c.hidden_size))
+    return out

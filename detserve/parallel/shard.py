@@ -197,15 +197,19 @@ class TensorParallel:
             return summed
         return tree_sum(self._gather(local.contiguous()))
 
-    def leaf_weights(self, weights: Sequence[Tensor]) -> list[Tensor]:
+    def leaf_weights(self, weights: Sequence[Tensor],
+                     biases: Sequence[Tensor | None]) -> list[tuple[Tensor, Tensor | None]]:
         shapes = {tuple(w.shape) for w in weights}
-        out = []
-        for w in weights:
-            for leaf in [*self._leaves.get(id(w), ((), []))[1],
-                         *self._columns.get(id(w), ((), []))[1]]:
+        out: list[tuple[Tensor, Tensor | None]] = []
+        for w, bias in zip(weights, biases, strict=True):
+            ranges, blocks = self._columns.get(id(w), ([], []))
+            parts = [*((leaf, None) for leaf in self._leaves.get(id(w), ((), []))[1]),
+                     *((blk, None if bias is None else bias[a:b])
+                       for (a, b), blk in zip(ranges, blocks, strict=True))]
+            for leaf, part in parts:
                 if tuple(leaf.shape) not in shapes:
                     shapes.add(tuple(leaf.shape))
-                    out.append(leaf)
+                    out.append((leaf, part))
         return out
 
     def vocab_logits(self, local: Tensor) -> Tensor:
