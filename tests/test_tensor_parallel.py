@@ -18,6 +18,7 @@ from detserve.executor.ops import TorchOps
 from detserve.executor.runner import PaddedProductOps
 from detserve.llm import LLM
 from detserve.model.config import ModelConfig
+from detserve.model.llama import LlamaModel, RowReduce
 from detserve.model.loader import load_model
 from detserve.numerics import LaneNumerics
 from detserve.outputs import RequestOutput
@@ -225,6 +226,51 @@ def test_the_alignment_probe_sees_the_trees_leaf_products() -> None:
     assert len(local.gemm_biases()) == len(shapes)
     untreed = shard_model(model, TPLayout(model.config, 1, 0), None, tree=False)
     assert [tuple(w.shape) for w in untreed.gemm_weights()] == plain
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_tree_columns_come_from_calls_of_one_shape(size: int,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the tree, every output column of qkv, gate/up and the lm_head comes from a
+    call of the same shape at TP=1 and at ``size``: with a GEMM whose bits depend on the
+    call's width (as cuBLAS's choice of algorithm may), each rank's columns equal TP=1's
+    bit for bit. Control: without the tree's blocks ("ordered"), they do not."""
+    import torch.nn.functional as F
+
+    real = F.linear
+
+    def by_width(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return real(x, w, b) + (w.shape[0] % 97) * 1e-3  # "another algorithm" per width
+
+    model, _, _ = load_model(tiny_model(hidden_size=128, num_heads=8, num_kv_heads=2),
+                             dtype="float32")
+    c, d = model.config, model.config.head_dim
+    whole = shard_model(model, TPLayout(c, 1, 0), None, tree=True)
+    x = torch.randn(5, c.hidden_size, generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(F, "linear", by_width)
+
+    def columns(m: LlamaModel, reduce: RowReduce) -> list[torch.Tensor]:
+        layer, tp = m.layer_list[0], m.parallel
+        assert tp is not None
+        return [tp.column_linear(TorchOps(), x, w, None, reduce)
+                for w in (layer.qkv_proj, layer.gate_up_proj, m.lm_head_weight)]
+
+    for reduce, same in (("tree", True), ("ordered", False)):
+        qkv1, gu1, lm1 = columns(whole, reduce)
+        agree = []
+        for rank in range(size):
+            layout = TPLayout(c, size, rank)
+            group = Group("gloo", rank, size, None, 1.0, torch.device("cpu"))
+            qkv, gu, lm = columns(shard_model(model, layout, group, tree=True), reduce)
+            (h0, h1), (lo, hi), (v0, v1) = layout.heads, layout.mlp, layout.vocab
+            kv = [c.q_size + h * d for h in layout.kv_heads]
+            k1 = torch.cat([qkv1[:, a:a + d] for a in kv], -1)
+            v1_ = torch.cat([qkv1[:, a + c.kv_size:a + c.kv_size + d] for a in kv], -1)
+            n = c.intermediate_size
+            agree += [torch.equal(qkv, torch.cat([qkv1[:, h0 * d:h1 * d], k1, v1_], -1)),
+                      torch.equal(gu, torch.cat([gu1[:, lo:hi], gu1[:, n + lo:n + hi]], -1)),
+                      torch.equal(lm, lm1[:, v0:v1])]
+        assert all(agree) if same else not any(agree), reduce
 
 
 @pytest.mark.parametrize("size", [1, 2])
