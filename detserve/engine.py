@@ -41,7 +41,7 @@ from detserve.numerics import LaneNumerics, device_kind
 from detserve.output_processor import OutputProcessor
 from detserve.outputs import RequestOutput
 from detserve.parallel.executor import make_runner, tensor_parallel_model
-from detserve.parallel.layout import invariant_sizes, product_shapes, qkv_shapes
+from detserve.parallel.layout import tree_shapes
 from detserve.parallel.shard import rank_weights
 from detserve.params import SamplingParams
 from detserve.request import SeedPolicy, new_sequence, prompt_ids
@@ -169,12 +169,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         chunk = c.lane_gemm_rows
         if not chunk and c.tp_invariant_lane and not c.portable_lane:
-            # the same rows per lane product at every TP size, or no TP invariance (portable
+            # the same rows per lane product at every TP size, or no TP invariance: planned
+            # from the tree's products alone, the same shapes at every size (portable
             # products have the Triton kernel's bits at any chunk)
             whole = read_model_config(c.model)
-            sizes = invariant_sizes(whole)
-            shapes = [s for t in sizes for s in product_shapes(whole, t, True)]
-            biased = [s for t in sizes for s in qkv_shapes(whole, t, True)]
+            shapes, biased = tree_shapes(whole)
             chunk = shared_chunk(shapes, full, sc.lane_rows, c.device, self.model.dtype,
                                  biased if whole.attention_bias else ())
         got = auto_alignment(weights, full, sc.lane_rows, chunk,

@@ -67,10 +67,11 @@ def test_invariant_lane_dvr_equals_tp1_lane_only(model: str, tp: int) -> None:
 def test_invariant_lane_at_the_70b_geometry() -> None:
     """The 70B shape's first 2 layers (GQA group 8, hidden 8,192, its vocabulary): with the
     TP-invariant lane, TP=4 runs its lane products at the chunk TP=1 does (planned from the
-    shapes of every TP size: chunks planned from a rank's own shapes were 256 and 176 rows,
-    and 83 of 96 deterministic outputs differed between TP 1 and 4) and gives TP=1's
-    outputs, with no rollback (the decode tile probe). Control: the ordinary lane's
-    outputs at TP=4 are not all TP=1's."""
+    tree's shapes, the same at every TP size; planned from a rank's own shapes the chunks
+    were 256 and 176 rows) and gives TP=1's outputs, with no rollback (the decode tile
+    probe). On 4 x H200 before the column blocks, this failed at the outputs (as an audit
+    of 96 requests: 83 differed). Control: the ordinary lane's outputs at TP=4 are not all
+    TP=1's."""
     spec = "random:llama3-70b@2"
     prompts = random_prompts(8, [40, 300, 9, 130], vocab=30000, seed=5)
     reqs = [Req(p, SamplingParams(max_tokens=96, is_deterministic=True, temperature=0.7,

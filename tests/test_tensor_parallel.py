@@ -23,14 +23,7 @@ from detserve.model.loader import load_model
 from detserve.numerics import LaneNumerics
 from detserve.outputs import RequestOutput
 from detserve.parallel.executor import TensorParallelError
-from detserve.parallel.layout import (
-    TPLayout,
-    cut,
-    invariant_sizes,
-    product_shapes,
-    qkv_shapes,
-    tree_leaves,
-)
+from detserve.parallel.layout import TPLayout, cut, tree_leaves, tree_shapes
 from detserve.parallel.shard import leaf_columns, leaf_gate_up, shard_model, tree_sum
 from detserve.params import SamplingParams
 
@@ -277,7 +270,7 @@ def test_tree_columns_come_from_calls_of_one_shape(size: int,
 def test_qkv_blocks_are_probed_with_their_part_of_the_bias(size: int) -> None:
     """A model with q/k/v biases (Qwen2's) under the tree: the alignment probe's query and
     K/V blocks carry the rows of the qkv bias their product adds (a bias can change
-    cuBLAS's algorithm), and ``layout.qkv_shapes`` names exactly the biased shapes."""
+    cuBLAS's algorithm), and ``layout.tree_shapes`` names exactly the biased blocks."""
     model, _, _ = load_model(tiny_model(attention_bias=True), dtype="float32")
     group = Group("gloo", 0, size, None, 1.0, torch.device("cpu")) if size > 1 else None
     local = shard_model(model, TPLayout(model.config, size, 0), group, tree=True)
@@ -293,47 +286,56 @@ def test_qkv_blocks_are_probed_with_their_part_of_the_bias(size: int) -> None:
         biased.append(tuple(w.shape))
     # qkv, then one query block and one K/V head (the same shape here: one head a block)
     assert biased[0] == tuple(qkv.shape) and len(biased) == 2
-    assert set(biased) == set(qkv_shapes(model.config, size, True))
+    assert set(biased[1:]) == set(tree_shapes(model.config)[1])
+
+
+class _Recording(TorchOps):
+    """Torch's products, each weight's shape noted."""
+
+    def __init__(self) -> None:
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        self.shapes.add(tuple(weight.shape))
+        return super().linear(x, weight, bias)
 
 
 @pytest.mark.parametrize("heads", [(4, 2), (9, 3)])
-def test_product_shapes_are_every_ranks_gemm_weights(heads: tuple[int, int]) -> None:
-    """``layout.product_shapes``, which the TP-invariant lane's shared chunk is probed on
-    (so that its lane products run the same rows per call at TP 1, 2 and 4): at each TP
-    size, exactly the shapes of the ranks' ``gemm_weights`` with the tree's leaves, for
-    even heads and for SmolLM2's uneven 9 heads in 3 groups."""
+def test_tree_shapes_are_the_trees_products_at_every_tp_size(heads: tuple[int, int]) -> None:
+    """``layout.tree_shapes``, which the TP-invariant lane's shared chunk is probed on:
+    exactly the products a TP=1 forward and its logits run under the tree (every call
+    noted), and each rank's tree products at TP 2 and 4 (its ``gemm_weights`` past the
+    layer's own) are among them; for even heads and for SmolLM2's 9 heads in 3 groups."""
     h, kv = heads
     model, _, _ = load_model(tiny_model(hidden_size=16 * h, num_heads=h, num_kv_heads=kv),
                              dtype="float32")
-    assert invariant_sizes(model.config) == [1, 2, 4]
-    for size in (1, 2, 4):
-        # (each rank's shard as its engine builds it; no collective runs here, so the
-        # groups carry no process group)
-        ranks = [shard_model(model, TPLayout(model.config, size, r),
-                             Group("gloo", r, size, None, 1.0, torch.device("cpu"))
-                             if size > 1 else None, tree=True)
-                 for r in range(size)]
-        got = {tuple(w.shape) for m in ranks for w in m.gemm_weights()}
-        assert got == set(product_shapes(model.config, size, True)), size
+    c = model.config
+    whole = shard_model(model, TPLayout(c, 1, 0), None, tree=True)
+    ops = _Recording()
+    ids, positions = torch.tensor([3, 5, 7]), torch.arange(3)
+    whole.logits(whole(ids, positions, lambda i, q, k, v: q, ops, tp_reduce="tree"), ops)
+    shapes, _ = tree_shapes(c)
+    assert ops.shapes == set(shapes)
+    for size in (2, 4):
+        for rank in range(size):
+            group = Group("gloo", rank, size, None, 1.0, torch.device("cpu"))
+            local = shard_model(model, TPLayout(c, size, rank), group, tree=True)
+            assert {tuple(w.shape) for w in local.gemm_weights()[4:]} <= set(shapes)
 
 
-def test_product_shapes_of_the_70b_shape() -> None:
-    """The 70B shape's products under the tree: at TP=4 the rank's qkv 2,560 x 8,192,
-    gate/up 14,336 x 8,192 and o / down 8,192 x 2,048 / 7,168 (on GPUs, the shapes its
-    engines probed), and the blocks every TP size runs: query heads 2,048, one K/V head
-    128, gate or up 7,168, vocabulary 32,064 rows; at TP=1 the whole products beside the
-    same blocks and leaves, and no whole lm_head (its logits run in blocks). The model is
-    too large to load here: the shapes come from its config."""
+def test_tree_shapes_of_the_70b_shape() -> None:
+    """The 70B shape's tree products, the same at TP 1, 2 and 4: o and down leaves
+    8,192 x 2,048 and 8,192 x 7,168 (on GPUs, a TP=4 rank's o and down), query blocks of
+    2,048 rows, a K/V head of 128, gate or up blocks of 7,168, vocabulary blocks of 32,064;
+    the query and K/V blocks add a qkv bias where a model has one. The model is too large
+    to load here: the shapes come from its config."""
     from detserve.model.random_init import shape_config
 
-    c = shape_config("llama3-70b")
-    assert invariant_sizes(c) == [1, 2, 4]
-    blocks = {(8192, 2048), (8192, 7168), (2048, 8192), (128, 8192), (7168, 8192),
-              (32064, 8192)}
-    assert set(product_shapes(c, 4, True)) == {(2560, 8192), (14336, 8192), *blocks}
-    assert set(product_shapes(c, 1, True)) == {(10240, 8192), (8192, 8192), (57344, 8192),
-                                               (8192, 28672), *blocks}
-    assert (128256, 8192) in product_shapes(c, 1, False)
+    shapes, biased = tree_shapes(shape_config("llama3-70b"))
+    assert set(shapes) == {(8192, 2048), (8192, 7168), (2048, 8192), (128, 8192),
+                           (7168, 8192), (32064, 8192)}
+    assert set(biased) == {(2048, 8192), (128, 8192)}
 
 
 # ---- engines at TP=1 and TP=2 -------------------------------------------------------

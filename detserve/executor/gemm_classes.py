@@ -334,9 +334,9 @@ def shared_chunk(shapes: Iterable[tuple[int, int]], full_batch: int, lane_rows: 
     of the given (N, K) ``shapes`` (``biased``: those the model adds a bias to), probed on
     stand-in weights: a class follows the product's shape, not its values. Every engine
     that passes the same shapes and sizes gets the same chunk on this GPU, whatever its own
-    shapes: the TP-invariant lane passes the shapes of every TP size it spans, so that its
-    products run the same rows per call at each (the chunk planned from a rank's own
-    shapes differed: 256 rows at TP 1 and 2, 176 at TP 4 for the 70B shape)."""
+    shapes: the TP-invariant lane passes its tree's, which are the same at every TP size,
+    so that its products run the same rows per call at each (the chunk planned from a
+    rank's own shapes differed: 256 rows at TP 1 and 2, 176 at TP 4 for the 70B shape)."""
     sizes = probe_sizes(full_batch, lane_rows)
     with_bias = set(biased)
     gen = torch.Generator(device=device).manual_seed(0)

@@ -98,57 +98,21 @@ class TPLayout:
                 for a, b in (cut(n, total, j) for j in range(self.rank * per, (self.rank + 1) * per))]
 
 
-def product_shapes(config: ModelConfig, size: int, leaves: bool) -> list[tuple[int, int]]:
-    """(N, K) of every matrix product the ranks of TP ``size`` run (``LlamaModel``'s fused
-    qkv, o, gate/up and down weights of each rank's shard, and its lm_head's), with
-    ``leaves`` the TP-invariant tree's too: the row-parallel products' K leaves, the
-    column blocks (``shard.column_blocks``) and the vocabulary blocks, which then replace
-    the whole lm_head. The shapes whose cuBLAS row classes decide the lane chunk
+
+def tree_shapes(config: ModelConfig) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(N, K) of every product the TP-invariant tree runs, the same at every TP size it
+    spans (a rank's are some of them): the row-parallel products' K leaves (o, down) and
+    the column-parallel products' blocks (query heads by the head leaves, a K/V head, gate
+    or up by the MLP leaves, the lm_head by vocabulary leaves; ``shard.column_blocks``).
+    Second, those that add the qkv bias where the model has one (the query and K/V
+    blocks). The shapes whose cuBLAS row classes decide the tree's lane chunk
     (``gemm_classes.shared_chunk``)."""
-    out: list[tuple[int, int]] = []
-    for rank in range(size):
-        layout = TPLayout(config, size, rank)
-        c = layout.local_config()
-        hidden, d = c.hidden_size, c.head_dim
-        lo, hi = layout.vocab
-        out += [((c.num_heads + 2 * c.num_kv_heads) * d, hidden), (hidden, c.num_heads * d),
-                (2 * c.intermediate_size, hidden), (hidden, c.intermediate_size)]
-        if not leaves:
-            out.append((hi - lo, hidden))
-            continue
-        heads, mlp = layout.leaves(config.num_heads), layout.leaves(config.intermediate_size)
-        out += [(hidden, (b - a) * d) for a, b in heads]
-        out += [(hidden, b - a) for a, b in mlp]
-        out += [((b - a) * d, hidden) for a, b in heads] + [(d, hidden)]
-        out += [(b - a, hidden) for a, b in mlp]
-        out += [(b - a, hidden) for a, b in layout.leaves(config.vocab_size)]
-    return out
-
-
-def invariant_sizes(config: ModelConfig) -> list[int]:
-    """The TP sizes the TP-invariant lane spans for this model: those dividing the leaf
-    count that its heads, MLP columns and vocabulary split over."""
-    out = []
-    for size in range(1, INVARIANT_LEAVES + 1):
-        if INVARIANT_LEAVES % size == 0:
-            try:
-                TPLayout(config, size, 0)
-            except ValueError:
-                continue
-            out.append(size)
-    return out
-
-
-def qkv_shapes(config: ModelConfig, size: int, leaves: bool) -> list[tuple[int, int]]:
-    """The shapes among ``product_shapes`` that add the qkv bias (where the model has one):
-    every rank's qkv and, with ``leaves``, its query and K/V blocks."""
-    out: list[tuple[int, int]] = []
-    for rank in range(size):
-        layout = TPLayout(config, size, rank)
-        c = layout.local_config()
-        out.append(((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size))
-        if leaves:
-            out += [((b - a) * c.head_dim, c.hidden_size)
-                    for a, b in layout.leaves(config.num_heads)]
-            out.append((c.head_dim, c.hidden_size))
-    return out
+    layout = TPLayout(config, 1, 0)  # (TP=1 holds every leaf)
+    hidden, d = config.hidden_size, config.head_dim
+    heads = layout.leaves(config.num_heads)
+    mlp = layout.leaves(config.intermediate_size)
+    biased = [((b - a) * d, hidden) for a, b in heads] + [(d, hidden)]
+    shapes = [*((hidden, (b - a) * d) for a, b in heads), *((hidden, b - a) for a, b in mlp),
+              *biased, *((b - a, hidden) for a, b in mlp),
+              *((b - a, hidden) for a, b in layout.leaves(config.vocab_size))]
+    return shapes, biased
