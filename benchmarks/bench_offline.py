@@ -344,10 +344,13 @@ def profile_range(text: str) -> tuple[int, int]:
 def add_request_flags(p: argparse.ArgumentParser) -> None:
     """The request set's flags (how many, their lengths, their sampling options), the
     untimed warm-up's size and a run's deadline; ``run_one`` reads them."""
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--lengths", default="fixed", choices=["fixed", "sharegpt"])
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-requests", type=int, default=64, help="requests in each timed run")
+    p.add_argument("--lengths", default="fixed", choices=["fixed", "sharegpt"],
+                   help="prompt and output lengths: --input-len/--output-len for every "
+                        "request, or drawn like ShareGPT conversations (seeded)")
+    p.add_argument("--input-len", type=int, default=64, help="prompt tokens (--lengths fixed)")
+    p.add_argument("--output-len", type=int, default=64,
+                   help="output tokens (--lengths fixed)")
     p.add_argument("--warmup-requests", type=int, default=4,
                    help="requests run (untimed) in each mode before the timed runs")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -368,7 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     # the engine's options (one flag each, as ``detserve generate`` has them), the model a
     # random-weight one by default, the mode per run (--modes)
     add_engine_flags(p, skip=("mode",), defaults={"model": "random:tiny", "max_model_len": 2048})
-    p.add_argument("--modes", default="nondeterministic,batch_invariant,llm42")
+    p.add_argument("--modes", default="nondeterministic,batch_invariant,llm42",
+                   help=f"comma list of the engine's modes, and {DEDICATED} (llm42 with a "
+                        "verifier replica of its own, --dedicated-verifier-device)")
     p.add_argument("--ratios", default="0,0.1,1.0", help="deterministic ratios for llm42")
     add_request_flags(p)
     p.add_argument("--switch-interval", type=float, default=None,
