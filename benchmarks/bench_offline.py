@@ -24,15 +24,16 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.stream_profile import cuda_kernels, describe, stream_summary
-from detserve.config import EngineConfig
+from detserve.config import EngineConfig, opt
 from detserve.engine import LLMEngine
-from detserve.flags import add_engine_flags, engine_kwargs, engine_options
+from detserve.flags import add_engine_flags, add_flags, engine_kwargs, engine_options, options
 from detserve.kernels.config import TABLE, lane_variant
 from detserve.model.config import auto_dtype
 from detserve.model.loader import load_model, read_model_config, resolve_dtype
@@ -341,29 +342,69 @@ def profile_range(text: str) -> tuple[int, int]:
     return a, b
 
 
+@dataclass(frozen=True)
+class RequestOptions:
+    """The request set (how many, their lengths, their sampling options), the untimed
+    warm-up's size and a run's deadline: ``run_one`` reads them (``multi_decoder`` too);
+    their flags are generated from these fields."""
+
+    num_requests: int = opt(64, "requests in each timed run")
+    lengths: str = opt("fixed", "prompt and output lengths: --input-len/--output-len for "
+                                "every request, or drawn like ShareGPT conversations (seeded)",
+                       choices=("fixed", "sharegpt"))
+    input_len: int = opt(64, "prompt tokens (--lengths fixed)")
+    output_len: int = opt(64, "output tokens (--lengths fixed)")
+    warmup_requests: int = opt(4, "requests run (untimed) in each mode before the timed runs")
+    temperature: float = opt(0.0, "every request's temperature (0: greedy); sampled requests "
+                                  "are seeded by the engine's seed")
+    top_k: int = opt(0, "every request's top-k (0: off)")
+    logprobs: int | None = opt(None, "every request's number of top logprobs (none: off)")
+    top_p: float = opt(1.0, "every request's top-p (1: off)")
+    run_seconds: float = opt(0.0, "stop a run this long after its start, aborting its "
+                                  "unfinished requests: its rollbacks and lane statistics "
+                                  "still print, its throughput counts only what finished "
+                                  "(0: no deadline)")
+
+
+@dataclass(frozen=True)
+class OfflineOptions:
+    """``bench_offline``'s own options (besides the engine's and the requests'), its flags
+    generated from these fields."""
+
+    modes: str = opt("nondeterministic,batch_invariant,llm42",
+                     f"comma list of the engine's modes, and {DEDICATED} (llm42 with a "
+                     "verifier replica of its own, --dedicated-verifier-device)")
+    ratios: str = opt("0,0.1,1.0", "deterministic ratios for llm42")
+    switch_interval: float | None = opt(
+        None, "Python's thread switch interval in seconds (sys.setswitchinterval): how long "
+              "the engine thread may hold the GIL while the lane thread waits for it")
+    variants: str | None = opt(
+        None, "llm42 runs once per variant, each a comma list of flag=value (argparse "
+              "names), variants split by ';', e.g. "
+              "'lane_max_wait_steps=8;lane_max_wait_steps=16,lane_one_calls=0'")
+    profile_steps: str | None = opt(
+        None, "A:B, CUDA: profile engine steps A..B-1 of every timed run and report GPU "
+              "kernel time per stream (lane vs fast path) and their overlap; the profiler "
+              "slows those runs, so read their throughput as nothing")
+    repeat: int = opt(1, "run the whole list of modes this many times, interleaved; the "
+                         "summary gives each mode's median (two identical runs can differ by "
+                         "10 % and more on a GPU)")
+    trace: str | None = opt(None, "loadgen JSONL trace (real prompts, e.g. ShareGPT); "
+                                  "overrides --lengths")
+    sweep: str | None = opt(None, "llm42 W x G grid at the largest ratio, e.g. "
+                                  "16,32,64,128x1,4,8,16")
+    dedicated_verifier_device: str | None = opt(
+        None, f"mode {DEDICATED}: the verifier replica's device (e.g. cuda:1; cpu registers "
+              "it as another host); its K/V moves over NCCL / gloo")
+    dedicated_verifier_tp: int = opt(
+        1, f"mode {DEDICATED}: ranks the verifier replica's lane runs over, on its device and "
+           "the ones after it (needs --tp-invariant-lane above 1)")
+    out: str | None = opt(None, "JSON path (markdown written beside it)")
+
+
 def add_request_flags(p: argparse.ArgumentParser) -> None:
-    """The request set's flags (how many, their lengths, their sampling options), the
-    untimed warm-up's size and a run's deadline; ``run_one`` reads them."""
-    p.add_argument("--num-requests", type=int, default=64, help="requests in each timed run")
-    p.add_argument("--lengths", default="fixed", choices=["fixed", "sharegpt"],
-                   help="prompt and output lengths: --input-len/--output-len for every "
-                        "request, or drawn like ShareGPT conversations (seeded)")
-    p.add_argument("--input-len", type=int, default=64, help="prompt tokens (--lengths fixed)")
-    p.add_argument("--output-len", type=int, default=64,
-                   help="output tokens (--lengths fixed)")
-    p.add_argument("--warmup-requests", type=int, default=4,
-                   help="requests run (untimed) in each mode before the timed runs")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="every request's temperature (0: greedy); sampled requests are "
-                        "seeded by the engine's seed")
-    p.add_argument("--top-k", type=int, default=0, help="every request's top-k (0: off)")
-    p.add_argument("--logprobs", type=int, default=None,
-                   help="every request's number of top logprobs (default: none)")
-    p.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (1: off)")
-    p.add_argument("--run-seconds", type=float, default=0.0,
-                   help="stop a run this long after its start, aborting its unfinished "
-                        "requests: its rollbacks and lane statistics still print, its "
-                        "throughput counts only what finished (0: no deadline)")
+    """The request set's flags (``RequestOptions``)."""
+    add_flags(p.add_argument_group("requests"), options(RequestOptions))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -371,44 +412,19 @@ def build_parser() -> argparse.ArgumentParser:
     # the engine's options (one flag each, as ``detserve generate`` has them), the model a
     # random-weight one by default, the mode per run (--modes)
     add_engine_flags(p, skip=("mode",), defaults={"model": "random:tiny", "max_model_len": 2048})
-    p.add_argument("--modes", default="nondeterministic,batch_invariant,llm42",
-                   help=f"comma list of the engine's modes, and {DEDICATED} (llm42 with a "
-                        "verifier replica of its own, --dedicated-verifier-device)")
-    p.add_argument("--ratios", default="0,0.1,1.0", help="deterministic ratios for llm42")
     add_request_flags(p)
-    p.add_argument("--switch-interval", type=float, default=None,
-                   help="Python's thread switch interval in seconds (sys.setswitchinterval): "
-                        "how long the engine thread may hold the GIL while the lane thread "
-                        "waits for it")
-    p.add_argument("--variants", default=None,
-                   help="llm42 runs once per variant, each a comma list of flag=value "
-                        "(argparse names), variants split by ';', e.g. "
-                        "'lane_max_wait_steps=8;lane_max_wait_steps=16,lane_one_calls=0'")
-    p.add_argument("--profile-steps", type=profile_range, default=None, metavar="A:B",
-                   help="CUDA: profile engine steps A..B-1 of every timed run and report GPU "
-                        "kernel time per stream (lane vs fast path) and their overlap; the "
-                        "profiler slows those runs, so read their throughput as nothing")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="run the whole list of modes this many times, interleaved; the "
-                        "summary gives each mode's median (two identical runs can differ "
-                        "by 10 %% and more on a GPU)")
-    p.add_argument("--trace", default=None,
-                   help="loadgen JSONL trace (real prompts, e.g. ShareGPT); overrides --lengths")
-    p.add_argument("--sweep", default=None,
-                   help="llm42 W x G grid at the largest ratio, e.g. 16,32,64,128x1,4,8,16")
-    p.add_argument("--dedicated-verifier-device", default=None,
-                   help=f"mode {DEDICATED}: the verifier replica's device (e.g. cuda:1; cpu "
-                        "registers it as another host); its K/V moves over NCCL / gloo")
-    p.add_argument("--dedicated-verifier-tp", type=int, default=1,
-                   help=f"mode {DEDICATED}: ranks the verifier replica's lane runs over, on "
-                        "its device and the ones after it (needs --tp-invariant-lane above 1)")
-    p.add_argument("--out", default=None, help="JSON path (markdown written beside it)")
+    add_flags(p, options(OfflineOptions))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    if args.profile_steps is not None:
+        try:
+            args.profile_steps = profile_range(args.profile_steps)
+        except argparse.ArgumentTypeError as e:
+            p.error(f"--profile-steps: {e}")
     if args.profile_steps and not str(args.device).startswith("cuda"):
         p.error("--profile-steps needs --device cuda (it reports CUDA kernels)")
     variants = parse_variants(args)

@@ -1,6 +1,7 @@
 """Each option is declared once, as a config field with its help text, and the flags of
-``detserve generate``, ``detserve serve`` and ``bench_offline`` are generated from it: the
-same names and defaults everywhere."""
+``detserve generate``, ``detserve serve``, the verifier replica and ``bench_offline`` (the
+engine's, the requests' and its own) are generated from it: the same names and defaults
+everywhere."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.bench_offline import OfflineOptions, RequestOptions
 from detserve.config import CacheConfig, EngineConfig, SamplerConfig, SchedulerConfig
 from detserve.flags import add_flags, engine_kwargs, engine_options, options
 from services.serve_config import OPTIONAL_ARGS, OPTIONS, ServeConfig
@@ -18,7 +20,7 @@ from services.verifier.replica import ReplicaOptions
 
 
 @pytest.mark.parametrize("cls", [EngineConfig, SchedulerConfig, CacheConfig, SamplerConfig,
-                                 ServeConfig, ReplicaOptions])
+                                 ServeConfig, ReplicaOptions, RequestOptions, OfflineOptions])
 def test_every_option_has_help_text(cls: type) -> None:
     nested = (SchedulerConfig, CacheConfig, SamplerConfig)
     for f in dataclasses.fields(cls):
