@@ -98,21 +98,36 @@ class TPLayout:
                 for a, b in (cut(n, total, j) for j in range(self.rank * per, (self.rank + 1) * per))]
 
 
+def column_blocks(layout: TPLayout) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The tree's column blocks of a rank's fused qkv and gate/up weights (output rows):
+    its query heads by the tree's head leaves, then each local K and V head alone; its
+    gate then its up columns by the tree's MLP leaves. A block is what a rank of the
+    largest TP size the tree spans holds of that product (or, for K/V, a head of it), so
+    the same call shapes run at every TP size."""
+    c, d = layout.config, layout.config.head_dim
+    local = layout.local_config()
+    q = [(a * d, b * d) for a, b in layout.leaves(c.num_heads)]
+    q_size, kv = local.num_heads * d, local.num_kv_heads
+    k = [(q_size + i * d, q_size + (i + 1) * d) for i in range(kv)]
+    v = [(q_size + (kv + i) * d, q_size + (kv + i + 1) * d) for i in range(kv)]
+    mlp, inter = layout.leaves(c.intermediate_size), local.intermediate_size
+    return [*q, *k, *v], [*mlp, *((inter + a, inter + b) for a, b in mlp)]
+
 
 def tree_shapes(config: ModelConfig) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """(N, K) of every product the TP-invariant tree runs, the same at every TP size it
-    spans (a rank's are some of them): the row-parallel products' K leaves (o, down) and
-    the column-parallel products' blocks (query heads by the head leaves, a K/V head, gate
-    or up by the MLP leaves, the lm_head by vocabulary leaves; ``shard.column_blocks``).
-    Second, those that add the qkv bias where the model has one (the query and K/V
-    blocks). The shapes whose cuBLAS row classes decide the tree's lane chunk
-    (``gemm_classes.shared_chunk``)."""
+    spans (a rank's are some of them): the column-parallel products' blocks
+    (``column_blocks``; the lm_head by vocabulary leaves) and the row-parallel products'
+    K leaves (o by the query blocks' widths, down by the MLP leaves'). Second, those that
+    add the qkv bias where the model has one (the qkv blocks). The shapes whose cuBLAS row
+    classes decide the tree's lane chunk (``gemm_classes.shared_chunk``)."""
     layout = TPLayout(config, 1, 0)  # (TP=1 holds every leaf)
-    hidden, d = config.hidden_size, config.head_dim
-    heads = layout.leaves(config.num_heads)
+    hidden = config.hidden_size
+    qkv, gate_up = column_blocks(layout)
+    q = qkv[:len(layout.leaves(config.num_heads))]
     mlp = layout.leaves(config.intermediate_size)
-    biased = [((b - a) * d, hidden) for a, b in heads] + [(d, hidden)]
-    shapes = [*((hidden, (b - a) * d) for a, b in heads), *((hidden, b - a) for a, b in mlp),
-              *biased, *((b - a, hidden) for a, b in mlp),
-              *((b - a, hidden) for a, b in layout.leaves(config.vocab_size))]
+    biased = [(b - a, hidden) for a, b in qkv]
+    shapes = [*biased, *((b - a, hidden) for a, b in gate_up),
+              *((b - a, hidden) for a, b in layout.leaves(config.vocab_size)),
+              *((hidden, b - a) for a, b in q), *((hidden, b - a) for a, b in mlp)]
     return shapes, biased

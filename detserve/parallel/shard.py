@@ -21,7 +21,7 @@ from detserve.distributed import Group
 from detserve.model.config import ModelConfig
 from detserve.model.llama import LlamaModel, Ops, RowReduce
 from detserve.model.loader import read_model_config
-from detserve.parallel.layout import TPLayout
+from detserve.parallel.layout import TPLayout, column_blocks
 from detserve.parallel.peer_sum import PeerSum
 
 Ranges = Sequence[tuple[int, int]]  # leaves' K column ranges, relative to a rank's own
@@ -316,22 +316,6 @@ def shard_model(model: LlamaModel, layout: TPLayout, group: Group | None,
         parallel.add_columns(local.lm_head_weight, layout.leaves(c.vocab_size))
     local.parallel = parallel
     return local
-
-
-def column_blocks(layout: TPLayout) -> tuple[Ranges, Ranges]:
-    """The tree's column blocks of a rank's fused qkv and gate/up weights (output rows):
-    its query heads by the tree's head leaves, then each local K and V head alone; its
-    gate then its up columns by the tree's MLP leaves. A block is what a rank of the
-    largest TP size the tree spans holds of that product (or, for K/V, a head of it), so
-    the same call shapes run at every TP size."""
-    c, d = layout.config, layout.config.head_dim
-    local = layout.local_config()
-    q = [(a * d, b * d) for a, b in layout.leaves(c.num_heads)]
-    q_size, kv = local.num_heads * d, local.num_kv_heads
-    k = [(q_size + i * d, q_size + (i + 1) * d) for i in range(kv)]
-    v = [(q_size + (kv + i) * d, q_size + (kv + i + 1) * d) for i in range(kv)]
-    mlp, inter = layout.leaves(c.intermediate_size), local.intermediate_size
-    return [*q, *k, *v], [*mlp, *((inter + a, inter + b) for a, b in mlp)]
 
 
 def cut_shard(model: LlamaModel, rank: RankWeights) -> LlamaModel:
