@@ -52,6 +52,29 @@ def test_row_classes_separate_different_arithmetic(monkeypatch: pytest.MonkeyPat
     assert row_classes(w, [16, 32, 64, 128, 256]) == [[16, 32, 64], [128, 256]]
 
 
+def test_row_classes_see_an_algorithm_that_changes_few_rows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another algorithm's sums differ from one only in the low bits, so a narrow product's
+    rounded outputs show it in some rows only (a 128-column K/V head block on an H200: about
+    one row in ten). Here calls of up to 16 rows change the rows whose first input exceeds
+    1, which the probe's first row does not (the control: compared on that row alone, every
+    size would be one class); ``PROBE_ROWS`` rows separate them."""
+    import detserve.executor.gemm_classes as gc
+
+    def fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = x[:, :1] * w[:, 0]
+        return out + 1e-3 * (x[:, :1] > 1) if x.shape[0] <= 16 else out
+
+    monkeypatch.setattr(gc.F, "linear", fake)
+    w = torch.randn(4, 8)
+    sizes = [1, 2, 8, 16, 24, 64, 256]
+    x = torch.randn(max(*sizes, gc.PROBE_ROWS), 8, generator=torch.Generator().manual_seed(0))
+    assert all(torch.equal(fake(x[:m], w)[0], fake(x[:256], w)[0]) for m in sizes)  # control
+    assert row_classes(w, sizes) == [[1, 2, 8, 16], [24, 64, 256]]
+    # the eager steps' probe too: no size of the other algorithm runs as one call
+    assert single_call_sizes(w, 32, 40) == frozenset(range(17, 41))
+
+
 def test_lane_chunk_from_joint_classes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two weights with different switch points: only sizes in one class for both count."""
     import detserve.executor.gemm_classes as gc

@@ -63,15 +63,15 @@ def test_invariant_lane_dvr_equals_tp1_lane_only(model: str, tp: int) -> None:
     assert prof2["fingerprint"] == prof1["fingerprint"] and prof2["tp_size"] == tp
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four CUDA devices")
-def test_invariant_lane_at_the_70b_geometry() -> None:
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_invariant_lane_at_the_70b_geometry(tp: int) -> None:
     """The 70B shape's first 2 layers (GQA group 8, hidden 8,192, its vocabulary): with the
-    TP-invariant lane, TP=4 runs its lane products at the chunk TP=1 does (planned from the
-    tree's shapes, the same at every TP size; planned from a rank's own shapes the chunks
-    were 256 and 176 rows) and gives TP=1's outputs, with no rollback (the decode tile
-    probe). On 4 x H200 before the column blocks, this failed at the outputs (as an audit
-    of 96 requests: 83 differed). Control: the ordinary lane's outputs at TP=4 are not all
-    TP=1's."""
+    TP-invariant lane, TP=2 and 4 run their lane products at the chunk TP=1 does (planned
+    from the tree's shapes, the same at every TP size; planned from a rank's own shapes
+    the chunks were 256 and 176 rows at TP=4) and give TP=1's outputs, with no rollback
+    (the decode tile probe). On 4 x H200 before the column blocks, this failed at TP=4 at
+    the outputs (as an audit of 96 requests: 83 differed). Control: the ordinary lane's
+    outputs at that TP size are not all TP=1's."""
     spec = "random:llama3-70b@2"
     prompts = random_prompts(8, [40, 300, 9, 130], vocab=30000, seed=5)
     reqs = [Req(p, SamplingParams(max_tokens=96, is_deterministic=True, temperature=0.7,
@@ -79,16 +79,16 @@ def test_invariant_lane_at_the_70b_geometry() -> None:
             for i, p in enumerate(prompts)]
     kw = {**CUDA, "max_model_len": 1024, "num_blocks": 2048, "window": 64, "group": 8}
     outs, chunks = {}, {}
-    for tp, invariant in ((1, True), (4, True), (1, False), (4, False)):
-        got, stats, eng = run_engine(spec, reqs, tensor_parallel_size=tp,
+    for size, invariant in ((1, True), (tp, True), (1, False), (tp, False)):
+        got, stats, eng = run_engine(spec, reqs, tensor_parallel_size=size,
                                      tp_invariant_lane=invariant, **kw)
-        chunks[tp, invariant] = eng.lane_gemm_rows
+        chunks[size, invariant] = eng.lane_gemm_rows
         eng.close()
-        assert stats["rollbacks"] == 0, (tp, invariant)
-        outs[tp, invariant] = [signature(o) for o in got]
-    assert chunks[1, True] == chunks[4, True]
-    assert outs[1, True] == outs[4, True]
-    assert outs[1, False] != outs[4, False]
+        assert stats["rollbacks"] == 0, (size, invariant)
+        outs[size, invariant] = [signature(o) for o in got]
+    assert chunks[1, True] == chunks[tp, True]
+    assert outs[1, True] == outs[tp, True]
+    assert outs[1, False] != outs[tp, False]
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)

@@ -29,6 +29,13 @@ __all__ = ["Alignment", "auto_alignment", "decode_buckets", "equals_portable_ker
            "smallest_at_least"]
 
 
+# rows compared per probed size: where another algorithm's sums differ from one only in
+# the low bits, a row's bf16 outputs show it only now and then (a 128-column product, one
+# K/V head at K=8,192: about one row in ten on an H200), and a narrow product compared on
+# one row was put in the lane chunk's class at sizes that roll its windows back
+PROBE_ROWS = 128
+
+
 def smallest_at_least(sizes: Iterable[int], n: int) -> int | None:
     """The first of the ascending ``sizes`` that is >= ``n`` (None: none is)."""
     return next((s for s in sizes if s >= n), None)
@@ -48,24 +55,36 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return F.linear(x, weight) if bias is None else F.linear(x, weight, bias)
 
 
+def _rows_in_calls(x: Tensor, weight: Tensor, bias: Tensor | None, m: int,
+                   rows: int) -> Tensor:
+    """The first ``rows`` rows of ``x`` times ``weight``, each from a call of exactly ``m``
+    rows: one call over ``x[:m]`` where ``m`` >= ``rows``, else calls over ``rows`` rows
+    tiled by ``m`` (the last zero-padded), so every position of an ``m``-row call is seen."""
+    if m >= rows:
+        return _linear(x[:m], weight, bias)[:rows]
+    return run_in_row_chunks(lambda c: _linear(c, weight, bias), x[:rows], m)
+
+
 def row_classes(weight: Tensor, sizes: Sequence[int], seed: int = 0,
                 bias: Tensor | None = None) -> list[list[int]]:
-    """Group ``sizes`` (row counts M) by the bits ``F.linear(x[:M], weight, bias)`` gives its
-    first row. Sizes in one class run the same arithmetic (one algorithm computes every row
-    the same way; another one differs somewhere in the row's N outputs)."""
+    """Group ``sizes`` (row counts M) by the bits ``F.linear`` gives ``PROBE_ROWS`` rows,
+    each in a call of M rows (``_rows_in_calls``). Sizes in one class run the same
+    arithmetic (one algorithm computes every row the same way; another one differs
+    somewhere in some row's N outputs)."""
     if not sizes or min(sizes) < 1:
         raise ValueError("sizes must be >= 1")
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(max(sizes), weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+    x = torch.randn(max(*sizes, PROBE_ROWS), weight.shape[1], generator=gen)
+    x = x.to(weight.device, weight.dtype)
     classes: list[tuple[Tensor, list[int]]] = []
     for m in sizes:
-        row = _linear(x[:m], weight, bias)[0]
+        rows = _rows_in_calls(x, weight, bias, m, PROBE_ROWS)
         for ref, members in classes:
-            if torch.equal(ref, row):
+            if torch.equal(ref, rows):
                 members.append(m)
                 break
         else:
-            classes.append((row, [m]))
+            classes.append((rows, [m]))
     return [members for _, members in classes]
 
 
@@ -79,18 +98,19 @@ def single_call_sizes(weight: Tensor, chunk: int, max_rows: int, seed: int = 0,
     rows included) instead of padding the decode rows to their bucket and running the rest
     apart, and the decode rows still get the lane's bits (a wrong answer here would only
     roll windows back: the lane decides). Every M is probed (cuBLAS picks by the exact
-    shape); one host sync in all."""
+    shape), below ``PROBE_ROWS`` on that many rows in calls of M; one host sync in all."""
     if chunk < 1 or max_rows < 1:
         raise ValueError("chunk and max_rows must be >= 1")
     head = max(chunk, head_rows)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(max(max_rows, head), weight.shape[1], generator=gen)
+    x = torch.randn(max(max_rows, head, PROBE_ROWS), weight.shape[1], generator=gen)
     x = x.to(weight.device, weight.dtype)
-    ref = run_in_row_chunks(lambda c: _linear(c, weight, bias), x[:head], chunk)
+    ref = run_in_row_chunks(lambda c: _linear(c, weight, bias), x[:max(head, PROBE_ROWS)],
+                            chunk)
     same = torch.zeros(max_rows + 1, dtype=torch.bool, device=weight.device)
     for m in range(1, max_rows + 1):
-        k = min(m, head)
-        same[m] = torch.eq(_linear(x[:m], weight, bias)[:k], ref[:k]).all()
+        k = max(min(m, head), PROBE_ROWS)  # (small M: PROBE_ROWS rows in calls of M)
+        same[m] = torch.eq(_rows_in_calls(x, weight, bias, m, k), ref[:k]).all()
     return frozenset(m for m, ok in enumerate(same.tolist()) if ok)
 
 
