@@ -24,13 +24,16 @@ from detserve.numerics import LaneNumerics
 from detserve.outputs import RequestOutput
 from detserve.parallel.executor import TensorParallelError
 from detserve.parallel.layout import TPLayout, cut, tree_leaves, tree_shapes
-from detserve.parallel.shard import leaf_columns, leaf_gate_up, shard_model, tree_sum
+from detserve.parallel.shard import leaf_columns, shard_model, tree_sum
 from detserve.params import SamplingParams
 
 # 9 query heads in 3 K/V groups, as SmolLM2-135M has them (head_dim 16 here); a vocabulary
 # that splits unevenly (258 + 257 rows at TP=2)
 SMOLLM2_HEADS = {"hidden_size": 144, "num_heads": 9, "num_kv_heads": 3, "intermediate_size": 96,
                  "vocab_size": 515}
+# K/V heads that split over the tree's 4 leaves (as Llama 3's 8): the tree keeps each
+# leaf's query, K and V rows together and runs one qkv call a leaf
+KV_BY_LEAF = {"hidden_size": 128, "num_heads": 8, "num_kv_heads": 4}
 LANE = {"verify_window": 8, "verify_group": 4, "max_model_len": 256}
 
 
@@ -164,16 +167,12 @@ def test_tree_at_tp1_is_the_product_summed_over_leaves() -> None:
 @pytest.mark.parametrize("ranges", [[(0, 4), (4, 8), (8, 12)], [(0, 5), (5, 8), (8, 12)]])
 def test_leaf_inputs_are_each_leafs_columns(ranges: list[tuple[int, int]]) -> None:
     """The tree's leaf inputs (one copy for equal leaves, one per leaf otherwise) hold each
-    leaf's K columns, and [gate | up] each leaf's halves, as contiguous tensors."""
+    leaf's K columns as contiguous tensors."""
     x = torch.randn(3, 12)
     for got, (a, b) in zip(leaf_columns(x, ranges), ranges, strict=True):
         assert got.is_contiguous() and torch.equal(got, x[:, a:b])
     assert [t.shape for t in leaf_columns(x.t().contiguous().t(), ranges)] == [
         (3, b - a) for a, b in ranges]  # (a non-contiguous x: one copy a leaf)
-    gate_up = torch.randn(3, 24)
-    for got, (a, b) in zip(leaf_gate_up(gate_up, ranges), ranges, strict=True):
-        assert got.is_contiguous()
-        assert torch.equal(got, torch.cat([gate_up[:, a:b], gate_up[:, 12 + a:12 + b]], dim=-1))
 
 
 def test_padded_leaf_products_take_each_leafs_own_activation() -> None:
@@ -181,20 +180,25 @@ def test_padded_leaf_products_take_each_leafs_own_activation() -> None:
     (``PaddedProductOps``), whose activation writes straight into the padded product's
     buffer, one buffer per width: each leaf's product must read its own leaf's activation.
     (On GPUs, when all the leaves' activations were computed before their products, every
-    leaf read the last one's, and 98 % of the TP=2 invariant lane's windows rolled back.)"""
+    leaf read the last one's, and 98 % of the TP=2 invariant lane's windows rolled back.)
+    The MLP under the tree and without it (gate/up kept leaf by leaf) is the plain one."""
     model, _, _ = load_model(tiny_model(), dtype="float32")
     c = model.config
+    gate_up = model.layer_list[0].gate_up_proj.detach().clone()  # (before the tree's order)
     local = shard_model(model, TPLayout(c, 1, 0), None, tree=True)
     assert local.parallel is not None
-    down = local.layer_list[0].down_proj
-    gate_up = torch.randn(5, 2 * c.intermediate_size)
-    plain = local.parallel.mlp_down(TorchOps(), gate_up, down, "tree")
+    layer = local.layer_list[0]
+    x = torch.randn(5, c.hidden_size)
+    tp = local.parallel
+    plain = tp.mlp(TorchOps(), x, layer.gate_up_proj, layer.down_proj, "tree")
     padded_ops = PaddedProductOps(TorchOps(), {(c.hidden_size, c.intermediate_size // 4): {5: 8}})
-    padded = local.parallel.mlp_down(padded_ops, gate_up, down, "tree")
+    padded = tp.mlp(padded_ops, x, layer.gate_up_proj, layer.down_proj, "tree")
     assert padded_ops._buffers, "the activation went through the padded buffer"
     torch.testing.assert_close(padded, plain)
-    whole = TorchOps().linear(TorchOps().silu_mul(gate_up), down)
+    ops = TorchOps()
+    whole = ops.linear(ops.silu_mul(ops.linear(x, gate_up)), layer.down_proj)
     torch.testing.assert_close(plain, whole, rtol=1e-5, atol=1e-6)
+    assert torch.equal(tp.mlp(ops, x, layer.gate_up_proj, layer.down_proj, "ordered"), whole)
 
 
 def test_the_alignment_probe_sees_the_trees_leaf_products() -> None:
@@ -205,29 +209,36 @@ def test_the_alignment_probe_sees_the_trees_leaf_products() -> None:
     GPUs the invariant lane recomputed 35-73 % of the decoded tokens at TP 1 and 2, none at
     TP=4, where a leaf is a rank's whole weight). The lm_head's block stays last; biases
     line up."""
-    model, _, _ = load_model(tiny_model(), dtype="float32")
+    spec = tiny_model()
+    model, _, _ = load_model(spec, dtype="float32")
     plain = [tuple(w.shape) for w in model.gemm_weights()]
     local = shard_model(model, TPLayout(model.config, 1, 0), None, tree=True)
     shapes = [tuple(w.shape) for w in local.gemm_weights()]
     c = model.config
     o_leaf, down_leaf = (c.hidden_size, c.q_size // 4), (c.hidden_size, c.intermediate_size // 4)
     q_block, kv_head = (c.q_size // 4, c.hidden_size), (c.head_dim, c.hidden_size)
-    mlp_block, vocab_block = (c.intermediate_size // 4, c.hidden_size), (c.vocab_size // 4,
+    mlp_block, vocab_block = (c.intermediate_size // 2, c.hidden_size), (c.vocab_size // 4,
                                                                           c.hidden_size)
     assert shapes[:4] == plain[:4] and shapes[-1] == vocab_block
-    assert set(shapes[4:-1]) == {o_leaf, down_leaf, q_block, kv_head, mlp_block}
+    # (a block of the layer's own shape is probed once: the gate/up block is o_proj's here)
+    assert set(shapes[4:-1]) == {o_leaf, down_leaf, q_block, kv_head, mlp_block} - set(plain)
     assert len(local.gemm_biases()) == len(shapes)
-    untreed = shard_model(model, TPLayout(model.config, 1, 0), None, tree=False)
+    with pytest.raises(ValueError, match="shard already"):
+        shard_model(model, TPLayout(model.config, 1, 0), None, tree=False)
+    fresh, _, _ = load_model(spec, dtype="float32")
+    untreed = shard_model(fresh, TPLayout(model.config, 1, 0), None, tree=False)
     assert [tuple(w.shape) for w in untreed.gemm_weights()] == plain
 
 
+@pytest.mark.parametrize("kv_heads", [2, 4])
 @pytest.mark.parametrize("size", [2, 4])
-def test_tree_columns_come_from_calls_of_one_shape(size: int,
+def test_tree_columns_come_from_calls_of_one_shape(size: int, kv_heads: int,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Under the tree, every output column of qkv, gate/up and the lm_head comes from a
     call of the same shape at TP=1 and at ``size``: with a GEMM whose bits depend on the
     call's width (as cuBLAS's choice of algorithm may), each rank's columns equal TP=1's
-    bit for bit. Control: without the tree's blocks ("ordered"), they do not."""
+    bit for bit, in their natural order, with K/V heads by leaf (4) and alone (2, read by
+    two leaves). Control: without the tree's blocks ("ordered"), they do not."""
     import torch.nn.functional as F
 
     real = F.linear
@@ -235,8 +246,8 @@ def test_tree_columns_come_from_calls_of_one_shape(size: int,
     def by_width(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         return real(x, w, b) + (w.shape[0] % 97) * 1e-3  # "another algorithm" per width
 
-    model, _, _ = load_model(tiny_model(hidden_size=128, num_heads=8, num_kv_heads=2),
-                             dtype="float32")
+    spec = tiny_model(hidden_size=128, num_heads=8, num_kv_heads=kv_heads)
+    model, _, _ = load_model(spec, dtype="float32")
     c, d = model.config, model.config.head_dim
     whole = shard_model(model, TPLayout(c, 1, 0), None, tree=True)
     x = torch.randn(5, c.hidden_size, generator=torch.Generator().manual_seed(3))
@@ -248,13 +259,19 @@ def test_tree_columns_come_from_calls_of_one_shape(size: int,
         return [tp.column_linear(TorchOps(), x, w, None, reduce)
                 for w in (layer.qkv_proj, layer.gate_up_proj, m.lm_head_weight)]
 
+    def shard(layout: TPLayout, group: Group) -> LlamaModel:
+        with monkeypatch.context() as m:  # (loaded with the true product)
+            m.setattr(F, "linear", real)
+            fresh, _, _ = load_model(spec, dtype="float32")
+        return shard_model(fresh, layout, group, tree=True)
+
     for reduce, same in (("tree", True), ("ordered", False)):
         qkv1, gu1, lm1 = columns(whole, reduce)
         agree = []
         for rank in range(size):
             layout = TPLayout(c, size, rank)
             group = Group("gloo", rank, size, None, 1.0, torch.device("cpu"))
-            qkv, gu, lm = columns(shard_model(model, layout, group, tree=True), reduce)
+            qkv, gu, lm = columns(shard(layout, group), reduce)
             (h0, h1), (lo, hi), (v0, v1) = layout.heads, layout.mlp, layout.vocab
             kv = [c.q_size + h * d for h in layout.kv_heads]
             k1 = torch.cat([qkv1[:, a:a + d] for a in kv], -1)
@@ -301,15 +318,16 @@ class _Recording(TorchOps):
         return super().linear(x, weight, bias)
 
 
-@pytest.mark.parametrize("heads", [(4, 2), (9, 3)])
+@pytest.mark.parametrize("heads", [(4, 2), (9, 3), (8, 4)])
 def test_tree_shapes_are_the_trees_products_at_every_tp_size(heads: tuple[int, int]) -> None:
     """``layout.tree_shapes``, which the TP-invariant lane's shared chunk is probed on:
     exactly the products a TP=1 forward and its logits run under the tree (every call
     noted), and each rank's tree products at TP 2 and 4 (its ``gemm_weights`` past the
-    layer's own) are among them; for even heads and for SmolLM2's 9 heads in 3 groups."""
+    layer's own) are among them; for even heads, for SmolLM2's 9 heads in 3 groups, and
+    for K/V heads by leaf."""
     h, kv = heads
-    model, _, _ = load_model(tiny_model(hidden_size=16 * h, num_heads=h, num_kv_heads=kv),
-                             dtype="float32")
+    spec = tiny_model(hidden_size=16 * h, num_heads=h, num_kv_heads=kv)
+    model, _, _ = load_model(spec, dtype="float32")
     c = model.config
     whole = shard_model(model, TPLayout(c, 1, 0), None, tree=True)
     ops = _Recording()
@@ -320,22 +338,23 @@ def test_tree_shapes_are_the_trees_products_at_every_tp_size(heads: tuple[int, i
     for size in (2, 4):
         for rank in range(size):
             group = Group("gloo", rank, size, None, 1.0, torch.device("cpu"))
-            local = shard_model(model, TPLayout(c, size, rank), group, tree=True)
+            fresh, _, _ = load_model(spec, dtype="float32")
+            local = shard_model(fresh, TPLayout(c, size, rank), group, tree=True)
             assert {tuple(w.shape) for w in local.gemm_weights()[4:]} <= set(shapes)
 
 
 def test_tree_shapes_of_the_70b_shape() -> None:
-    """The 70B shape's tree products, the same at TP 1, 2 and 4: o and down leaves
-    8,192 x 2,048 and 8,192 x 7,168 (on GPUs, a TP=4 rank's o and down), query blocks of
-    2,048 rows, a K/V head of 128, gate or up blocks of 7,168, vocabulary blocks of 32,064;
-    the query and K/V blocks add a qkv bias where a model has one. The model is too large
-    to load here: the shapes come from its config."""
+    """The 70B shape's tree products, the same at TP 1, 2 and 4, each a TP=4 rank's whole
+    product: o and down leaves 8,192 x 2,048 and 8,192 x 7,168, qkv blocks of 2,560 rows
+    (16 query heads and their 2 K/V heads), gate/up blocks of 14,336, vocabulary blocks of
+    32,064; the qkv blocks add a qkv bias where a model has one. The model is too large to
+    load here: the shapes come from its config."""
     from detserve.model.random_init import shape_config
 
     shapes, biased = tree_shapes(shape_config("llama3-70b"))
-    assert set(shapes) == {(8192, 2048), (8192, 7168), (2048, 8192), (128, 8192),
-                           (7168, 8192), (32064, 8192)}
-    assert set(biased) == {(2048, 8192), (128, 8192)}
+    assert set(shapes) == {(8192, 2048), (8192, 7168), (2560, 8192), (14336, 8192),
+                           (32064, 8192)}
+    assert set(biased) == {(2560, 8192)}
 
 
 # ---- engines at TP=1 and TP=2 -------------------------------------------------------
@@ -394,7 +413,7 @@ def _deterministic() -> SamplingParams:
 
 
 @pytest.mark.parametrize(("shape", "threaded"), [("llama", False), ("smollm2-heads", False),
-                                               ("llama", True)])
+                                               ("kv-by-leaf", False), ("llama", True)])
 def test_invariant_lane_tp2_dvr_equals_tp1_lane_only(shape: str, threaded: bool,
                                                      prompts: list[list[int]]) -> None:
     """With the TP-invariant lane, llm42 at TP=2 (fast path perturbed: the lane must catch
@@ -402,7 +421,8 @@ def test_invariant_lane_tp2_dvr_equals_tp1_lane_only(shape: str, threaded: bool,
     bit for bit, and the same fingerprint as llm42 at TP=1; also with the lane on threads
     of its own (rank 0's verifier thread and each worker's lane thread, in the lane's
     group) while the fast path keeps stepping, with asynchronous scheduling."""
-    model = tiny_model(**SMOLLM2_HEADS) if shape != "llama" else tiny_model()
+    model = tiny_model(**{"llama": {}, "smollm2-heads": SMOLLM2_HEADS,
+                          "kv-by-leaf": KV_BY_LEAF}[shape])
     params = _deterministic()
     oracle, _ = _run(model, params, prompts, "lane_only", tp_invariant_lane=True)
     _, prof_one = _run(model, params, prompts[:1], "llm42", tp_invariant_lane=True)
@@ -415,9 +435,11 @@ def test_invariant_lane_tp2_dvr_equals_tp1_lane_only(shape: str, threaded: bool,
     assert "tp_invariant_lane" in prof_two and prof_two["tp_size"] == 2
 
 
-def test_invariant_lane_at_tp4(model: str, prompts: list[list[int]]) -> None:
-    """TP=4 (one query head and a replicated K/V head a rank): the lane's tree gives the
-    TP=1 oracle's bits too."""
+@pytest.mark.parametrize("shape", ["llama", "kv-by-leaf"])
+def test_invariant_lane_at_tp4(shape: str, prompts: list[list[int]]) -> None:
+    """TP=4 (one query head and a replicated K/V head a rank; or two query heads and their
+    K/V head): the lane's tree gives the TP=1 oracle's bits too."""
+    model = tiny_model(**KV_BY_LEAF) if shape == "kv-by-leaf" else tiny_model()
     params = SamplingParams(max_tokens=6, is_deterministic=True, temperature=0.8, seed=3,
                             logprobs=0, ignore_eos=True)
     one, _ = _run(model, params, prompts[:2], "lane_only", tp_invariant_lane=True)

@@ -185,7 +185,7 @@ class PaddedProductOps:
     only the MLP's down product reads) writes its rows straight into the buffer of a product
     with its width, and any other input is copied in. So an activation's output lives only
     until the next activation of its width and rows: a caller multiplies it first (the
-    TP-invariant tree's leaves, ``TensorParallel.mlp_down``). For decode graphs whose
+    TP-invariant tree's leaves, ``TensorParallel.mlp``). For decode graphs whose
     bucket is in the lane chunk's class for some products and not for others."""
 
     def __init__(self, base: Ops, pads: Mapping[tuple[int, int], Mapping[int, int]]) -> None:

@@ -64,19 +64,20 @@ class Parallel(Protocol):
 
     def column_linear(self, ops: Ops, x: Tensor, weight: Tensor, bias: Tensor | None,
                       reduce: RowReduce) -> Tensor:
-        """A column-parallel product (qkv, gate/up; the lm_head with ``reduce`` "tree"
-        always): this rank's output columns. "tree": in the column blocks the ranks of the
-        largest TP size the tree spans would hold (leaves of heads and MLP columns, each
-        K/V head, vocabulary leaves), so that every output column comes from a call of the
-        same shape at every TP size (cuBLAS picks its algorithm, split-K included, from the
-        call's shape)."""
+        """A column-parallel product (qkv; the lm_head with ``reduce`` "tree" always):
+        this rank's output columns, in their natural order. "tree": in the column blocks a
+        rank of the largest TP size the tree spans would hold (``layout.column_blocks``;
+        vocabulary leaves), so that every output column comes from a call of the same shape
+        at every TP size (cuBLAS picks its algorithm, split-K included, from the call's
+        shape)."""
         ...
 
-    def mlp_down(self, ops: Ops, gate_up: Tensor, weight: Tensor, reduce: RowReduce) -> Tensor:
-        """``row_linear`` of ``ops.silu_mul`` of this rank's [gate | up] columns; "tree":
-        leaf by leaf of down_proj's K, so each activation element is computed in a tensor of
-        the same shape at every TP size (a CPU exp's bits depend on an element's place in the
-        vectorized loop)."""
+    def mlp(self, ops: Ops, x: Tensor, gate_up: Tensor, down: Tensor,
+            reduce: RowReduce) -> Tensor:
+        """The MLP: ``row_linear`` of ``ops.silu_mul`` of this rank's [gate | up] product;
+        "tree": leaf by leaf of down_proj's K, each leaf's gate/up block, activation and
+        down product in tensors of the same shapes at every TP size (a CPU exp's bits
+        depend on an element's place in the vectorized loop)."""
         ...
 
     def vocab_logits(self, local: Tensor) -> Tensor:
@@ -201,10 +202,9 @@ class LlamaModel(nn.Module):
             o = attention(i, q, k, v).reshape(n, c.q_size)
             h, x = ops.add_rmsnorm(h, row_linear(o, layer.o_proj), layer.post_norm,
                                    c.rms_norm_eps)
-            gate_up = (ops.linear(x, layer.gate_up_proj) if tp is None
-                       else tp.column_linear(ops, x, layer.gate_up_proj, None, tp_reduce))
-            mlp = (ops.linear(ops.silu_mul(gate_up), layer.down_proj) if tp is None
-                   else tp.mlp_down(ops, gate_up, layer.down_proj, tp_reduce))
+            mlp = (ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up_proj)), layer.down_proj)
+                   if tp is None
+                   else tp.mlp(ops, x, layer.gate_up_proj, layer.down_proj, tp_reduce))
             # the next layer's input norm (the final norm after the last layer) on h + mlp
             norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
             h, x = ops.add_rmsnorm(h, mlp, norm, c.rms_norm_eps)

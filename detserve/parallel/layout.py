@@ -98,36 +98,85 @@ class TPLayout:
                 for a, b in (cut(n, total, j) for j in range(self.rank * per, (self.rank + 1) * per))]
 
 
-def column_blocks(layout: TPLayout) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """The tree's column blocks of a rank's fused qkv and gate/up weights (output rows):
-    its query heads by the tree's head leaves, then each local K and V head alone; its
-    gate then its up columns by the tree's MLP leaves. A block is what a rank of the
-    largest TP size the tree spans holds of that product (or, for K/V, a head of it), so
-    the same call shapes run at every TP size."""
+@dataclass(frozen=True)
+class ColumnBlocks:
+    """How a rank keeps and multiplies a column-parallel weight under the TP-invariant
+    tree. ``order``: the rank's own output rows (its natural layout's indices) in the
+    order they are kept (None: as they are); ``blocks``: the tree's calls, row ranges of
+    the kept weight, in order."""
+
+    order: tuple[int, ...] | None
+    blocks: tuple[tuple[int, int], ...]
+
+    def restore(self) -> list[int] | None:
+        """Where each natural row's output sits in a product of the kept weight (None: in
+        place)."""
+        if self.order is None:
+            return None
+        where = [0] * len(self.order)
+        for i, row in enumerate(self.order):
+            where[row] = i
+        return where
+
+
+def _spans(widths: list[int]) -> tuple[tuple[int, int], ...]:
+    ends = [sum(widths[:i + 1]) for i in range(len(widths))]
+    return tuple(zip([0, *ends[:-1]], ends, strict=True))
+
+
+def leaf_major_qkv(config: ModelConfig, leaves: int) -> bool:
+    """Whether every one of ``leaves`` leaves of the query heads reads K/V heads of its
+    own (the K/V heads split evenly over the leaves): its query, K and V rows then form one
+    call, the product a rank of that many holds."""
+    return config.num_heads % leaves == 0 and config.num_kv_heads % leaves == 0
+
+
+def column_blocks(layout: TPLayout) -> tuple[ColumnBlocks, ColumnBlocks]:
+    """The tree's blocks of a rank's fused qkv and gate/up weights: what a rank of the
+    largest TP size the tree spans holds of each, so that every output column comes from a
+    call of the same shape at every TP size it spans (cuBLAS picks its algorithm, split-K
+    included, from the call's shape). gate/up: each MLP leaf's gate then up rows, kept
+    leaf by leaf (one call a leaf). qkv: where the K/V heads split over the leaves, each
+    leaf's query, K and V rows kept together (one call a leaf); else (a K/V head read by
+    two leaves, replicated at some TP sizes) its query heads by leaves, then each local K
+    and V head alone, kept as they are."""
     c, d = layout.config, layout.config.head_dim
     local = layout.local_config()
-    q = [(a * d, b * d) for a, b in layout.leaves(c.num_heads)]
+    heads = layout.leaves(c.num_heads)
     q_size, kv = local.num_heads * d, local.num_kv_heads
-    k = [(q_size + i * d, q_size + (i + 1) * d) for i in range(kv)]
-    v = [(q_size + (kv + i) * d, q_size + (kv + i + 1) * d) for i in range(kv)]
+    if leaf_major_qkv(c, tree_leaves(layout.size)):
+        g = local.num_heads // kv  # (no K/V head is replicated: whole groups a leaf)
+        order: list[int] = []
+        widths = []
+        for a, b in heads:
+            k_rows = range(a // g * d, b // g * d)
+            order += [*range(a * d, b * d), *(q_size + r for r in k_rows),
+                      *(q_size + kv * d + r for r in k_rows)]
+            widths.append((b - a) * d + 2 * len(k_rows))
+        qkv = ColumnBlocks(tuple(order), _spans(widths))
+    else:
+        q = [(a * d, b * d) for a, b in heads]
+        k = [(q_size + i * d, q_size + (i + 1) * d) for i in range(kv)]
+        v = [(q_size + (kv + i) * d, q_size + (kv + i + 1) * d) for i in range(kv)]
+        qkv = ColumnBlocks(None, (*q, *k, *v))
     mlp, inter = layout.leaves(c.intermediate_size), local.intermediate_size
-    return [*q, *k, *v], [*mlp, *((inter + a, inter + b) for a, b in mlp)]
+    gate_up = [r for a, b in mlp for r in (*range(a, b), *range(inter + a, inter + b))]
+    return qkv, ColumnBlocks(tuple(gate_up), _spans([2 * (b - a) for a, b in mlp]))
 
 
 def tree_shapes(config: ModelConfig) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """(N, K) of every product the TP-invariant tree runs, the same at every TP size it
     spans (a rank's are some of them): the column-parallel products' blocks
     (``column_blocks``; the lm_head by vocabulary leaves) and the row-parallel products'
-    K leaves (o by the query blocks' widths, down by the MLP leaves'). Second, those that
+    K leaves (o by the query head leaves, down by the MLP leaves). Second, those that
     add the qkv bias where the model has one (the qkv blocks). The shapes whose cuBLAS row
     classes decide the tree's lane chunk (``gemm_classes.shared_chunk``)."""
     layout = TPLayout(config, 1, 0)  # (TP=1 holds every leaf)
-    hidden = config.hidden_size
+    hidden, d = config.hidden_size, config.head_dim
     qkv, gate_up = column_blocks(layout)
-    q = qkv[:len(layout.leaves(config.num_heads))]
-    mlp = layout.leaves(config.intermediate_size)
-    biased = [(b - a, hidden) for a, b in qkv]
-    shapes = [*biased, *((b - a, hidden) for a, b in gate_up),
+    biased = [(b - a, hidden) for a, b in qkv.blocks]
+    shapes = [*biased, *((b - a, hidden) for a, b in gate_up.blocks),
               *((b - a, hidden) for a, b in layout.leaves(config.vocab_size)),
-              *((hidden, b - a) for a, b in q), *((hidden, b - a) for a, b in mlp)]
+              *((hidden, (b - a) * d) for a, b in layout.leaves(config.num_heads)),
+              *((hidden, b - a) for a, b in layout.leaves(config.intermediate_size))]
     return shapes, biased

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -21,7 +22,7 @@ from detserve.distributed import Group
 from detserve.model.config import ModelConfig
 from detserve.model.llama import LlamaModel, Ops, RowReduce
 from detserve.model.loader import read_model_config
-from detserve.parallel.layout import TPLayout, column_blocks
+from detserve.parallel.layout import ColumnBlocks, TPLayout, column_blocks
 from detserve.parallel.peer_sum import PeerSum
 
 Ranges = Sequence[tuple[int, int]]  # leaves' K column ranges, relative to a rank's own
@@ -56,22 +57,22 @@ def leaf_columns(x: Tensor, ranges: Ranges) -> list[Tensor]:
     return list(x.view(n, len(ranges), w).transpose(0, 1).contiguous().unbind(0))
 
 
-def leaf_gate_up(gate_up: Tensor, ranges: Ranges) -> list[Tensor]:
-    """Each leaf's [gate | up] columns of ``gate_up`` ([rows, 2 x K]) as a contiguous
-    [rows, 2 (b - a)] tensor (one copy for all of them where the leaves are equal)."""
-    n, k = gate_up.shape[0], gate_up.shape[1] // 2
-    w = _equal_widths(gate_up, ranges, k)
-    if not w:
-        return [torch.cat([gate_up[:, a:b], gate_up[:, k + a:k + b]], dim=-1)
-                for a, b in ranges]
-    return list(gate_up.view(n, 2, len(ranges), w).permute(2, 0, 1, 3)
-                .reshape(len(ranges), n, 2 * w).unbind(0))
+@dataclass(frozen=True)
+class _Columns:
+    """A column-parallel weight under the tree: its blocks' row ranges and weights (views of
+    the weight as kept), and where each of its natural output rows sits in a product of the
+    kept weight (None: in place)."""
+
+    ranges: list[tuple[int, int]]
+    weights: list[Tensor]
+    restore: Tensor | None
 
 
 class TensorParallel:
     """``llama.Parallel`` for one rank: its ``group`` (None at TP=1) and layout. With
     ``tree`` the row-parallel weights are also kept cut into the tree's leaves (contiguous
-    copies, so that a leaf's product sees the same shapes and strides at every TP size)."""
+    copies, so that a leaf's product sees the same shapes and strides at every TP size),
+    and the column-parallel ones in the tree's blocks (``layout.column_blocks``)."""
 
     def __init__(self, layout: TPLayout, group: Group | None,
                  device: torch.device | str = "cpu") -> None:
@@ -85,8 +86,8 @@ class TensorParallel:
         self._vocab_starts = torch.tensor(starts[1:], dtype=torch.long, device=device)
         # id(weight) -> its leaves' K ranges and weights, in tree order
         self._leaves: dict[int, tuple[Ranges, list[Tensor]]] = {}
-        # id(weight) -> its column blocks' row ranges and weights (views), in output order
-        self._columns: dict[int, tuple[Ranges, list[Tensor]]] = {}
+        # id(weight) -> its column blocks
+        self._columns: dict[int, _Columns] = {}
         self._peer_sums: dict[int, PeerSum] = {}  # id(group) -> its peer-load sum
 
     @property
@@ -128,24 +129,38 @@ class TensorParallel:
         leaves, K column ranges in tree order."""
         self._leaves[id(weight)] = (list(ranges), [weight[:, a:b].contiguous() for a, b in ranges])
 
-    def add_columns(self, weight: Tensor, ranges: Ranges) -> None:
+    def add_columns(self, weight: Tensor, blocks: ColumnBlocks,
+                    bias: Tensor | None = None) -> None:
         """Run ``weight``'s (a column-parallel product's, [N_local, K]) "tree" products
-        as calls over these output row ranges (contiguous, in order, covering N_local)."""
-        self._columns[id(weight)] = (list(ranges), [weight[a:b] for a, b in ranges])
+        as ``blocks``' calls; where they keep its rows in another order, reorder the rows of
+        ``weight`` and ``bias`` (in place) now."""
+        restore = blocks.restore()
+        if blocks.order is not None:
+            order = torch.tensor(blocks.order, device=weight.device)
+            weight.data = weight.data.index_select(0, order)
+            if bias is not None:
+                bias.data = bias.data.index_select(0, order)
+        self._columns[id(weight)] = _Columns(
+            list(blocks.blocks), [weight[a:b] for a, b in blocks.blocks],
+            None if restore is None else torch.tensor(restore, device=weight.device))
 
     # ---- llama.Parallel ----
     def column_linear(self, ops: Ops, x: Tensor, weight: Tensor, bias: Tensor | None,
                       reduce: RowReduce) -> Tensor:
-        blocks = self._columns.get(id(weight)) if reduce == "tree" else None
-        if blocks is None:
+        cols = self._columns.get(id(weight))
+        if cols is None:
             return ops.linear(x, weight, bias)
-        ranges, weights = blocks
-        return torch.cat([ops.linear(x, w, None if bias is None else bias[a:b])
-                          for (a, b), w in zip(ranges, weights, strict=True)], dim=-1)
+        if reduce == "tree":
+            parts = [ops.linear(x, w, None if bias is None else bias[a:b])
+                     for (a, b), w in zip(cols.ranges, cols.weights, strict=True)]
+            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        else:
+            y = ops.linear(x, weight, bias)
+        return y if cols.restore is None else y.index_select(-1, cols.restore)
 
     def vocab_block(self, weight: Tensor) -> Tensor:
-        blocks = self._columns.get(id(weight))
-        return weight if blocks is None else blocks[1][0]
+        cols = self._columns.get(id(weight))
+        return weight if cols is None else cols.weights[0]
 
     def embed(self, table: Tensor, ids: Tensor) -> Tensor:
         if self.group is None:
@@ -171,14 +186,20 @@ class TensorParallel:
         return self._tree(reduce, [ops.linear(xs, w) for xs, w
                                    in zip(leaf_columns(x, ranges), leaves, strict=True)])
 
-    def mlp_down(self, ops: Ops, gate_up: Tensor, weight: Tensor, reduce: RowReduce) -> Tensor:
+    def mlp(self, ops: Ops, x: Tensor, gate_up: Tensor, down: Tensor,
+            reduce: RowReduce) -> Tensor:
+        cols = self._columns.get(id(gate_up))
+        if cols is None:
+            return self.row_linear(ops, ops.silu_mul(ops.linear(x, gate_up)), down, reduce)
         if reduce != "tree":
-            return self.row_linear(ops, ops.silu_mul(gate_up), weight, reduce)
-        # leaf by leaf, each activation multiplied before the next is computed: a padded
-        # product's buffer, which the activation may write into, holds one leaf at a time
-        ranges, leaves = self._leaves_of(weight)
-        return self._tree(reduce, [ops.linear(ops.silu_mul(gu), w) for gu, w
-                                   in zip(leaf_gate_up(gate_up, ranges), leaves, strict=True)])
+            return self.row_linear(ops, _activation(ops, ops.linear(x, gate_up), cols),
+                                   down, reduce)
+        # leaf by leaf: its [gate | up] block, activation and down_proj leaf, each
+        # activation multiplied before the next is computed (a padded product's buffer,
+        # which the activation may write into, holds one leaf at a time)
+        _, leaves = self._leaves_of(down)
+        return self._tree(reduce, [ops.linear(ops.silu_mul(ops.linear(x, gu)), w) for gu, w
+                                   in zip(cols.weights, leaves, strict=True)])
 
     def _leaves_of(self, weight: Tensor) -> tuple[Ranges, list[Tensor]]:
         leaves = self._leaves.get(id(weight))
@@ -202,10 +223,10 @@ class TensorParallel:
         shapes = {tuple(w.shape) for w in weights}
         out: list[tuple[Tensor, Tensor | None]] = []
         for w, bias in zip(weights, biases, strict=True):
-            ranges, blocks = self._columns.get(id(w), ([], []))
+            cols = self._columns.get(id(w), _Columns([], [], None))
             parts = [*((leaf, None) for leaf in self._leaves.get(id(w), ((), []))[1]),
                      *((blk, None if bias is None else bias[a:b])
-                       for (a, b), blk in zip(ranges, blocks, strict=True))]
+                       for (a, b), blk in zip(cols.ranges, cols.weights, strict=True))]
             for leaf, part in parts:
                 if tuple(leaf.shape) not in shapes:
                     shapes.add(tuple(leaf.shape))
@@ -227,6 +248,17 @@ class TensorParallel:
         out = [torch.empty_like(t) for _ in range(self.layout.size)]
         self.group.follow(self.group.all_gather(out, t))
         return out
+
+
+def _activation(ops: Ops, gate_up: Tensor, cols: _Columns) -> Tensor:
+    """The activation of a product of gate/up as the tree keeps it (each leaf's gate then up
+    rows), in the MLP's column order: one call over the leaves as rows where they are
+    equal, else one a leaf."""
+    n, widths = gate_up.shape[0], {b - a for a, b in cols.ranges}
+    if len(widths) == 1 and gate_up.is_contiguous():
+        return ops.silu_mul(gate_up.view(n * len(cols.ranges), widths.pop())).view(n, -1)
+    return torch.cat([ops.silu_mul(gate_up[:, a:b].contiguous()) for a, b in cols.ranges],
+                     dim=-1)
 
 class RankWeights:
     """The part of every weight one rank holds (``model.loader.WeightShard``): handed to
@@ -292,6 +324,9 @@ def shard_model(model: LlamaModel, layout: TPLayout, group: Group | None,
     rank's shard (``load_model(shard=RankWeights(layout))``, used as is). ``tree``: ready
     for the TP-invariant lane; ``peer_sums``: the groups' small sums by peer loads
     (``PeerSum``)."""
+    if model.parallel is not None:
+        raise ValueError("the model is a shard already (its rows may be kept in the tree's "
+                         "order): load another")
     rank = RankWeights(layout)
     if model.config == layout.config:
         local = model if layout.size == 1 else cut_shard(model, rank)
@@ -311,9 +346,10 @@ def shard_model(model: LlamaModel, layout: TPLayout, group: Group | None,
         for layer in local.layer_list:
             parallel.add_leaves(layer.o_proj, heads)
             parallel.add_leaves(layer.down_proj, columns)
-            parallel.add_columns(layer.qkv_proj, qkv)
+            parallel.add_columns(layer.qkv_proj, qkv, layer.qkv_bias)
             parallel.add_columns(layer.gate_up_proj, gate_up)
-        parallel.add_columns(local.lm_head_weight, layout.leaves(c.vocab_size))
+        parallel.add_columns(local.lm_head_weight,
+                             ColumnBlocks(None, tuple(layout.leaves(c.vocab_size))))
     local.parallel = parallel
     return local
 

@@ -5,7 +5,8 @@
 # against the lane per product (posdiag.py), the GPU tests of the TP file and the
 # decode tile, the 70B geometry's invariance audit at TP 1 and 2. `j.sh cost`: the
 # invariant lane against the ordinary lane (8B shape, TP 1 and 2, 100 %), and the
-# invariance audit between them. Results go straight to $OUT.
+# invariance audit between them. `j.sh leaf` (after the leaf-major blocks): the GPU tests
+# of the tree, then as cost. Results go straight to $OUT.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 I=docs/benchmarks/gpu/2026-11-28-i-h200-h200x4 J=docs/benchmarks/gpu/2026-11-28-j-h200x2
@@ -30,6 +31,9 @@ if [ "${1:-check}" = check ]; then
   for tp in 1 2; do off inv70-tp$tp random:llama3-70b@8 $tp --tp-invariant-lane; done
   python -m benchmarks.compare_digests $R/inv70-tp1.json $R/inv70-tp2.json | tee $R/invariance70.txt
 else
+  [ "$1" = leaf ] && { timeout 150 python -m pytest -q -p no:cacheprovider -m gpu \
+    tests/test_gpu_tensor_parallel.py -k "70b_geometry or invariant_lane_dvr" \
+    > $R/gputests.log 2>&1; echo "gpu tests rc=$?"; tail -3 $R/gputests.log; }
   for tp in 1 2; do
     off ord8-tp$tp random:llama3-8b $tp
     off inv8-tp$tp random:llama3-8b $tp --tp-invariant-lane
