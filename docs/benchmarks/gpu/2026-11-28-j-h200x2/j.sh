@@ -6,7 +6,8 @@
 # decode tile, the 70B geometry's invariance audit at TP 1 and 2. `j.sh cost`: the
 # invariant lane against the ordinary lane (8B shape, TP 1 and 2, 100 %), and the
 # invariance audit between them. `j.sh leaf` (after the leaf-major blocks): the GPU tests
-# of the tree, then as cost. Results go straight to $OUT.
+# of the tree, then as cost. `j.sh x4` (4 x H200): the 70B geometry's invariance audit at
+# TP 1, 4 and 2, and the 8B cost at TP=1. Results go straight to $OUT.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 I=docs/benchmarks/gpu/2026-11-28-i-h200-h200x4 J=docs/benchmarks/gpu/2026-11-28-j-h200x2
@@ -21,7 +22,14 @@ off() {  # name model tp extra...
     --run-seconds 40 "$@" --out $R/$name.json > $R/$name.log 2>&1; echo "$name rc=$?"
   grep -hE "out tok/s|audit|rollback|rror" $R/$name.log | tail -4
 }
-if [ "${1:-check}" = check ]; then
+if [ "${1:-check}" = x4 ]; then  # (4 x H200) the invariance audit at the 70B geometry
+  for tp in 1 4; do off inv70-tp$tp random:llama3-70b@8 $tp --tp-invariant-lane; done
+  python -m benchmarks.compare_digests $R/inv70-tp1.json $R/inv70-tp4.json | tee $R/invariance70.txt
+  off inv8-tp1 random:llama3-8b 1 --tp-invariant-lane; off ord8-tp1 random:llama3-8b 1
+  off inv70-tp2 random:llama3-70b@8 2 --tp-invariant-lane
+  python -m benchmarks.compare_digests $R/inv70-tp1.json $R/inv70-tp2.json $R/inv70-tp4.json \
+    | tee $R/invariance70-all.txt
+elif [ "${1:-check}" = check ]; then
   [ -n "${COLCHECK:-}" ] && { timeout 60 python $I/colcheck.py > $R/colcheck.log 2>&1; cat $R/colcheck.log; }
   timeout 120 python $J/posdiag.py random:llama3-70b@2 1 > $R/posdiag.log 2>&1
   echo "posdiag rc=$?"; grep -E "^N=|chunk=" $R/posdiag.log
