@@ -223,8 +223,18 @@ def test_the_alignment_probe_sees_the_trees_leaf_products() -> None:
     # (a block of the layer's own shape is probed once: the gate/up block is o_proj's here)
     assert set(shapes[4:-1]) == {o_leaf, down_leaf, q_block, kv_head, mlp_block} - set(plain)
     assert len(local.gemm_biases()) == len(shapes)
-    with pytest.raises(ValueError, match="shard already"):
-        shard_model(model, TPLayout(model.config, 1, 0), None, tree=False)
+    # sharded again (engines sharing one loaded model): its rows stay in the tree's order
+    # and its products read them; no shard can be cut from it
+    ordered = local.logits(local(torch.tensor([3, 5, 7]), torch.arange(3),
+                                 lambda i, q, k, v: q, TorchOps(), tp_reduce="ordered"),
+                           TorchOps())
+    again = shard_model(model, TPLayout(model.config, 1, 0), None, tree=False)
+    assert again.tree_rows and torch.equal(
+        again.logits(again(torch.tensor([3, 5, 7]), torch.arange(3), lambda i, q, k, v: q,
+                           TorchOps(), tp_reduce="ordered"), TorchOps()), ordered)
+    with pytest.raises(ValueError, match="no shard can be cut"):
+        shard_model(model, TPLayout(model.config, 2, 0),
+                    Group("gloo", 0, 2, None, 1.0, torch.device("cpu")), tree=True)
     fresh, _, _ = load_model(spec, dtype="float32")
     untreed = shard_model(fresh, TPLayout(model.config, 1, 0), None, tree=False)
     assert [tuple(w.shape) for w in untreed.gemm_weights()] == plain

@@ -146,6 +146,8 @@ class LlamaModel(nn.Module):
         self.config = config
         self.dtype = dtype
         self.parallel: Parallel | None = None  # set by ``parallel.shard.shard_model``
+        # its qkv and gate/up rows are kept in the TP-invariant tree's order (set there)
+        self.tree_rows = False
         c = config
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         vocab = c.vocab_size if vocab_rows is None else vocab_rows

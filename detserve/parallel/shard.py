@@ -130,12 +130,13 @@ class TensorParallel:
         self._leaves[id(weight)] = (list(ranges), [weight[:, a:b].contiguous() for a, b in ranges])
 
     def add_columns(self, weight: Tensor, blocks: ColumnBlocks,
-                    bias: Tensor | None = None) -> None:
+                    bias: Tensor | None = None, reorder: bool = True) -> None:
         """Run ``weight``'s (a column-parallel product's, [N_local, K]) "tree" products
         as ``blocks``' calls; where they keep its rows in another order, reorder the rows of
-        ``weight`` and ``bias`` (in place) now."""
+        ``weight`` and ``bias`` (in place) now, unless they are in it already
+        (``reorder`` False)."""
         restore = blocks.restore()
-        if blocks.order is not None:
+        if blocks.order is not None and reorder:
             order = torch.tensor(blocks.order, device=weight.device)
             weight.data = weight.data.index_select(0, order)
             if bias is not None:
@@ -324,10 +325,10 @@ def shard_model(model: LlamaModel, layout: TPLayout, group: Group | None,
     rank's shard (``load_model(shard=RankWeights(layout))``, used as is). ``tree``: ready
     for the TP-invariant lane; ``peer_sums``: the groups' small sums by peer loads
     (``PeerSum``)."""
-    if model.parallel is not None:
-        raise ValueError("the model is a shard already (its rows may be kept in the tree's "
-                         "order): load another")
     rank = RankWeights(layout)
+    if model.tree_rows and model.config == layout.config and layout.size > 1:
+        raise ValueError("the model's rows are in the TP-invariant tree's order (it was "
+                         "sharded at TP=1 with the tree): no shard can be cut from it")
     if model.config == layout.config:
         local = model if layout.size == 1 else cut_shard(model, rank)
     elif (model.config == layout.local_config()
@@ -339,17 +340,23 @@ def shard_model(model: LlamaModel, layout: TPLayout, group: Group | None,
     d = c.head_dim
     parallel = TensorParallel(layout, group, local.embed_tokens.device)
     parallel.add_peer_sums(list(peer_sums))
+    # (a model sharded again, as engines that share one loaded model do at TP=1: rows kept
+    # in the tree's order stay so, and its products still need the blocks to read them)
+    kept = local.tree_rows
+    if tree or kept:
+        qkv, gate_up = column_blocks(layout)
+        for layer in local.layer_list:
+            parallel.add_columns(layer.qkv_proj, qkv, layer.qkv_bias, reorder=not kept)
+            parallel.add_columns(layer.gate_up_proj, gate_up, reorder=not kept)
+        parallel.add_columns(local.lm_head_weight,
+                             ColumnBlocks(None, tuple(layout.leaves(c.vocab_size))))
+        local.tree_rows = True
     if tree:
         heads = [(a * d, b * d) for a, b in layout.leaves(c.num_heads)]
         columns = layout.leaves(c.intermediate_size)
-        qkv, gate_up = column_blocks(layout)
         for layer in local.layer_list:
             parallel.add_leaves(layer.o_proj, heads)
             parallel.add_leaves(layer.down_proj, columns)
-            parallel.add_columns(layer.qkv_proj, qkv, layer.qkv_bias)
-            parallel.add_columns(layer.gate_up_proj, gate_up)
-        parallel.add_columns(local.lm_head_weight,
-                             ColumnBlocks(None, tuple(layout.leaves(c.vocab_size))))
     local.parallel = parallel
     return local
 
