@@ -10,7 +10,7 @@
 # TP 1 and 4, and the 8B cost at TP=1. Results go straight to $OUT.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-I=docs/benchmarks/gpu/2026-11-28-i-h200-h200x4 J=docs/benchmarks/gpu/2026-11-28-j-h200x2
+I=docs/benchmarks/gpu/2026-11-28-i-h200-h200x4 J=docs/benchmarks/gpu/2026-11-28-j-h200-h200x2-h200x4
 R=$OUT/${1:-check}; mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $R/gpu.txt
 python -c "import torch, triton; print(torch.__version__, triton.__version__)" >> $R/gpu.txt
