@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from detserve.config import SamplerConfig
 from detserve.kernels.config import TABLE, LaneConfig, lane_variant
+from detserve.parallel.layout import TREE_LAYOUT  # (no torch)
 
 if TYPE_CHECKING:
     from detserve.config import EngineConfig
@@ -158,7 +159,8 @@ class LaneNumerics:
         elif self.lane_gemm_rows:
             out["lane_gemm_rows"] = self.lane_gemm_rows
         if self.tp_invariant_lane and mode in ("llm42", "lane_only"):
-            out["tp_invariant_lane"] = True  # the same bits at every TP size dividing 4
+            # the same bits at every TP size dividing its leaves, in this layout
+            out["tp_invariant_lane"] = TREE_LAYOUT
         return out
 
 

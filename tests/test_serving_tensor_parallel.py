@@ -12,6 +12,7 @@ import httpx
 import pytest
 from serving_cluster import Cluster, serving_cluster, tp1_lane_reference
 
+from detserve.parallel.layout import TREE_LAYOUT
 from services.serve_config import default_serve_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -37,7 +38,7 @@ def test_tp2_serves_the_tp1_lane_bits(cluster: Cluster) -> None:
     assert choice["token_ids"] == ref.token_ids
     assert choice["logprobs"]["token_logprobs"] == [lp.logprob for lp in ref.logprobs or ()]
     profile = det.json()["determinism"]
-    assert profile["tp_size"] == 2 and profile.get("tp_invariant_lane") is True
+    assert profile["tp_size"] == 2 and profile.get("tp_invariant_lane") == TREE_LAYOUT
     assert other.status_code == 200, other.text
     assert len(other.json()["choices"][0]["token_ids"]) == MAX_TOKENS
 

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from serving_cluster import Cluster, serving_cluster, tp1_lane_reference
 
+from detserve.parallel.layout import TREE_LAYOUT
 from services.serve_config import APP_NAME, DECODER, VERIFIER
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -57,7 +58,7 @@ def test_tp2_decoder_verified_by_a_dedicated_replica(cluster: Cluster) -> None:
         assert choice["token_ids"] == ref.token_ids, "differs from the TP=1 lane_only oracle"
         assert choice["logprobs"]["token_logprobs"] == [lp.logprob for lp in ref.logprobs or ()]
         profile = resp.json()["determinism"]
-        assert profile["tp_size"] == 2 and profile.get("tp_invariant_lane") is True
+        assert profile["tp_size"] == 2 and profile.get("tp_invariant_lane") == TREE_LAYOUT
 
     stats = _handle_call(DECODER, "stats")
     assert stats.verifier == "RemoteVerifier", "the lane left the decoder's ranks"

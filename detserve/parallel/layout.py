@@ -22,6 +22,10 @@ from detserve.model.config import ModelConfig
 
 # the TP-invariant lane's leaves: its bits are the same at every TP size dividing this
 INVARIANT_LEAVES = 4
+# the tree's layout, named in the determinism fingerprint: a new name whenever its leaves,
+# its blocks or their order change, since its responses' bits do (v2: column blocks of a
+# TP=4 rank's products)
+TREE_LAYOUT = f"tree{INVARIANT_LEAVES}-v2"
 
 
 def tree_leaves(size: int) -> int:
