@@ -24,7 +24,7 @@ from detserve.numerics import LaneNumerics
 from detserve.outputs import RequestOutput
 from detserve.parallel.executor import TensorParallelError
 from detserve.parallel.layout import TPLayout, cut, tree_leaves, tree_shapes
-from detserve.parallel.shard import leaf_columns, shard_model, tree_sum
+from detserve.parallel.shard import leaf_columns, shard_model, tree_sum, tree_twin
 from detserve.params import SamplingParams
 
 # 9 query heads in 3 K/V groups, as SmolLM2-135M has them (head_dim 16 here); a vocabulary
@@ -238,6 +238,32 @@ def test_the_alignment_probe_sees_the_trees_leaf_products() -> None:
     fresh, _, _ = load_model(spec, dtype="float32")
     untreed = shard_model(fresh, TPLayout(model.config, 1, 0), None, tree=False)
     assert [tuple(w.shape) for w in untreed.gemm_weights()] == plain
+
+
+def test_a_tree_twin_leaves_the_model_as_it_is() -> None:
+    """A verifier serves the ordinary lane and the invariant one from one load: the tree's
+    model is a twin whose reordered qkv and gate/up rows are its own, and which shares the
+    other weights; the model keeps its weights (same storage, same values) and its
+    outputs, and the twin gives the same logits."""
+    model, _, _ = load_model(tiny_model(**KV_BY_LEAF), dtype="float32")
+    layer = model.layer_list[0]
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    ids, pos = torch.tensor([3, 5, 7, 11]), torch.arange(4)
+
+    def logits(m: LlamaModel, reduce: RowReduce = "ordered") -> torch.Tensor:
+        return m.logits(m(ids, pos, lambda i, q, k, v: q, TorchOps(), tp_reduce=reduce),
+                        TorchOps())
+
+    plain = logits(model)
+    twin = shard_model(tree_twin(model), TPLayout(model.config, 1, 0), None, tree=True)
+    assert model.parallel is None and not model.tree_rows and twin.tree_rows
+    for n, p in model.named_parameters():
+        assert p.data_ptr() == before[n][0] and torch.equal(p, before[n][1]), n
+    assert twin.layer_list[0].o_proj is layer.o_proj  # (shared)
+    assert twin.layer_list[0].qkv_proj.data_ptr() != layer.qkv_proj.data_ptr()
+    assert not torch.equal(twin.layer_list[0].qkv_proj, layer.qkv_proj)  # (reordered)
+    assert torch.equal(logits(model), plain)
+    torch.testing.assert_close(logits(twin, "tree"), plain, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kv_heads", [2, 4])

@@ -361,6 +361,25 @@ def shard_model(model: LlamaModel, layout: TPLayout, group: Group | None,
     return local
 
 
+def tree_twin(model: LlamaModel) -> LlamaModel:
+    """A model that shares ``model``'s parameters but for its qkv (and bias) and gate/up
+    weights, copies of its own: ``shard_model``'s tree may reorder those rows while
+    ``model`` serves on unchanged (a verifier serving the ordinary lane and the invariant
+    one from one load; reordered in place, ``model``'s captured CUDA graphs would read
+    freed weights). Costs a copy of those weights."""
+    own = {"qkv_proj", "qkv_bias", "gate_up_proj"}
+    twin = LlamaModel(model.config, dtype=model.dtype, device="meta",
+                      vocab_rows=model.embed_tokens.shape[0])
+    for name, p in model.named_parameters():
+        path, _, leaf = name.rpartition(".")
+        target = twin.get_submodule(path) if path else twin
+        setattr(target, leaf, torch.nn.Parameter(p.detach().clone(), requires_grad=False)
+                if leaf in own else p)
+    twin.rope_cos, twin.rope_sin = model.rope_cos, model.rope_sin
+    twin.tree_rows = model.tree_rows
+    return twin.eval()
+
+
 def cut_shard(model: LlamaModel, rank: RankWeights) -> LlamaModel:
     """``rank``'s shard of the whole ``model``, on its device."""
     local = LlamaModel(rank.local_config(), dtype=model.dtype, device=model.embed_tokens.device,

@@ -42,7 +42,7 @@ from detserve.numerics import LaneNumerics
 from detserve.parallel.executor import Workers, make_runner, tensor_parallel_model
 from detserve.parallel.kv_rows import transfer_pool
 from detserve.parallel.layout import TPLayout
-from detserve.parallel.shard import rank_weights, shard_model
+from detserve.parallel.shard import rank_weights, shard_model, tree_twin
 from services.cluster_auth import ClusterAuth
 from services.kv_handle import KVHandle, open_kv
 from services.registry import Registry
@@ -401,14 +401,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def _model_for(self, numerics: LaneNumerics) -> LlamaModel:
         """The model a runner of ``numerics`` runs: with the TP-invariant lane, the whole
-        model carrying the tree's leaves (as a TP=1 engine's), whatever the decoder's TP
-        size; else the model itself."""
+        model carrying the tree's leaves and its rows in the tree's order (as a TP=1
+        engine's; a twin, so that ordinary-lane runners keep their weights), whatever the
+        decoder's TP size; else the model itself."""
         if not numerics.tp_invariant_lane:
             return self.model
         with self._tree_lock:
             if self._tree_model is None:
-                self._tree_model = shard_model(self.model, TPLayout(self.model.config, 1, 0),
-                                               None, tree=True)
+                self._tree_model = shard_model(tree_twin(self.model),
+                                               TPLayout(self.model.config, 1, 0), None,
+                                               tree=True)
             return self._tree_model
 
     def _check_current(self, hello: pb.Hello, handle: KVHandle) -> None:
