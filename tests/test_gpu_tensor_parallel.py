@@ -35,6 +35,14 @@ def model() -> str:
                       num_layers=4)
 
 
+@pytest.fixture(scope="module")
+def kv_by_leaf() -> str:
+    # 8 query heads over 4 K/V heads: the tree keeps each leaf's query, K and V rows
+    # together (one qkv call a leaf), as for Llama 3's 8 K/V heads
+    return tiny_model(hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=4,
+                      num_layers=4)
+
+
 def _reqs(n: int = 10, seed: int = 4) -> list[Req]:
     prompts = random_prompts(n, [3, 17, 70, 9, 130], seed=seed)
     return [Req(p, SamplingParams(max_tokens=32, is_deterministic=True,
@@ -43,11 +51,15 @@ def _reqs(n: int = 10, seed: int = 4) -> list[Req]:
             for i, p in enumerate(prompts)]
 
 
+@pytest.mark.parametrize("leaf_major", [False, True])
 @pytest.mark.parametrize("tp", TP_SIZES)
-def test_invariant_lane_dvr_equals_tp1_lane_only(model: str, tp: int) -> None:
+def test_invariant_lane_dvr_equals_tp1_lane_only(model: str, kv_by_leaf: str, tp: int,
+                                                 leaf_major: bool) -> None:
     """With the TP-invariant lane, llm42 at TP=2 and 4 with the fast path perturbed (the
     lane catches and replaces every bad token) gives the TP=1 lane_only oracle's bits, and
-    the same fingerprint as llm42 at TP=1."""
+    the same fingerprint as llm42 at TP=1; K/V heads alone in the tree's blocks, or by
+    leaf."""
+    model = kv_by_leaf if leaf_major else model
     reqs = _reqs()
     oracle, _, eng1 = run_engine(model, reqs, mode="lane_only", tp_invariant_lane=True, **CUDA)
     eng1.close()
