@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import cast
 
 import pytest
 import torch
@@ -201,6 +202,21 @@ def test_padded_leaf_products_take_each_leafs_own_activation() -> None:
     assert torch.equal(tp.mlp(ops, x, layer.gate_up_proj, layer.down_proj, "ordered"), whole)
 
 
+def test_the_mlp_with_unequal_leaves_is_the_plain_one() -> None:
+    """130 MLP columns make leaves of 32 and 33: gate/up, kept leaf by leaf, is read one
+    leaf at a time off the tree too, and both give the plain MLP's outputs."""
+    model, _, _ = load_model(tiny_model(intermediate_size=130), dtype="float32")
+    c, layer = model.config, model.layer_list[0]
+    gate_up = layer.gate_up_proj.detach().clone()
+    local = shard_model(model, TPLayout(c, 1, 0), None, tree=True)
+    assert local.parallel is not None
+    x, ops = torch.randn(5, c.hidden_size), TorchOps()
+    whole = ops.linear(ops.silu_mul(ops.linear(x, gate_up)), layer.down_proj)
+    for reduce in ("tree", "ordered"):
+        got = local.parallel.mlp(ops, x, layer.gate_up_proj, layer.down_proj, reduce)
+        torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-6)
+
+
 def test_the_alignment_probe_sees_the_trees_leaf_products() -> None:
     """With the tree, the lane and the fast path's aligned rows multiply each row-parallel
     weight leaf by leaf and each column-parallel one block by block (the lm_head in every
@@ -319,16 +335,22 @@ def test_tree_columns_come_from_calls_of_one_shape(size: int, kv_heads: int,
         assert all(agree) if same else not any(agree), reduce
 
 
+@pytest.mark.parametrize("kv_heads", [2, 4])
 @pytest.mark.parametrize("size", [1, 2])
-def test_qkv_blocks_are_probed_with_their_part_of_the_bias(size: int) -> None:
-    """A model with q/k/v biases (Qwen2's) under the tree: the alignment probe's query and
-    K/V blocks carry the rows of the qkv bias their product adds (a bias can change
-    cuBLAS's algorithm), and ``layout.tree_shapes`` names exactly the biased blocks."""
-    model, _, _ = load_model(tiny_model(attention_bias=True), dtype="float32")
+def test_qkv_blocks_are_probed_with_their_part_of_the_bias(size: int, kv_heads: int) -> None:
+    """A model with q/k/v biases (Qwen2's) under the tree: the alignment probe's qkv
+    blocks carry the rows of the qkv bias their product adds (a bias can change cuBLAS's
+    algorithm), ``layout.tree_shapes`` names exactly the biased blocks, and the product
+    (its rows and bias kept in the tree's order where K/V heads go by leaf) gives the
+    natural one's outputs, in the tree's blocks and in one call."""
+    spec = tiny_model(attention_bias=True, hidden_size=128, num_heads=8, num_kv_heads=kv_heads)
+    model, _, _ = load_model(spec, dtype="float32")
     group = Group("gloo", 0, size, None, 1.0, torch.device("cpu")) if size > 1 else None
+    natural = (model.layer_list[0].qkv_proj.detach().clone(),
+               cast(torch.Tensor, model.layer_list[0].qkv_bias).detach().clone())
     local = shard_model(model, TPLayout(model.config, size, 0), group, tree=True)
     qkv, bias = local.layer_list[0].qkv_proj, local.layer_list[0].qkv_bias
-    assert bias is not None
+    assert bias is not None and local.parallel is not None
     k = qkv.shape[1]
     biased = []
     for w, b in zip(local.gemm_weights(), local.gemm_biases(), strict=True):
@@ -337,9 +359,15 @@ def test_qkv_blocks_are_probed_with_their_part_of_the_bias(size: int) -> None:
         first = (w.data_ptr() - qkv.data_ptr()) // (k * qkv.element_size())
         assert torch.equal(b, bias[first:first + w.shape[0]])
         biased.append(tuple(w.shape))
-    # qkv, then one query block and one K/V head (the same shape here: one head a block)
-    assert biased[0] == tuple(qkv.shape) and len(biased) == 2
+    # qkv, then its blocks' shapes (a query block and a K/V head, or a leaf's q, k and v)
+    assert biased[0] == tuple(qkv.shape) and len(biased) == (3 if kv_heads == 2 else 2)
     assert set(biased[1:]) == set(tree_shapes(model.config)[1])
+    if size == 1:
+        x = torch.randn(3, k)
+        want = TorchOps().linear(x, *natural)
+        for reduce in ("tree", "ordered"):
+            got = local.parallel.column_linear(TorchOps(), x, qkv, bias, reduce)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 class _Recording(TorchOps):
