@@ -258,8 +258,8 @@ def test_the_alignment_probe_sees_the_trees_leaf_products() -> None:
 
 def test_a_tree_twin_leaves_the_model_as_it_is() -> None:
     """A verifier serves the ordinary lane and the invariant one from one load: the tree's
-    model is a twin whose reordered qkv and gate/up rows are its own, and which shares the
-    other weights; the model keeps its weights (same storage, same values) and its
+    model is a twin whose reordered qkv and gate/up rows are its own (only those the tree
+    reorders), and which shares the other weights; the model keeps its weights (same storage, same values) and its
     outputs, and the twin gives the same logits."""
     model, _, _ = load_model(tiny_model(**KV_BY_LEAF), dtype="float32")
     layer = model.layer_list[0]
@@ -280,6 +280,11 @@ def test_a_tree_twin_leaves_the_model_as_it_is() -> None:
     assert not torch.equal(twin.layer_list[0].qkv_proj, layer.qkv_proj)  # (reordered)
     assert torch.equal(logits(model), plain)
     torch.testing.assert_close(logits(twin, "tree"), plain, rtol=1e-5, atol=1e-5)
+    # K/V heads read by two leaves: the tree keeps qkv as it is, so the twin shares it
+    straddling, _, _ = load_model(tiny_model(), dtype="float32")
+    first = tree_twin(straddling).layer_list[0]
+    assert first.qkv_proj is straddling.layer_list[0].qkv_proj
+    assert first.gate_up_proj is not straddling.layer_list[0].gate_up_proj
 
 
 @pytest.mark.parametrize("kv_heads", [2, 4])

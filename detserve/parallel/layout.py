@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 from detserve.model.config import ModelConfig
 
@@ -124,7 +125,8 @@ class ColumnBlocks:
 
 
 def _spans(widths: list[int]) -> tuple[tuple[int, int], ...]:
-    ends = [sum(widths[:i + 1]) for i in range(len(widths))]
+    """Consecutive ranges of these ``widths`` from 0."""
+    ends = list(accumulate(widths))
     return tuple(zip([0, *ends[:-1]], ends, strict=True))
 
 

@@ -255,11 +255,13 @@ def _activation(ops: Ops, gate_up: Tensor, cols: _Columns) -> Tensor:
     """The activation of a product of gate/up as the tree keeps it (each leaf's gate then up
     rows), in the MLP's column order: one call over the leaves as rows where they are
     equal, else one a leaf."""
-    n, widths = gate_up.shape[0], {b - a for a, b in cols.ranges}
-    if len(widths) == 1 and gate_up.is_contiguous():
-        return ops.silu_mul(gate_up.view(n * len(cols.ranges), widths.pop())).view(n, -1)
+    n, k = gate_up.shape
+    w = _equal_widths(gate_up, cols.ranges, k)
+    if w:
+        return ops.silu_mul(gate_up.view(n * len(cols.ranges), w)).view(n, -1)
     return torch.cat([ops.silu_mul(gate_up[:, a:b].contiguous()) for a, b in cols.ranges],
                      dim=-1)
+
 
 class RankWeights:
     """The part of every weight one rank holds (``model.loader.WeightShard``): handed to
@@ -366,8 +368,12 @@ def tree_twin(model: LlamaModel) -> LlamaModel:
     weights, copies of its own: ``shard_model``'s tree may reorder those rows while
     ``model`` serves on unchanged (a verifier serving the ordinary lane and the invariant
     one from one load; reordered in place, ``model``'s captured CUDA graphs would read
-    freed weights). Costs a copy of those weights."""
-    own = {"qkv_proj", "qkv_bias", "gate_up_proj"}
+    freed weights). Costs a copy of the weights the tree reorders (gate/up always, qkv
+    where its K/V heads go by leaf)."""
+    qkv, gate_up = column_blocks(TPLayout(model.config, 1, 0))
+    own = set() if model.tree_rows else {
+        *(("qkv_proj", "qkv_bias") if qkv.order is not None else ()),
+        *(("gate_up_proj",) if gate_up.order is not None else ())}
     twin = LlamaModel(model.config, dtype=model.dtype, device="meta",
                       vocab_rows=model.embed_tokens.shape[0])
     for name, p in model.named_parameters():
