@@ -9,4 +9,5 @@ $PY -m ruff check .
 echo "== mypy"
 $PY -m mypy detserve
 echo "== pytest"
-$PY -m pytest -q -p no:cacheprovider --timeout=900 "$@"
+# pytest, then its exit status without CPython's final teardown (scripts/run_pytest.py)
+$PY -X faulthandler -m scripts.run_pytest -q -p no:cacheprovider --timeout=900 "$@"
