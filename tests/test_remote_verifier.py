@@ -654,6 +654,11 @@ def test_deployment_replica_registers_serves_and_deregisters(model: str, redis_u
     finally:
         replica.__del__()
     assert registry.live_verifiers() == [], "deregistered on shutdown"
+    deadline = time.monotonic() + 5.0  # the server's RPC threads end with it
+    while (left := [t.name for t in threading.enumerate()
+                    if t.name.startswith("verifier-grpc")]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, left
     with pytest.raises(RuntimeError):
         replica.check_health()
     registry.close()

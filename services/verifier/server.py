@@ -524,9 +524,9 @@ class VerifierServer:
         self.host = host
         self.gate = auth.gate()  # callers must hold the cluster secret
         # one thread per open stream, plus room for Health checks
-        self._server = grpc.server(ThreadPoolExecutor(max_workers=max_streams + 4,
-                                                      thread_name_prefix="verifier-grpc"),
-                                   maximum_concurrent_rpcs=max_streams + 4,
+        self._pool = ThreadPoolExecutor(max_workers=max_streams + 4,
+                                        thread_name_prefix="verifier-grpc")
+        self._server = grpc.server(self._pool, maximum_concurrent_rpcs=max_streams + 4,
                                    options=_SERVER_OPTIONS,
                                    interceptors=[self.gate.interceptor()])
         pb_grpc.add_VerifierServicer_to_server(servicer, self._server)
@@ -546,4 +546,5 @@ class VerifierServer:
     def stop(self, grace_s: float = 1.0) -> None:
         self.servicer.serving = False
         self._server.stop(grace_s).wait()
+        self._pool.shutdown(wait=False)  # (grpc leaves its threads idle, never ended)
         self.servicer.close()
