@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BODY = """
-import atexit, os, sys
+import atexit, os
 
 def test_it():
     atexit.register(lambda: open(os.environ["MARK"], "w").write("ran"))
